@@ -1,0 +1,188 @@
+"""The signed message envelope and its canonical binary encoding.
+
+Every protocol message between orgs travels as an :class:`Envelope`: who sends it to
+whom, in which federation, run, round and protocol stage, with a per-sender sequence
+number and send time (replay and staleness checks, see ``docs/SECURITY.md``), the
+opaque payload, and the sender's Ed25519 signature over every other field.
+
+Encoding (``to_wire``), all integers big-endian::
+
+    magic   b"FWE" | version u8 (=1)
+    federation, run, stage, kind, sender, recipient : u16 length + UTF-8
+    round u64 | seq u64 | sent_at IEEE-754 f64
+    payload : u64 length + bytes
+    signature : u16 length + bytes
+
+``signing_bytes`` is the domain tag ``b"fedweave/envelope/v1\\x00"`` followed by the same
+encoding without the signature, so a signature can never be replayed as a signature
+over another kind of object. ``from_wire`` is total: on any input it returns an
+envelope or raises :class:`MalformedMessage` / :class:`Oversized`, nothing else.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass, replace
+
+from coordinator_free.errors import RefusalReason, Refused
+
+__all__ = [
+    "MAX_STRING_BYTES",
+    "Envelope",
+    "MalformedMessage",
+    "Oversized",
+    "RefusalReason",
+]
+
+MAGIC = b"FWE"
+VERSION = 1
+SIGNING_DOMAIN = b"fedweave/envelope/v1\x00"
+MAX_STRING_BYTES = 0xFFFF
+_U64_MAX = (1 << 64) - 1
+_STRING_FIELDS = ("federation", "run", "stage", "kind", "sender", "recipient")
+
+
+class MalformedMessage(Refused):
+    """The bytes are not a well-formed envelope."""
+
+    def __init__(self, detail: str = "") -> None:
+        super().__init__(RefusalReason.MALFORMED, detail)
+
+
+class Oversized(Refused):
+    """The message is larger than the receiver accepts."""
+
+    def __init__(self, detail: str = "") -> None:
+        super().__init__(RefusalReason.OVERSIZED, detail)
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """A signed protocol message (see the module docstring for the encoding)."""
+
+    federation: str
+    run: str
+    round: int
+    stage: str
+    kind: str
+    sender: str
+    recipient: str
+    seq: int
+    sent_at: float
+    payload: bytes
+    signature: bytes = b""
+
+    def __post_init__(self) -> None:
+        for name in _STRING_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                raise TypeError(f"Envelope.{name} must be str, got {type(value).__name__}")
+            try:
+                encoded = value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(f"Envelope.{name} is not encodable as UTF-8") from exc
+            if len(encoded) > MAX_STRING_BYTES:
+                raise ValueError(f"Envelope.{name} is longer than {MAX_STRING_BYTES} bytes")
+        for name in ("round", "seq"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"Envelope.{name} must be int")
+            if not 0 <= value <= _U64_MAX:
+                raise ValueError(f"Envelope.{name} must be in [0, 2**64)")
+        if not isinstance(self.sent_at, float | int) or isinstance(self.sent_at, bool):
+            raise TypeError("Envelope.sent_at must be a float")
+        if not math.isfinite(self.sent_at):
+            raise ValueError("Envelope.sent_at must be finite")
+        if not isinstance(self.payload, bytes) or not isinstance(self.signature, bytes):
+            raise TypeError("Envelope.payload and Envelope.signature must be bytes")
+        if len(self.signature) > MAX_STRING_BYTES:
+            raise ValueError("Envelope.signature is too long")
+
+    def _body(self) -> bytes:
+        parts = [MAGIC, bytes([VERSION])]
+        for name in _STRING_FIELDS:
+            encoded = getattr(self, name).encode("utf-8")
+            parts.append(struct.pack(">H", len(encoded)))
+            parts.append(encoded)
+        parts.append(struct.pack(">QQd", self.round, self.seq, float(self.sent_at)))
+        parts.append(struct.pack(">Q", len(self.payload)))
+        parts.append(self.payload)
+        return b"".join(parts)
+
+    def signing_bytes(self) -> bytes:
+        """Canonical encoding of every field but the signature, domain-separated."""
+        return SIGNING_DOMAIN + self._body()
+
+    def to_wire(self) -> bytes:
+        """Canonical binary encoding, signature included."""
+        return self._body() + struct.pack(">H", len(self.signature)) + self.signature
+
+    def with_signature(self, signature: bytes) -> Envelope:
+        """A copy of this envelope carrying ``signature``."""
+        return replace(self, signature=signature)
+
+    @classmethod
+    def from_wire(cls, data: bytes, max_size: int) -> Envelope:
+        """Decode ``data``; raise :class:`Oversized` or :class:`MalformedMessage`.
+
+        The size check comes first, so an oversized message is never parsed.
+        """
+        if len(data) > max_size:
+            raise Oversized(f"{len(data)} bytes > limit {max_size}")
+        reader = _Reader(data)
+        if reader.take(3) != MAGIC:
+            raise MalformedMessage("bad magic")
+        version = reader.take(1)[0]
+        if version != VERSION:
+            raise MalformedMessage(f"unknown version {version}")
+        strings: dict[str, str] = {}
+        for name in _STRING_FIELDS:
+            raw = reader.take(reader.u16())
+            try:
+                strings[name] = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise MalformedMessage(f"{name} is not UTF-8") from None
+        round_, seq, sent_at = struct.unpack(">QQd", reader.take(24))
+        payload = reader.take(reader.u64())
+        signature = reader.take(reader.u16())
+        if reader.remaining:
+            raise MalformedMessage(f"{reader.remaining} trailing bytes")
+        try:
+            return cls(
+                round=round_,
+                seq=seq,
+                sent_at=sent_at,
+                payload=payload,
+                signature=signature,
+                **strings,
+            )
+        except (TypeError, ValueError) as exc:
+            raise MalformedMessage(str(exc)) from None
+
+
+class _Reader:
+    """Bounds-checked reader over a byte string."""
+
+    def __init__(self, data: bytes) -> None:
+        self._data = memoryview(data)
+        self._pos = 0
+
+    @property
+    def remaining(self) -> int:
+        return len(self._data) - self._pos
+
+    def take(self, n: int) -> bytes:
+        if n > self.remaining:
+            raise MalformedMessage("truncated")
+        chunk = bytes(self._data[self._pos : self._pos + n])
+        self._pos += n
+        return chunk
+
+    def u16(self) -> int:
+        value: int = struct.unpack(">H", self.take(2))[0]
+        return value
+
+    def u64(self) -> int:
+        value: int = struct.unpack(">Q", self.take(8))[0]
+        return value
