@@ -1,0 +1,352 @@
+"""Chunked ring all-reduce (reduce-scatter, then all-gather) over an :class:`Endpoint`.
+
+The classic bandwidth-optimal ring all-reduce (Patarasuk & Yuan, "Bandwidth optimal
+all-reduce algorithms for clusters of workstations", JPDC 2009; the algorithm of
+Horovod and NCCL rings): the vector is cut into ``n`` chunks; in ``n - 1``
+reduce-scatter steps each node passes one chunk to its successor, which adds it to its
+own, until node ``p`` holds the complete sum of chunk ``(p + 1) mod n``; in ``n - 1``
+all-gather steps the finished chunks travel once more around the ring. Each node sends
+``2 (n - 1) / n`` times the vector's bytes, whatever ``n`` is, instead of the ``n - 1``
+times of an all-to-all exchange or the star's ``n - 1`` times at its centre.
+
+Arithmetic is modulo ``2^b`` on ``np.uint32`` / ``np.uint64`` arrays (the ring of
+:mod:`secure_agg.ring`), so partial sums of masked vectors wrap exactly like the
+secure-aggregation masks expect. A missing, late or malformed chunk, an unreachable
+successor or an abort from any ring member ends the call with :class:`RingBroken`,
+naming the suspect when one is known; the caller (the round engine) decides who
+dropped and runs the ring again over the survivors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import struct
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+from coordinator_free.errors import RefusalReason, Refused, TransportError
+from coordinator_free.wire import Envelope
+
+__all__ = [
+    "KIND_ABORT",
+    "KIND_CHUNK",
+    "RingBroken",
+    "RingEndpoint",
+    "RingReducer",
+    "RingStats",
+    "chunk_bounds",
+    "ring_id",
+    "ring_order",
+]
+
+KIND_CHUNK = "agg.chunk"
+KIND_ABORT = "agg.abort"
+
+_PHASE_SCATTER = 1
+_PHASE_GATHER = 2
+# version, phase, bits, step, chunk index, element count, ring id (16 bytes)
+_HEADER = struct.Struct(">BBBIII16s")
+_VERSION = 1
+_ACK = b"ok"
+
+Handler = Callable[[Envelope], Awaitable[bytes | None]]
+
+
+class RingEndpoint(Protocol):
+    """What the ring needs of :class:`coordinator_free.endpoint.Endpoint`."""
+
+    @property
+    def org_id(self) -> str: ...
+
+    def on(self, kind: str, handler: Handler) -> None: ...
+
+    async def send(
+        self,
+        peer: str,
+        kind: str,
+        payload: bytes,
+        *,
+        run: str = "",
+        round: int = 0,
+        stage: str = "",
+        timeout: float = 5.0,
+    ) -> bytes: ...
+
+
+class RingBroken(Exception):
+    """The ring could not finish; ``suspect`` is the member blamed, when one is known."""
+
+    def __init__(self, reason: str, suspect: str | None = None) -> None:
+        super().__init__(reason if suspect is None else f"{reason} (suspect: {suspect})")
+        self.reason = reason
+        self.suspect = suspect
+
+
+def ring_order(members: Sequence[str] | set[str] | frozenset[str], round: int) -> list[str]:
+    """Members sorted by ``SHA-256(round || org_id)``: the ring of one round.
+
+    Deterministic from the member set and the round number alone, so every node that
+    agrees on the set builds the same ring; a fresh order each round spreads the
+    positions (and who holds which partial sum) over the members.
+    """
+    prefix = struct.pack(">Q", round)
+
+    def key(org: str) -> bytes:
+        return hashlib.sha256(prefix + org.encode("utf-8")).digest()
+
+    return sorted(set(members), key=lambda o: (key(o), o))
+
+
+def ring_id(order: Sequence[str], attempt: int) -> bytes:
+    """16 bytes naming one ring (its ordered members and the attempt number).
+
+    Carried by every chunk, so chunks of a different attempt or of a ring built from a
+    different view never mix with this one's.
+    """
+    h = hashlib.sha256(b"fedweave/ring\x00" + struct.pack(">I", attempt))
+    for org in order:
+        h.update(struct.pack(">I", len(org)) + org.encode("utf-8"))
+    return h.digest()[:16]
+
+
+def chunk_bounds(length: int, n: int) -> list[tuple[int, int]]:
+    """``n`` contiguous ``[start, stop)`` slices covering ``length`` elements, sizes within 1."""
+    if n < 1:
+        raise ValueError(f"chunk_bounds needs n >= 1, got {n}")
+    cuts = [i * length // n for i in range(n + 1)]
+    return [(cuts[i], cuts[i + 1]) for i in range(n)]
+
+
+@dataclass
+class RingStats:
+    """What one all-reduce sent: payload bytes and messages, per phase."""
+
+    bytes_sent: int = 0
+    messages_sent: int = 0
+    scatter_bytes: int = 0
+    gather_bytes: int = 0
+
+
+_Key = tuple[str, int, bytes, int, int, str]  # run, round, ring id, phase, step, sender
+
+
+@dataclass
+class _RoundBox:
+    chunks: dict[_Key, asyncio.Future[bytes]] = field(default_factory=dict)
+    aborts: dict[bytes, asyncio.Event] = field(default_factory=dict)
+    buffered: int = 0
+
+
+class RingReducer:
+    """Ring all-reduce for one node: registers ``agg.chunk`` / ``agg.abort`` on its endpoint.
+
+    A round is opened with :meth:`open` before any member can send its chunks (the
+    round engine does it before its ``ready``), so early chunks are buffered, up to
+    ``max_buffered_bytes`` per round; chunks of rounds not open are refused.
+    """
+
+    def __init__(self, endpoint: RingEndpoint, *, max_buffered_bytes: int = 1 << 30) -> None:
+        self.endpoint = endpoint
+        self.max_buffered_bytes = max_buffered_bytes
+        self._boxes: dict[tuple[str, int], _RoundBox] = {}
+        endpoint.on(KIND_CHUNK, self._on_chunk)
+        endpoint.on(KIND_ABORT, self._on_abort)
+
+    # -- round bookkeeping -------------------------------------------------------
+
+    def open(self, run: str, round: int) -> None:
+        """Accept chunks for ``(run, round)`` from now on."""
+        self._boxes.setdefault((run, round), _RoundBox())
+
+    def close(self, run: str, round: int) -> None:
+        """Drop everything buffered for ``(run, round)``; later chunks are refused."""
+        box = self._boxes.pop((run, round), None)
+        if box is not None:
+            for fut in box.chunks.values():
+                if not fut.done():
+                    fut.cancel()
+
+    def is_open(self, run: str, round: int) -> bool:
+        return (run, round) in self._boxes
+
+    # -- handlers ------------------------------------------------------------------
+
+    async def _on_chunk(self, env: Envelope) -> bytes:
+        box = self._boxes.get((env.run, env.round))
+        if box is None:
+            raise Refused(RefusalReason.STALE, f"no open round {env.run!r}/{env.round}")
+        if len(env.payload) < _HEADER.size:
+            raise Refused(RefusalReason.MALFORMED, "chunk shorter than its header")
+        version, phase, _bits, step, _index, _count, rid = _HEADER.unpack_from(env.payload)
+        if version != _VERSION or phase not in (_PHASE_SCATTER, _PHASE_GATHER):
+            raise Refused(RefusalReason.MALFORMED, "unknown chunk version or phase")
+        key: _Key = (env.run, env.round, rid, phase, step, env.sender)
+        fut = box.chunks.get(key)
+        if fut is not None and fut.done():
+            # a second chunk for the same slot never overwrites the first
+            raise Refused(RefusalReason.REPLAY, "duplicate chunk")
+        if fut is None:
+            if box.buffered + len(env.payload) > self.max_buffered_bytes:
+                raise Refused(RefusalReason.OVERSIZED, "too many chunks buffered")
+            fut = asyncio.get_running_loop().create_future()
+            box.chunks[key] = fut
+        box.buffered += len(env.payload)
+        fut.set_result(env.payload)
+        return _ACK
+
+    async def _on_abort(self, env: Envelope) -> bytes:
+        box = self._boxes.get((env.run, env.round))
+        if box is None:
+            raise Refused(RefusalReason.STALE, f"no open round {env.run!r}/{env.round}")
+        if len(env.payload) != 16:
+            raise Refused(RefusalReason.MALFORMED, "abort must carry a 16-byte ring id")
+        box.aborts.setdefault(env.payload, asyncio.Event()).set()
+        return _ACK
+
+    # -- the algorithm ---------------------------------------------------------------
+
+    async def allreduce(
+        self,
+        order: Sequence[str],
+        vector: np.ndarray,
+        *,
+        run: str,
+        round: int,
+        attempt: int = 0,
+        stage: str = "reduce",
+        timeout: float = 10.0,
+        stats: RingStats | None = None,
+        on_step: Callable[[str, int], Awaitable[None]] | None = None,
+    ) -> np.ndarray:
+        """The ring sum of every member's ``vector``, mod ``2^b``; a fresh array.
+
+        ``order`` is the ring (every member passes the same list, e.g. from
+        :func:`ring_order`); ``timeout`` bounds each step's wait for the predecessor's
+        chunk and each send. ``on_step(phase, step)`` is awaited before each step
+        (``phase`` is ``"scatter"`` or ``"gather"``): the simulator's fault-injection seam. Raises :class:`RingBroken` on a failure of this node's
+        neighbours or an abort from any member, after telling every member to abort.
+        """
+        me = self.endpoint.org_id
+        if me not in order:
+            raise ValueError(f"{me} is not in the ring {list(order)}")
+        if len(set(order)) != len(order):
+            raise ValueError("ring members must be distinct")
+        if vector.ndim != 1 or vector.dtype not in (np.dtype(np.uint32), np.dtype(np.uint64)):
+            raise ValueError("the ring reduces 1-D uint32 or uint64 arrays")
+        stats = stats if stats is not None else RingStats()
+        acc = np.array(vector, copy=True)
+        n = len(order)
+        if n == 1:
+            return acc
+        self.open(run, round)
+        box = self._boxes[(run, round)]
+        rid = ring_id(order, attempt)
+        abort = box.aborts.setdefault(rid, asyncio.Event())
+        pos = order.index(me)
+        succ, pred = order[(pos + 1) % n], order[(pos - 1) % n]
+        bounds = chunk_bounds(acc.shape[0], n)
+        bits = acc.dtype.itemsize * 8
+        wire_dtype = acc.dtype.newbyteorder("<")
+
+        async def send(phase: int, step: int, index: int) -> None:
+            lo, hi = bounds[index]
+            header = _HEADER.pack(_VERSION, phase, bits, step, index, hi - lo, rid)
+            payload = header + acc[lo:hi].astype(wire_dtype, copy=False).tobytes()
+            try:
+                reply = await self.endpoint.send(
+                    succ, KIND_CHUNK, payload, run=run, round=round, stage=stage, timeout=timeout
+                )
+            except TransportError as exc:
+                raise RingBroken(f"sending to {succ} failed: {exc}", succ) from exc
+            stats.bytes_sent += len(payload)
+            stats.messages_sent += 1
+            if phase == _PHASE_SCATTER:
+                stats.scatter_bytes += len(payload)
+            else:
+                stats.gather_bytes += len(payload)
+            if reply != _ACK:
+                raise RingBroken(f"{succ} refused a chunk", succ)
+
+        async def receive(phase: int, step: int, index: int) -> np.ndarray:
+            key: _Key = (run, round, rid, phase, step, pred)
+            fut = box.chunks.get(key)
+            if fut is None:
+                fut = asyncio.get_running_loop().create_future()
+                box.chunks[key] = fut
+            waiter: asyncio.Future[Any] = asyncio.ensure_future(abort.wait())
+            waited: set[asyncio.Future[Any]] = {fut, waiter}
+            try:
+                done, _ = await asyncio.wait(
+                    waited, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+                )
+            finally:
+                waiter.cancel()
+            if fut not in done:
+                if abort.is_set():
+                    raise RingBroken("a ring member aborted")
+                raise RingBroken(f"no chunk from {pred} within {timeout:g}s", pred)
+            payload = fut.result()
+            box.chunks.pop(key, None)
+            box.buffered -= len(payload)
+            lo, hi = bounds[index]
+            _version, _phase, got_bits, _step, got_index, count, _rid = _HEADER.unpack_from(payload)
+            body = payload[_HEADER.size :]
+            if (
+                got_bits != bits
+                or got_index != index
+                or count != hi - lo
+                or len(body) != count * acc.dtype.itemsize
+            ):
+                raise RingBroken(f"malformed chunk {index} from {pred}", pred)
+            return np.frombuffer(body, dtype=wire_dtype).astype(acc.dtype, copy=False)
+
+        async def step_once(phase: int, step: int, send_index: int, recv_index: int) -> None:
+            if on_step is not None:
+                await on_step("scatter" if phase == _PHASE_SCATTER else "gather", step)
+            sender = asyncio.ensure_future(send(phase, step, send_index))
+            receiver = asyncio.ensure_future(receive(phase, step, recv_index))
+            try:
+                done, _ = await asyncio.wait(
+                    {sender, receiver}, return_when=asyncio.FIRST_EXCEPTION
+                )
+                for task in (sender, receiver):
+                    if task in done and task.exception() is not None:
+                        await task  # re-raises
+                await sender
+                chunk = await receiver
+            finally:
+                sender.cancel()
+                receiver.cancel()
+            lo, hi = bounds[recv_index]
+            if phase == _PHASE_SCATTER:
+                np.add(acc[lo:hi], chunk, out=acc[lo:hi])
+            else:
+                acc[lo:hi] = chunk
+
+        try:
+            for s in range(n - 1):
+                await step_once(_PHASE_SCATTER, s, (pos - s) % n, (pos - s - 1) % n)
+            for s in range(n - 1):
+                await step_once(_PHASE_GATHER, s, (pos + 1 - s) % n, (pos - s) % n)
+        except RingBroken:
+            await self._broadcast_abort(order, rid, run=run, round=round, timeout=timeout)
+            raise
+        return acc
+
+    async def _broadcast_abort(
+        self, order: Sequence[str], rid: bytes, *, run: str, round: int, timeout: float
+    ) -> None:
+        """Tell every other member to stop waiting on this ring (best effort)."""
+        me = self.endpoint.org_id
+
+        async def one(peer: str) -> None:
+            with contextlib.suppress(TransportError):
+                await self.endpoint.send(
+                    peer, KIND_ABORT, rid, run=run, round=round, stage="reduce", timeout=timeout
+                )
+
+        await asyncio.gather(*(one(p) for p in order if p != me))

@@ -1,0 +1,187 @@
+"""Ring all-reduce over signed endpoints on the in-memory network."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import numpy as np
+import pytest
+from coordinator_free.endpoint import Endpoint
+from coordinator_free.identity import OrgIdentity
+from coordinator_free.memory import InMemoryNetwork
+from coordinator_free.ring import (
+    RingBroken,
+    RingReducer,
+    RingStats,
+    chunk_bounds,
+    ring_id,
+    ring_order,
+)
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+FED = "fed-test"
+_IDS: dict[str, OrgIdentity] = {}
+
+
+def identity(org: str) -> OrgIdentity:
+    if org not in _IDS:
+        _IDS[org] = OrgIdentity.generate(org, private_bytes=bytes([len(_IDS) + 1]) * 32)
+    return _IDS[org]
+
+
+async def make_ring(
+    orgs: list[str], network: InMemoryNetwork
+) -> tuple[dict[str, Endpoint], dict[str, RingReducer]]:
+    keys = {o: identity(o).public_key for o in orgs}
+    endpoints = {o: Endpoint(identity(o), FED, network.transport(o), lambda: keys) for o in orgs}
+    reducers = {o: RingReducer(e) for o, e in endpoints.items()}
+    for e in endpoints.values():
+        await e.start()
+    return endpoints, reducers
+
+
+def test_chunk_bounds_cover_and_balance() -> None:
+    for length in (0, 1, 7, 100):
+        for n in (1, 2, 3, 8):
+            b = chunk_bounds(length, n)
+            assert b[0][0] == 0 and b[-1][1] == length
+            assert all(b[i][1] == b[i + 1][0] for i in range(n - 1))
+            sizes = [hi - lo for lo, hi in b]
+            assert max(sizes) - min(sizes) <= 1
+    with pytest.raises(ValueError):
+        chunk_bounds(5, 0)
+
+
+def test_ring_order_is_deterministic_and_round_dependent() -> None:
+    orgs = [f"org-{i}" for i in range(10)]
+    a = ring_order(orgs, 3)
+    assert a == ring_order(list(reversed(orgs)), 3)
+    assert sorted(a) == sorted(orgs)
+    assert any(ring_order(orgs, r) != a for r in range(4, 10))
+    assert ring_id(a, 0) != ring_id(a, 1)
+    assert ring_id(a, 0) != ring_id(list(reversed(a)), 0)
+
+
+async def _allreduce(
+    n: int, length: int, dtype: type[np.unsignedinteger], seed: int
+) -> tuple[list[np.ndarray], np.ndarray, dict[str, RingStats], InMemoryNetwork]:
+    network = InMemoryNetwork()
+    orgs = [f"o{i}" for i in range(n)]
+    endpoints, reducers = await make_ring(orgs, network)
+    rng = np.random.default_rng(seed)
+    info = np.iinfo(dtype)
+    inputs = {o: rng.integers(0, info.max, size=length, dtype=dtype, endpoint=True) for o in orgs}
+    order = ring_order(orgs, 1)
+    stats = {o: RingStats() for o in orgs}
+    outs = await asyncio.gather(
+        *(
+            reducers[o].allreduce(order, inputs[o], run="r", round=1, stats=stats[o], timeout=5)
+            for o in orgs
+        )
+    )
+    expected = np.zeros(length, dtype=dtype)
+    for v in inputs.values():
+        np.add(expected, v, out=expected)
+    for e in endpoints.values():
+        await e.close()
+    return list(outs), expected, stats, network
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    n=st.integers(1, 6),
+    length=st.integers(0, 40),
+    wide=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_allreduce_equals_modular_sum(n: int, length: int, wide: bool, seed: int) -> None:
+    dtype = np.uint64 if wide else np.uint32
+    outs, expected, _, _ = asyncio.run(_allreduce(n, length, dtype, seed))
+    for out in outs:
+        assert out.dtype == np.dtype(dtype)
+        np.testing.assert_array_equal(out, expected)
+
+
+def test_each_node_sends_about_two_payloads() -> None:
+    n, length = 8, 80_000
+    _, _, stats, network = asyncio.run(_allreduce(n, length, np.uint32, 0))
+    payload = length * 4
+    for org, s in stats.items():
+        assert s.messages_sent == 2 * (n - 1)
+        # the ring's share: 2 (n-1)/n of the payload plus headers
+        assert 2 * (n - 1) / n * payload <= s.bytes_sent <= 2 * (n - 1) / n * payload + 1024
+        # what the transport counted: the same plus envelopes, replies and signatures
+        assert network.bytes_sent[org] < 2.2 * payload
+
+
+def test_dead_successor_breaks_the_ring_for_everyone() -> None:
+    async def scenario() -> list[object]:
+        network = InMemoryNetwork()
+        orgs = [f"o{i}" for i in range(4)]
+        endpoints, reducers = await make_ring(orgs, network)
+        order = ring_order(orgs, 2)
+        victim = order[2]
+
+        class Killed(Exception):
+            pass
+
+        def hook(org: str) -> Callable[[str, int], Awaitable[None]]:
+            async def on_step(phase: str, step: int) -> None:
+                if org == victim and phase == "scatter" and step == 1:
+                    network.kill(victim)
+                    raise Killed
+
+            return on_step
+
+        vec = np.arange(100, dtype=np.uint32)
+        results = await asyncio.gather(
+            *(
+                reducers[o].allreduce(order, vec, run="r", round=2, timeout=1.0, on_step=hook(o))
+                for o in orgs
+            ),
+            return_exceptions=True,
+        )
+        results = [r for o, r in zip(orgs, results, strict=True) if o != victim]
+        for e in endpoints.values():
+            await e.close()
+        return list(results)
+
+    results = asyncio.run(scenario())
+    assert all(isinstance(r, RingBroken) for r in results), results
+    assert any(isinstance(r, RingBroken) and r.suspect is not None for r in results)
+
+
+def test_chunks_for_a_round_not_open_are_refused() -> None:
+    async def scenario() -> None:
+        network = InMemoryNetwork()
+        orgs = ["a", "b"]
+        endpoints, reducers = await make_ring(orgs, network)
+        reducers["b"].close("r", 9)
+        with pytest.raises(RingBroken):
+            # b never opens round 9 while a sends: refused, a gives up at once
+            await reducers["a"].allreduce(
+                ["a", "b"], np.zeros(4, np.uint32), run="r", round=9, timeout=0.5
+            )
+        for e in endpoints.values():
+            await e.close()
+
+    asyncio.run(scenario())
+
+
+def test_rejects_bad_arguments() -> None:
+    async def scenario() -> None:
+        network = InMemoryNetwork()
+        endpoints, reducers = await make_ring(["a", "b"], network)
+        r = reducers["a"]
+        with pytest.raises(ValueError, match="not in the ring"):
+            await r.allreduce(["b", "c"], np.zeros(2, np.uint32), run="r", round=1)
+        with pytest.raises(ValueError, match="uint32 or uint64"):
+            await r.allreduce(["a", "b"], np.zeros(2, np.float32), run="r", round=1)
+        with pytest.raises(ValueError, match="distinct"):
+            await r.allreduce(["a", "a"], np.zeros(2, np.uint32), run="r", round=1)
+        for e in endpoints.values():
+            await e.close()
+
+    asyncio.run(scenario())
