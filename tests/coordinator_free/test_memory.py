@@ -47,7 +47,7 @@ def test_request_reply_and_accounting() -> None:
     "kwargs",
     [{"latency_s": -1.0}, {"bandwidth_bps": 0.0}, {"loss": 1.0}, {"loss": -0.1}],
 )
-def test_invalid_configuration_is_rejected(kwargs: dict[str, float]) -> None:
+def test_invalid_configuration_is_rejected(kwargs: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
         InMemoryNetwork(**kwargs)
 
