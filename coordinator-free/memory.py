@@ -93,8 +93,9 @@ class InMemoryNetwork:
         """Undo :meth:`kill`."""
         self._dead.discard(org_id)
 
-    def _reachable(self, a: str, b: str) -> bool:
-        if a in self._dead or b in self._dead or b not in self._handlers:
+    def _linked(self, a: str, b: str) -> bool:
+        """Whether the link between ``a`` and ``b`` is up (neither dead, same group)."""
+        if a in self._dead or b in self._dead:
             return False
         if self._groups is None:
             return True
@@ -116,13 +117,13 @@ class InMemoryNetwork:
         return self.loss > 0 and self._rng.random() < self.loss
 
     async def _deliver(self, sender: str, peer: str, data: bytes) -> bytes:
-        if not self._reachable(sender, peer):
+        if peer not in self._handlers or not self._linked(sender, peer):
             raise PeerUnreachable(f"{peer!r} is unreachable from {sender!r}")
         if self._lost():
             raise PeerUnreachable(f"message from {sender!r} to {peer!r} was lost")
         await self._transmit(sender, len(data))
         handler = self._handlers.get(peer)
-        if handler is None or not self._reachable(sender, peer):
+        if handler is None or not self._linked(sender, peer):
             raise PeerUnreachable(f"{peer!r} went away")
         try:
             reply = await handler(data)
@@ -131,7 +132,7 @@ class InMemoryNetwork:
         except Exception as exc:
             logger.exception("handler of %s failed", peer)
             raise RemoteError(f"{peer!r} failed to handle the message") from exc
-        if not self._reachable(peer, sender) or self._lost():
+        if not self._linked(peer, sender) or self._lost():
             raise PeerUnreachable(f"the reply from {peer!r} to {sender!r} was lost")
         await self._transmit(peer, len(reply))
         return reply
