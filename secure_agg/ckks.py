@@ -444,6 +444,10 @@ class CkksKeyHolder:
     def decrypt_sum(self, bundle_bytes: bytes) -> np.ndarray:
         """Decrypt the round's aggregate, once; return float64 values.
 
+        Each chunk gets a fresh encryption of zero added before it is decrypted, so the
+        released values are not the exact decryption of a ciphertext the sender knows
+        (the passive key-recovery attack on CKKS, Li and Micciancio, EUROCRYPT 2021).
+
         Raises:
             KeyHolderRefusal: fewer than ``threshold`` contributors, a contributor outside
                 the round, or a second call (two sums over different sets would reveal
@@ -464,9 +468,15 @@ class CkksKeyHolder:
             raise KeyHolderRefusal("the key holder opens one aggregate per round")
         self._opened = True
         out = np.empty(len(bundle.chunks) * self.params.slots, dtype=np.float64)
+        zeros = np.zeros(self.params.slots)
         pos = 0
         for chunk in bundle.chunks:
             vec = ts.ckks_vector_from(self._secret, chunk)
+            # Re-randomize before decrypting (Li and Micciancio, EUROCRYPT 2021): the
+            # released result then carries fresh noise that whoever built the aggregate
+            # ciphertext does not know, so (ciphertext, result) is no linear equation in
+            # the secret key. See docs/SECURITY.md, "CKKS backend (TenSEAL)".
+            vec.add_(ts.ckks_vector(self._secret, zeros[: vec.size()]))
             values = np.asarray(vec.decrypt(), dtype=np.float64)
             out[pos : pos + values.shape[0]] = values
             pos += values.shape[0]

@@ -150,6 +150,23 @@ def test_key_holder_opens_one_aggregate_per_round() -> None:
         holder.decrypt_sum(ckks_sum(holder.public, bundles[:2]))
 
 
+def test_released_sum_is_not_the_plain_decryption_of_the_aggregate() -> None:
+    """The result carries fresh noise, so (aggregate, result) does not pin the key."""
+    import tenseal as ts
+
+    holder, ids = _holder(2)
+    xs = _vectors(2, 64, seed=5)
+    total = ckks_sum(
+        holder.public,
+        [ckks_encrypt(holder.public, x, contributor=i) for x, i in zip(xs, ids, strict=True)],
+    )
+    chunk = CkksBundle.from_bytes(total).chunks[0]
+    plain = np.asarray(ts.ckks_vector_from(holder._secret, chunk).decrypt())
+    released = holder.decrypt_sum(total)
+    np.testing.assert_allclose(released, plain, atol=TOL)
+    assert not np.array_equal(released, plain)
+
+
 def test_key_holder_rejects_bundles_under_another_key() -> None:
     holder, ids = _holder(2)
     other, _ = _holder(2)
