@@ -1,0 +1,187 @@
+"""Fixed-point codec between float vectors and the ring ``Z_2^b`` (b = 32 or 64).
+
+Encoding (Bonawitz et al., CCS'17, Section 4 quantize to ``Z_R``; Agarwal et al.,
+NeurIPS'21, Section 4 scale-and-round for distributed discrete noise):
+
+1. clip every coordinate to ``[-clip, clip]``;
+2. multiply by ``scale = 2**frac_bits`` (exact: a power of two);
+3. round stochastically: ``v`` becomes ``floor(v) + 1`` with probability
+   ``v - floor(v)``, else ``floor(v)``, so ``E[q] = v`` (unbiased), with ``u`` drawn
+   from the caller's ``np.random.Generator`` (reproducible for a fixed seed);
+4. store the signed integer in two's complement, i.e. mod ``2^b``.
+
+Headroom. One encoded coordinate has ``|q| <= ceil(clip * scale)``; a summand may
+also carry up to ``noise_bound * scale`` of DP noise. The constructor refuses any
+configuration where ``max_summands * (ceil(clip*scale) + ceil(noise_bound*scale))``
+exceeds ``2^(b-1) - 1``, so a ring sum of up to ``max_summands`` encoded (and noised)
+vectors never wraps and :meth:`FixedPointCodec.decode` reads it back exactly.
+
+Error bound of the dequantized sum (:meth:`FixedPointCodec.sum_error_bound`). For
+``n`` summands and one coordinate, with ``c_i`` the clipped inputs::
+
+    |decode(sum_i encode(x_i)) - sum_i c_i|  <=  n / scale  +  n * (clip + 1/scale) * 2^-52
+
+The first term is stochastic rounding (each ``|q_i - c_i*scale| < 1``); the second
+covers the float64 rounding of the decoded sum (at most ``2^-53`` relative) and leaves
+the same again for the caller's own correctly rounded float64 reference sum.
+
+Unbiasedness holds exactly whenever ``v - floor(v)`` is a multiple of ``2^-53`` (the
+resolution of ``Generator.random``), i.e. for every ``|v| >= 1``; below that the bias
+is under ``2^-53 / scale``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import ConfigError, RingError
+from .ring import check_ring, ring_dtype
+
+__all__ = ["FixedPointCodec"]
+
+# Elements per chunk of the encoder: the float64 scratch buffers stay in cache.
+_CHUNK = 1 << 15
+_SIGNED: dict[int, np.dtype[Any]] = {32: np.dtype(np.int32), 64: np.dtype(np.int64)}
+
+
+def _per_summand(clip: float, noise_bound: float, frac_bits: int) -> int:
+    """Largest ring magnitude of one summand: rounded clipped value plus noise."""
+    scale = 2.0**frac_bits
+    return math.ceil(clip * scale) + math.ceil(noise_bound * scale)
+
+
+def _positive_finite(name: str, value: Any, allow_zero: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{name} must be finite and {bound}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class FixedPointCodec:
+    """Clip, scale and stochastically round floats into ``Z_2^bits`` with sum headroom.
+
+    After construction ``frac_bits`` holds the resolved value (the largest that fits
+    when ``None`` was given).
+    """
+
+    bits: int = 32
+    """Ring width, 32 or 64."""
+    clip: float = 1.0
+    """Every coordinate is clipped to ``[-clip, clip]`` before scaling."""
+    max_summands: int = 1
+    """A ring sum of up to this many encoded vectors never wraps."""
+    frac_bits: int | None = None
+    """``scale = 2**frac_bits``; ``None`` picks the largest value that leaves the headroom."""
+    noise_bound: float = 0.0
+    """Extra headroom per summand, in float units, for DP noise added in the ring."""
+
+    def __post_init__(self) -> None:
+        ring_dtype(self.bits)  # ConfigError names `bits`
+        _positive_finite("clip", self.clip)
+        _positive_finite("noise_bound", self.noise_bound, allow_zero=True)
+        n = self.max_summands
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ConfigError(f"max_summands must be an int >= 1, got {n!r}")
+        limit = (1 << (self.bits - 1)) - 1
+        fits = [
+            f
+            for f in range(self.bits - 1)
+            if n * _per_summand(self.clip, self.noise_bound, f) <= limit
+        ]
+        largest = max(fits) if fits else None
+        if self.frac_bits is None:
+            if largest is None:
+                raise ConfigError(
+                    f"no frac_bits fits: max_summands * (clip + noise_bound) = "
+                    f"{n} * ({self.clip} + {self.noise_bound}) exceeds the {self.bits}-bit "
+                    "ring's headroom; lower clip, noise_bound or max_summands, or use bits=64"
+                )
+            object.__setattr__(self, "frac_bits", largest)
+            return
+        f = self.frac_bits
+        if isinstance(f, bool) or not isinstance(f, int) or not 0 <= f < self.bits - 1:
+            raise ConfigError(f"frac_bits must be an int in [0, {self.bits - 2}], got {f!r}")
+        if largest is None or f > largest:
+            hint = f"lower frac_bits to at most {largest}" if largest is not None else ""
+            raise ConfigError(
+                f"a sum of max_summands={n} vectors could wrap the {self.bits}-bit ring at "
+                f"frac_bits={f} (clip={self.clip}, noise_bound={self.noise_bound}): "
+                + (hint + ", or " if hint else "")
+                + "lower clip or max_summands, or use bits=64"
+            )
+
+    @property
+    def scale(self) -> float:
+        """``2**frac_bits``: float units to ring units."""
+        assert self.frac_bits is not None  # resolved in __post_init__
+        return 2.0**self.frac_bits
+
+    def encode(self, x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """Clip, scale and stochastically round a float32/float64 vector into the ring.
+
+        Consumes exactly ``x.size`` float64 draws of ``rng.random``, in order, so the
+        result depends only on the generator's state, never on the chunking.
+
+        Raises:
+            RingError: ``x`` is not a one-dimensional float32/float64 array, or holds
+                NaN or Inf (nothing is encoded).
+        """
+        if not isinstance(x, np.ndarray) or x.dtype not in (np.float32, np.float64):
+            raise RingError("encode expects a float32 or float64 numpy array")
+        if x.ndim != 1:
+            raise RingError(f"encode expects a one-dimensional array, got shape {x.shape}")
+        if not isinstance(rng, np.random.Generator):
+            raise ConfigError("rng must be a numpy.random.Generator")
+        size = x.shape[0]
+        # Validate the whole input first, so that an error leaves rng untouched.
+        for start in range(0, size, _CHUNK):
+            if not np.isfinite(x[start : start + _CHUNK]).all():
+                raise RingError("cannot encode NaN or Inf values")
+        out = np.empty(size, dtype=ring_dtype(self.bits))
+        signed = out.view(_SIGNED[self.bits])
+        scale = self.scale
+        bound = self.clip * scale
+        m = min(size, _CHUNK)
+        v, floor, u = (np.empty(m, dtype=np.float64) for _ in range(3))
+        up = np.empty(m, dtype=np.bool_)
+        for start in range(0, size, _CHUNK):
+            k = min(_CHUNK, size - start)
+            vk, fk, uk, upk = v[:k], floor[:k], u[:k], up[:k]
+            np.multiply(x[start : start + k], scale, out=vk)
+            np.clip(vk, -bound, bound, out=vk)
+            np.floor(vk, out=fk)
+            np.subtract(vk, fk, out=vk)  # fractional part, exact
+            rng.random(out=uk)
+            np.less(uk, vk, out=upk)
+            np.add(fk, upk, out=fk)
+            np.copyto(signed[start : start + k], fk, casting="unsafe")
+        return out
+
+    def decode(self, y: np.ndarray) -> np.ndarray:
+        """Read a ring vector (one encoding, or a sum of up to ``max_summands``) as float64.
+
+        Raises:
+            RingError: ``y`` is not a one-dimensional array of this codec's ring dtype.
+        """
+        check_ring(y, self.bits)
+        decoded: np.ndarray = y.view(_SIGNED[self.bits]).astype(np.float64) / self.scale
+        return decoded
+
+    def sum_error_bound(self, n_summands: int) -> float:
+        """Largest ``|decoded sum - exact sum of clipped inputs|`` per coordinate.
+
+        See the module docstring: ``n/scale + n*(clip + 1/scale)*2^-52``.
+
+        Raises:
+            ConfigError: ``n_summands`` is not in ``[1, max_summands]``.
+        """
+        n = n_summands
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.max_summands:
+            raise ConfigError(f"n_summands must be in [1, {self.max_summands}], got {n!r}")
+        return n / self.scale + n * (self.clip + 1.0 / self.scale) * 2.0**-52

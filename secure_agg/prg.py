@@ -1,0 +1,100 @@
+"""Mask expansion: a 32-byte seed becomes a vector of ring elements.
+
+The pseudorandom generator is AES-256 in counter mode (NIST SP 800-38A, Section 6.5)
+from `cryptography`, keyed with the seed, with an all-zero initial counter block.
+This is the ``PRG`` of Bonawitz et al. (CCS'17, Section 4): every seed is used for
+exactly one expansion (pairwise seeds come from HKDF bound to the round and the pair,
+self-mask seeds are fresh per round), so a fixed counter start is safe.
+
+The keystream is read as little-endian 32- or 64-bit words, so ``expand(seed, n, 32)``
+is a prefix of the same byte stream as ``expand(seed, n // 2, 64)``. It is written with
+``update_into`` straight into the destination (or into one reused scratch buffer),
+in chunks of :data:`CHUNK_BYTES`: no full-size temporary and no per-element Python.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+from cryptography.hazmat.primitives.ciphers import Cipher, CipherContext, algorithms, modes
+
+from .errors import ConfigError, RingError
+from .ring import check_ring, ring_dtype
+
+__all__ = ["CHUNK_BYTES", "SEED_BYTES", "add_mask", "expand"]
+
+#: Length of a PRG seed (an AES-256 key).
+SEED_BYTES = 32
+#: Bytes of keystream produced per ``update_into`` call; a multiple of every word size.
+CHUNK_BYTES = 1 << 20
+
+_ZERO_COUNTER = bytes(16)
+_ZEROS = np.zeros(CHUNK_BYTES, dtype=np.uint8)
+_ZEROS.flags.writeable = False
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+def _keystream(seed: bytes) -> CipherContext:
+    if not isinstance(seed, bytes | bytearray) or len(seed) != SEED_BYTES:
+        raise ConfigError(f"seed must be {SEED_BYTES} bytes")
+    return Cipher(algorithms.AES(bytes(seed)), modes.CTR(_ZERO_COUNTER)).encryptor()
+
+
+def _fill(encryptor: CipherContext, dest: np.ndarray) -> None:
+    """Write ``dest.nbytes`` keystream bytes into the contiguous array ``dest``."""
+    raw = dest.view(np.uint8)
+    for start in range(0, raw.shape[0], CHUNK_BYTES):
+        part = raw[start : start + CHUNK_BYTES]
+        encryptor.update_into(_ZEROS[: part.shape[0]].data, part.data)
+    if not _LITTLE_ENDIAN:
+        dest.byteswap(inplace=True)
+
+
+def expand(seed: bytes, length: int, bits: int) -> np.ndarray:
+    """Expand a 32-byte ``seed`` into ``length`` uniformly random elements of ``Z_2^bits``.
+
+    Raises:
+        ConfigError: the seed is not 32 bytes, ``length`` is negative or ``bits`` is
+            not 32 or 64.
+    """
+    dtype = ring_dtype(bits)
+    if isinstance(length, bool) or not isinstance(length, int) or length < 0:
+        raise ConfigError(f"length must be a non-negative int, got {length!r}")
+    encryptor = _keystream(seed)
+    out = np.empty(length, dtype=dtype)
+    _fill(encryptor, out)
+    return out
+
+
+def add_mask(target: np.ndarray, seed: bytes, sign: int = 1) -> None:
+    """Add ``sign * expand(seed, len(target), bits)`` to ``target`` in place, mod ``2^bits``.
+
+    The keystream is produced chunk by chunk into one scratch buffer of
+    :data:`CHUNK_BYTES` and folded into ``target`` with ``np.add``/``np.subtract``
+    (``out=``), so the cost stays close to that of the raw AES-CTR keystream.
+
+    Raises:
+        RingError: ``target`` is not a contiguous, writeable one-dimensional ring array.
+        ConfigError: ``sign`` is not +1 or -1, or the seed is not 32 bytes.
+    """
+    if isinstance(target, np.ndarray) and target.dtype == np.uint64:
+        bits = 64
+    elif isinstance(target, np.ndarray) and target.dtype == np.uint32:
+        bits = 32
+    else:
+        raise RingError("target must be a uint32 or uint64 numpy array")
+    check_ring(target, bits)
+    if not target.flags.c_contiguous or not target.flags.writeable:
+        raise RingError("target must be C-contiguous and writeable")
+    if isinstance(sign, bool) or sign not in (1, -1):
+        raise ConfigError(f"sign must be +1 or -1, got {sign!r}")
+    encryptor = _keystream(seed)
+    words_per_chunk = CHUNK_BYTES // target.dtype.itemsize
+    scratch = np.empty(min(words_per_chunk, target.shape[0]), dtype=target.dtype)
+    op = np.add if sign == 1 else np.subtract
+    for start in range(0, target.shape[0], words_per_chunk):
+        part = target[start : start + words_per_chunk]
+        mask = scratch[: part.shape[0]]
+        _fill(encryptor, mask)
+        op(part, mask, out=part)

@@ -1,0 +1,111 @@
+"""Mask expansion with AES-256-CTR: vectors, chunking, in-place masks."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from secure_agg.errors import ConfigError, RingError
+from secure_agg.prg import CHUNK_BYTES, add_mask, expand
+
+VECTORS = Path(__file__).resolve().parents[1] / "vectors"
+PRG = json.loads((VECTORS / "prg.json").read_text())
+
+
+@pytest.mark.parametrize("case", PRG["cases"], ids=[c["id"] for c in PRG["cases"]])
+def test_prg_vectors(case: dict[str, Any]) -> None:
+    words = expand(bytes.fromhex(case["seed"]), 16, case["bits"])
+    assert [f"{int(w):0{case['bits'] // 4}x}" for w in words] == case["words"]
+
+
+def test_keystream_is_aes256_ctr_from_zero_counter() -> None:
+    seed = hashlib.sha256(b"independent").digest()
+    encryptor = Cipher(algorithms.AES(seed), modes.CTR(bytes(16))).encryptor()
+    stream = encryptor.update(bytes(64))
+    assert expand(seed, 16, 32).tobytes() == stream
+    assert expand(seed, 8, 64).tobytes() == stream
+
+
+def test_expansion_spans_chunks_without_seams() -> None:
+    seed = bytes(range(32))
+    length = CHUNK_BYTES // 4 * 2 + 13
+    long = expand(seed, length, 32)
+    encryptor = Cipher(algorithms.AES(seed), modes.CTR(bytes(16))).encryptor()
+    assert long.tobytes() == encryptor.update(bytes(4 * length))
+    np.testing.assert_array_equal(long[:200].view(np.uint64), expand(seed, 100, 64))
+
+
+def test_different_seeds_differ_and_empty_is_empty() -> None:
+    assert not np.array_equal(expand(bytes(32), 8, 64), expand(b"\x01" + bytes(31), 8, 64))
+    assert expand(bytes(32), 0, 32).shape == (0,)
+
+
+@pytest.mark.parametrize(
+    ("seed", "length", "bits"),
+    [(bytes(16), 4, 32), (b"x" * 33, 4, 32), (bytes(32), -1, 32), (bytes(32), 4, 16)],
+    ids=["short-seed", "long-seed", "negative-length", "bad-bits"],
+)
+def test_expand_rejects_bad_arguments(seed: bytes, length: int, bits: int) -> None:
+    with pytest.raises(ConfigError):
+        expand(seed, length, bits)
+
+
+@pytest.mark.parametrize("bits", [32, 64], ids=["b32", "b64"])
+def test_add_mask_matches_expand_across_chunks(bits: int) -> None:
+    dtype = np.uint32 if bits == 32 else np.uint64
+    length = CHUNK_BYTES // (bits // 8) * 2 + 7
+    rng = np.random.default_rng(3)
+    base = rng.integers(0, 2**bits, size=length, dtype=dtype)
+    seed = hashlib.sha256(b"mask").digest()
+    target = base.copy()
+    add_mask(target, seed)
+    np.testing.assert_array_equal(target, base + expand(seed, length, bits))
+    add_mask(target, seed, sign=-1)
+    np.testing.assert_array_equal(target, base)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seeds=st.lists(st.binary(min_size=32, max_size=32), min_size=1, max_size=4),
+    length=st.integers(0, 300),
+    bits=st.sampled_from([32, 64]),
+)
+def test_pairwise_masks_cancel(seeds: list[bytes], length: int, bits: int) -> None:
+    dtype = np.uint32 if bits == 32 else np.uint64
+    x = np.arange(length, dtype=dtype)
+    y = x.copy()
+    for seed in seeds:
+        add_mask(y, seed, 1)
+    for seed in reversed(seeds):
+        add_mask(y, seed, -1)
+    np.testing.assert_array_equal(x, y)
+
+
+def test_add_mask_rejects_bad_targets() -> None:
+    with pytest.raises(RingError):
+        add_mask(np.zeros(4, np.int64), bytes(32))
+    with pytest.raises(RingError, match="contiguous"):
+        add_mask(np.zeros(8, np.uint32)[::2], bytes(32))
+    frozen = np.zeros(4, np.uint32)
+    frozen.flags.writeable = False
+    with pytest.raises(RingError, match="writeable"):
+        add_mask(frozen, bytes(32))
+    with pytest.raises(ConfigError, match="sign"):
+        add_mask(np.zeros(4, np.uint32), bytes(32), sign=2)
+
+
+def test_vector_files_are_current() -> None:
+    spec = importlib.util.spec_from_file_location("vectors_generate", VECTORS / "generate.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--check"]) == 0
