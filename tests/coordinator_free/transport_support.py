@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import socket
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
+import uvicorn
 from coordinator_free.identity import OrgIdentity
 from coordinator_free.wire import Envelope
 
@@ -40,3 +45,31 @@ def signed(sender: OrgIdentity, recipient: str, seq: int, **fields: Any) -> Enve
 def tampered(env: Envelope, **fields: Any) -> Envelope:
     """``env`` with ``fields`` changed after signing (the signature no longer matches)."""
     return replace(env, **fields)
+
+
+def bound_socket() -> socket.socket:
+    """A TCP socket bound to a free port on 127.0.0.1, not yet listening."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+@contextlib.contextmanager
+def serve_tls(app: Any, sock: socket.socket, ssl_options: dict[str, Any]) -> Iterator[None]:
+    """Serve ``app`` with uvicorn over TLS on ``sock`` in a thread; always shut down."""
+    config = uvicorn.Config(app, lifespan="off", ws="none", log_level="warning", **ssl_options)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the TLS test server did not start")
+            time.sleep(0.01)
+        yield
+    finally:
+        server.should_exit = True
+        thread.join(timeout=20)
+        sock.close()
