@@ -1,0 +1,310 @@
+"""The local training job: one process per rank, started by torchrun (or in-process).
+
+Single host, 4 ranks (what the node's ``launch.launch_job`` runs)::
+
+    torchrun --nnodes 1 --nproc-per-node 4 --rdzv-backend c10d \\
+        --rdzv-endpoint 127.0.0.1:29400 -m org_node.training.job --run-dir RUN_DIR
+
+Several hosts: run ``python -m org_node.training.launch --run-dir RUN_DIR --nnodes 2
+--node-rank I --rdzv-endpoint HEAD:29400`` on every host (see ``launch.py``); the run
+directory must be on a file system all hosts share. Without torchrun's environment
+(``RANK``/``WORLD_SIZE``) the job runs as a single process, world size 1.
+
+What a rank does, top to bottom:
+
+1. read the spec and the global weights from the run directory (``exchange.py``);
+2. check the degrees against the world size (``ParallelDims``), build the task's model,
+   check its shapes against the global model and load it;
+3. init the process group (gloo on CPU, NCCL with ``device="cuda"``, one GPU per local
+   rank), build the DeviceMesh, parallelize (``parallelize.py``);
+4. resume from the newest DCP checkpoint of this spec and global model, if any;
+5. train: each step draws the global batch from ``(seed, step)`` alone, so every rank
+   (and a resumed job) agrees on it, and each data-parallel rank takes its slice;
+6. gather the full state (``get_model_state_dict(full_state_dict=True)``, per pipeline
+   stage, merged by rank 0), and rank 0 writes ``new - global`` after refusing NaN/Inf.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from org_node.tasks import Task, TaskError, evaluate, load_state, load_task
+from org_node.tasks.partition import partition_indices
+from org_node.training import exchange
+from org_node.training.checkpoint import JobCheckpointer, TrainerState, fingerprint
+from org_node.training.errors import SpecError, TrainingError
+from org_node.training.parallel import ParallelDims
+from org_node.training.parallelize import ParallelModel, parallelize
+from org_node.training.spec import LocalJobSpec
+
+__all__ = ["FAULT_KILL_AT_STEP_ENV", "DistEnv", "batch_indices", "execute", "main"]
+
+#: Fault injection for tests: rank 0 kills itself (SIGKILL) right after this step's
+#: checkpoint, as a crashed host would.
+FAULT_KILL_AT_STEP_ENV = "FEDWEAVE_FAULT_KILL_AT_STEP"
+
+_EXIT_REFUSED = 2
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """This process's place in the job, from torchrun's environment variables."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    distributed: bool = False
+
+    @classmethod
+    def from_environ(cls) -> DistEnv:
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            return cls()
+        return cls(
+            rank=int(os.environ["RANK"]),
+            local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+            world_size=int(os.environ["WORLD_SIZE"]),
+            distributed=True,
+        )
+
+
+def batch_indices(seed: int, step: int, num_examples: int, batch_size: int) -> torch.Tensor:
+    """The global batch of ``step``: a pure function of ``(seed, step)``.
+
+    Without replacement inside a batch when the data suffices, with replacement otherwise.
+    """
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    if batch_size <= num_examples:
+        return torch.randperm(num_examples, generator=gen)[:batch_size]
+    return torch.randint(num_examples, (batch_size,), generator=gen)
+
+
+def _device(spec: LocalJobSpec, env: DistEnv) -> torch.device:
+    if spec.device == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise SpecError("device", "'cuda' asked for, but torch sees no CUDA device")
+    if env.local_rank >= torch.cuda.device_count():
+        raise SpecError(
+            "device",
+            f"local rank {env.local_rank} has no GPU of its own "
+            f"({torch.cuda.device_count()} visible); NCCL needs one GPU per rank",
+        )
+    device = torch.device("cuda", env.local_rank)
+    torch.cuda.set_device(device)
+    return device
+
+
+def _optimizer(spec: LocalJobSpec, model: torch.nn.Module) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if spec.optimizer == "sgd":
+        return torch.optim.SGD(
+            params, lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay
+        )
+    return torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay)
+
+
+def _forward_backward(
+    pm: ParallelModel, task: Task, x: torch.Tensor, y: torch.Tensor
+) -> float | None:
+    """One step's forward and backward; the loss where this rank sees it, else None."""
+    if pm.schedule is None:
+        loss = task.loss(pm.module(x), y)
+        loss.backward()  # type: ignore[no-untyped-call]
+        return float(loss.detach())
+    losses: list[torch.Tensor] = []
+    if pm.is_first_stage:
+        pm.schedule.step(x, target=y if pm.is_last_stage else None, losses=losses)
+    elif pm.is_last_stage:
+        pm.schedule.step(target=y, losses=losses)
+    else:
+        pm.schedule.step()
+    return float(torch.stack(losses).mean()) if pm.is_last_stage else None
+
+
+def _agree(
+    loss: float | None, over_budget: bool, device: torch.device, distributed: bool
+) -> tuple[float, bool]:
+    """Mean loss over the ranks that see one, and whether any rank is out of time."""
+    vec = torch.tensor(
+        [loss or 0.0, 0.0 if loss is None else 1.0, 1.0 if over_budget else 0.0],
+        dtype=torch.float64,
+        device=device,
+    )
+    if distributed:
+        dist.all_reduce(vec)
+    return float(vec[0] / vec[1]), bool(vec[2] > 0)
+
+
+def _full_state(
+    pm: ParallelModel, dims: ParallelDims, env: DistEnv, run_dir: Path
+) -> dict[str, np.ndarray] | None:
+    """The trained model's full state on rank 0 (None elsewhere); collective."""
+    sd = get_model_state_dict(pm.module, options=StateDictOptions(full_state_dict=True))
+    stage = {
+        k: v.detach().to("cpu", torch.float32).numpy().copy()
+        for k, v in sd.items()
+        if isinstance(v, torch.Tensor)
+    }
+    if not dims.pp_enabled:
+        return stage if env.rank == 0 else None
+    coords = dims.coordinates(env.rank)
+    if coords["dp_replicate"] == coords["dp_shard"] == coords["tp"] == 0:
+        part = run_dir / f".stage-{pm.stage_index}.npz"
+        exchange.atomic_write(part, exchange.npz_bytes(stage))
+    dist.barrier()
+    if env.rank != 0:
+        return None
+    merged: dict[str, np.ndarray] = {}
+    for index in range(dims.pp):
+        part = run_dir / f".stage-{index}.npz"
+        merged.update(exchange.load_arrays(part))
+        part.unlink()
+    return merged
+
+
+def train(
+    spec: LocalJobSpec, global_state: dict[str, np.ndarray], run_dir: Path, env: DistEnv
+) -> None:
+    """Run the job on this rank; rank 0 writes the result (or raises before writing)."""
+    task = load_task(spec.task)
+    dims = ParallelDims(spec.dp_replicate, spec.dp_shard, spec.tp, spec.pp, env.world_size)
+    model = task.build_model(spec.seed)
+    exchange.check_shapes(global_state, {k: tuple(v.shape) for k, v in model.state_dict().items()})
+    load_state(model, global_state)
+    data = task.build_data()
+    part = torch.as_tensor(
+        partition_indices(
+            len(data),
+            data.labels,
+            spec.num_partitions,
+            spec.partition_index,
+            spec.dirichlet_alpha,
+            seed=spec.partition_seed,
+        )
+    )
+    xs, ys = data.inputs[part], data.targets[part]
+
+    device = _device(spec, env)
+    mesh = None
+    if env.distributed:
+        if not dist.is_initialized():
+            dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        mesh = dims.build_mesh(device.type)
+    pm = parallelize(task, model, dims, mesh, env.rank, device, spec.num_microbatches)
+    optimizer = _optimizer(spec, pm.module)
+    anchors = [(p, p.detach().clone()) for p in pm.module.parameters()] if spec.prox_mu > 0 else []
+    trainer = TrainerState()
+    ckpt = JobCheckpointer(
+        run_dir / "checkpoints" / fingerprint(spec, global_state),
+        pm.module,
+        optimizer,
+        trainer,
+        every=spec.checkpoint_every,
+    )
+    start = ckpt.load_latest()
+    step = start
+
+    per_rank = spec.batch_size // dims.dp
+    dp_rank = dims.dp_rank(env.rank) if env.distributed else 0
+    fault_step = os.environ.get(FAULT_KILL_AT_STEP_ENV)
+    t_begin = time.monotonic()
+    t_warm: float | None = None
+    warm_step = step
+    while spec.local_steps is None or step < spec.local_steps:
+        sel = batch_indices(spec.seed, step, len(xs), spec.batch_size)
+        sel = sel[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+        loss = _forward_backward(pm, task, xs[sel].to(device), ys[sel].to(device))
+        if anchors:
+            with torch.no_grad():
+                for p, anchor in anchors:
+                    if p.grad is not None:
+                        p.grad.add_(p.detach() - anchor, alpha=spec.prox_mu)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        elapsed = time.monotonic() - t_begin
+        over = spec.time_budget_s is not None and elapsed >= spec.time_budget_s
+        mean_loss, stop = _agree(loss, over, device, env.distributed)
+        trainer.losses.append(mean_loss)
+        if t_warm is None:  # the first step pays for lazy initialization; time the rest
+            t_warm, warm_step = time.monotonic(), step
+        if ckpt.due(step):
+            ckpt.save(step)
+        if fault_step is not None and env.rank == 0 and int(fault_step) == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if stop:
+            break
+    t_end = time.monotonic()
+
+    new_state = _full_state(pm, dims, env, run_dir)
+    if new_state is None:
+        return
+    update = {k: new_state[k] - global_state[k] for k in global_state}
+    exchange.check_finite(update)
+    timed_steps = step - warm_step
+    if t_warm is not None and timed_steps > 0 and t_end > t_warm:
+        samples_per_s = timed_steps * spec.batch_size / (t_end - t_warm)
+    else:
+        samples_per_s = (step - start) * spec.batch_size / max(t_end - t_begin, 1e-9)
+    metrics = {
+        "train_loss": trainer.losses[-1] if trainer.losses else float("nan"),
+        "samples_per_s": samples_per_s,
+        "partition_size": float(len(xs)),
+        "resumed_from_step": float(start),
+        "world_size": float(env.world_size),
+    }
+    if spec.evaluate:
+        metrics.update({f"eval_{k}": v for k, v in evaluate(task, new_state).items()})
+    exchange.write_result(
+        run_dir, update, step * spec.batch_size, step, metrics, list(trainer.losses)
+    )
+
+
+def execute(run_dir: Path, env: DistEnv | None = None) -> int:
+    """Run the job described in ``run_dir``; 0 on success, 2 when refused (error.json)."""
+    env = env or DistEnv.from_environ()
+    try:
+        spec = exchange.read_spec(run_dir)
+        global_state = exchange.read_global(run_dir)
+        if env.world_size != spec.world_size:
+            raise SpecError(
+                "world_size",
+                f"the spec's degrees need {spec.world_size} ranks, torchrun started "
+                f"{env.world_size}",
+            )
+        train(spec, global_state, run_dir, env)
+        return 0
+    except (TrainingError, TaskError) as exc:
+        if env.rank == 0:
+            exchange.write_error(
+                run_dir, exc if isinstance(exc, TrainingError) else SpecError("task", str(exc))
+            )
+        print(f"rank {env.rank}: {exc}", file=sys.stderr)
+        return _EXIT_REFUSED
+    finally:
+        if env.distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m org_node.training.job", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--run-dir", type=Path, required=True, help="the run directory")
+    args = parser.parse_args(argv)
+    return execute(args.run_dir)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
