@@ -442,13 +442,14 @@ class SecAggPeer:
         self._require_stage(Stage.ADVERTISE_KEYS, action="receiving AdvertiseKeys")
         if msg.sender in self._adverts:
             raise DuplicateMessage(f"second AdvertiseKeys from {msg.sender!r}")
-        for name, key in (("c_pk", msg.c_pk), ("s_pk", msg.s_pk)):
-            try:
-                agree(_PROBE.private, key)
-            except ConfigError:
-                raise MalformedMessage(
-                    f"{name} of {msg.sender!r} is not a usable X25519 key"
-                ) from None
+        if msg.sender in self.neighbours:  # the keys this peer agrees with before finalize
+            for name, key in (("c_pk", msg.c_pk), ("s_pk", msg.s_pk)):
+                try:
+                    agree(_PROBE.private, key)
+                except ConfigError:
+                    raise MalformedMessage(
+                        f"{name} of {msg.sender!r} is not a usable X25519 key"
+                    ) from None
         self._adverts[msg.sender] = msg
 
     def close_advertise(self) -> frozenset[str]:
@@ -755,13 +756,19 @@ class SecAggPeer:
                     f"reconstructed mask key of dropped {k!r} does not match its s_pk"
                 )
             s_keys[k] = pair
+        dangling: list[tuple[bytes, int]] = []
+        for k, pair in sorted(s_keys.items()):
+            for j in pairs[k]:
+                try:
+                    shared = agree(pair.private, self._adverts[j].s_pk)
+                except ConfigError:
+                    raise self._abort(f"survivor {j!r} advertised an unusable s_pk") from None
+                dangling.append((pairwise_mask_seed(shared, cfg.ctx, j, k), -cfg.mask_sign(j, k)))
         z = masked_sum if in_place else masked_sum.copy()
         for j in sorted(b_seeds):
             prg.add_mask(z, b_seeds[j], -1)
-        for k, pair in sorted(s_keys.items()):
-            for j in pairs[k]:
-                seed = pairwise_mask_seed(agree(pair.private, self._adverts[j].s_pk), cfg.ctx, j, k)
-                prg.add_mask(z, seed, -cfg.mask_sign(j, k))
+        for seed, sign in dangling:
+            prg.add_mask(z, seed, sign)
         self._stage = Stage.DONE
         self._result = z
         return z
