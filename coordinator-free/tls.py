@@ -97,7 +97,10 @@ class PeerAddress:
     """SHA-256 of the peer's DER certificate, lowercase hex (from the manifest)."""
 
     def __post_init__(self) -> None:
-        parsed = httpx.URL(self.url)
+        try:
+            parsed = httpx.URL(self.url)
+        except (httpx.InvalidURL, TypeError) as exc:
+            raise ValueError(f"invalid peer URL {self.url!r}: {exc}") from None
         if parsed.scheme != "https" or not parsed.host:
             raise ValueError(f"peer URL must be https://host[:port], got {self.url!r}")
         if not _FINGERPRINT.fullmatch(self.fingerprint):
