@@ -63,7 +63,7 @@ from coordinator_free.errors import (
 from coordinator_free.identity import CERT_FILE, KEY_FILE, OrgIdentity
 from coordinator_free.transport import RawHandler
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
@@ -400,7 +400,11 @@ class TlsTransport:
         handler = self._handler
         if handler is None:
             return Response(status_code=503)
-        body = await self._read_body(request)
+        try:
+            body = await self._read_body(request)
+        except ClientDisconnect:
+            logger.info("%s: a peer disconnected while sending", self.org_id)
+            return Response(status_code=400)
         try:
             reply = await handler(body)
         except Refused as exc:

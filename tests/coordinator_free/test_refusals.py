@@ -20,6 +20,8 @@ from coordinator_free.identity import OrgIdentity
 from coordinator_free.memory import InMemoryNetwork, InMemoryTransport
 from coordinator_free.transport import MessageGuard
 from coordinator_free.wire import Envelope
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.coordinator_free.transport_support import FEDERATION, identity, signed, tampered
 
@@ -240,3 +242,36 @@ def test_sender_refuses_a_reply_that_answers_another_request() -> None:
         assert info.value.reason is RefusalReason.MALFORMED
 
     asyncio.run(main())
+
+
+_ALICE = identity("a")
+_GOOD = signed(_ALICE, "b", 1, sent_at=1000.0).to_wire()
+
+
+def _guard() -> MessageGuard:
+    return MessageGuard(
+        FEDERATION,
+        "b",
+        lambda: {"a": _ALICE.public_key},
+        max_size=MAX_SIZE,
+        max_skew_s=60.0,
+        clock=lambda: 1000.0,
+    )
+
+
+@given(st.binary(max_size=MAX_SIZE + 100))
+def test_guard_on_random_bytes_only_refuses(data: bytes) -> None:
+    guard = _guard()
+    with pytest.raises(Refused) as info:
+        guard.check(data)
+    assert info.value.reason in (RefusalReason.MALFORMED, RefusalReason.OVERSIZED)
+    assert guard.refusals.total() == 1
+
+
+@settings(max_examples=300)
+@given(st.integers(0, len(_GOOD) - 1), st.integers(1, 255))
+def test_guard_refuses_every_single_byte_change(index: int, flip: int) -> None:
+    data = bytearray(_GOOD)
+    data[index] ^= flip
+    with pytest.raises(Refused):
+        _guard().check(bytes(data))
