@@ -6,8 +6,10 @@ NeurIPS'21, Section 4 scale-and-round for distributed discrete noise):
 1. clip every coordinate to ``[-clip, clip]``;
 2. multiply by ``scale = 2**frac_bits`` (exact: a power of two);
 3. round stochastically: ``v`` becomes ``floor(v) + 1`` with probability
-   ``v - floor(v)``, else ``floor(v)``, so ``E[q] = v`` (unbiased), with ``u`` drawn
-   from the caller's ``np.random.Generator`` (reproducible for a fixed seed);
+   ``v - floor(v)``, else ``floor(v)``, so ``E[q] = v`` (unbiased). The uniforms are
+   32-bit words of an AES-256-CTR keystream keyed by 32 bytes drawn from the caller's
+   ``np.random.Generator``: reproducible for a fixed seed, and fast (one AES block
+   serves four coordinates, no per-element Python);
 4. store the signed integer in two's complement, i.e. mod ``2^b``.
 
 Headroom. One encoded coordinate has ``|q| <= ceil(clip * scale)``; a summand may
@@ -25,18 +27,20 @@ The first term is stochastic rounding (each ``|q_i - c_i*scale| < 1``); the seco
 covers the float64 rounding of the decoded sum (at most ``2^-53`` relative) and leaves
 the same again for the caller's own correctly rounded float64 reference sum.
 
-Unbiasedness holds exactly whenever ``v - floor(v)`` is a multiple of ``2^-53`` (the
-resolution of ``Generator.random``), i.e. for every ``|v| >= 1``; below that the bias
-is under ``2^-53 / scale``.
+Unbiasedness holds exactly whenever ``v - floor(v)`` is a multiple of ``2^-32`` (the
+resolution of the uniforms), e.g. for every float32 input with ``|v| >= 2^-9``;
+otherwise the bias of one coordinate is below ``2^-32`` ring units (``2^-32 / scale``).
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from .errors import ConfigError, RingError
 from .ring import check_ring, ring_dtype
@@ -45,6 +49,8 @@ __all__ = ["FixedPointCodec"]
 
 # Elements per chunk of the encoder: the float64 scratch buffers stay in cache.
 _CHUNK = 1 << 15
+_TWO_32 = float(1 << 32)
+_LITTLE_ENDIAN = sys.byteorder == "little"
 _SIGNED: dict[int, np.dtype[Any]] = {32: np.dtype(np.int32), 64: np.dtype(np.int64)}
 
 
@@ -125,12 +131,16 @@ class FixedPointCodec:
     def encode(self, x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         """Clip, scale and stochastically round a float32/float64 vector into the ring.
 
-        Consumes exactly ``x.size`` float64 draws of ``rng.random``, in order, so the
-        result depends only on the generator's state, never on the chunking.
+        Randomness: one 32-byte key ``rng.bytes(32)`` keys an AES-256-CTR keystream
+        (all-zero counter block) read as little-endian 32-bit uniforms ``r``, one per
+        coordinate. The result depends only on ``rng``'s state, never on chunking.
+        For ``bits=32`` a coordinate ``v`` becomes ``(floor(v * 2^32) + r) >> 32``; for
+        ``bits=64`` it becomes ``floor(v) + [r < frac(v) * 2^32]``.
 
         Raises:
             RingError: ``x`` is not a one-dimensional float32/float64 array, or holds
-                NaN or Inf (nothing is encoded).
+                NaN or Inf (then nothing is encoded and ``rng`` is not advanced).
+            ConfigError: ``rng`` is not a ``numpy.random.Generator``.
         """
         if not isinstance(x, np.ndarray) or x.dtype not in (np.float32, np.float64):
             raise RingError("encode expects a float32 or float64 numpy array")
@@ -139,29 +149,61 @@ class FixedPointCodec:
         if not isinstance(rng, np.random.Generator):
             raise ConfigError("rng must be a numpy.random.Generator")
         size = x.shape[0]
-        # Validate the whole input first, so that an error leaves rng untouched.
         for start in range(0, size, _CHUNK):
             if not np.isfinite(x[start : start + _CHUNK]).all():
                 raise RingError("cannot encode NaN or Inf values")
+        key = rng.bytes(32)
+        keystream = Cipher(algorithms.AES(key), modes.CTR(bytes(16))).encryptor()
         out = np.empty(size, dtype=ring_dtype(self.bits))
         signed = out.view(_SIGNED[self.bits])
-        scale = self.scale
-        bound = self.clip * scale
         m = min(size, _CHUNK)
-        v, floor, u = (np.empty(m, dtype=np.float64) for _ in range(3))
+        v = np.empty(m, dtype=np.float64)
+        work = np.empty(m, dtype=np.int64 if self.bits == 32 else np.float64)
+        r = np.empty(m, dtype=np.uint32)
         up = np.empty(m, dtype=np.bool_)
+        zeros = np.zeros(4 * m, dtype=np.uint8)
         for start in range(0, size, _CHUNK):
             k = min(_CHUNK, size - start)
-            vk, fk, uk, upk = v[:k], floor[:k], u[:k], up[:k]
-            np.multiply(x[start : start + k], scale, out=vk)
-            np.clip(vk, -bound, bound, out=vk)
-            np.floor(vk, out=fk)
-            np.subtract(vk, fk, out=vk)  # fractional part, exact
-            rng.random(out=uk)
-            np.less(uk, vk, out=upk)
-            np.add(fk, upk, out=fk)
-            np.copyto(signed[start : start + k], fk, casting="unsafe")
+            rk = r[:k]
+            keystream.update_into(zeros[: 4 * k].data, rk.view(np.uint8).data)
+            if not _LITTLE_ENDIAN:
+                rk.byteswap(inplace=True)
+            if self.bits == 32:
+                self._round32(x[start : start + k], v[:k], work[:k], rk)
+            else:
+                self._round64(x[start : start + k], v[:k], work[:k], rk, up[:k])
+            np.copyto(signed[start : start + k], work[:k], casting="unsafe")
         return out
+
+    def _round32(self, x: np.ndarray, v: np.ndarray, t: np.ndarray, r: np.ndarray) -> None:
+        """``t = (floor(clip(x) * scale * 2^32) + r) >> 32``, exact in int64 for 32-bit rings.
+
+        Rounds up with probability ``floor(frac * 2^32) / 2^32``.
+        """
+        wide = self.scale * _TWO_32
+        np.multiply(x, wide, out=v)
+        np.clip(v, -self.clip * wide, self.clip * wide, out=v)
+        np.floor(v, out=v)
+        np.copyto(t, v, casting="unsafe")  # |v| < 2^63: exact
+        np.add(t, r, out=t)
+        np.right_shift(t, 32, out=t)  # arithmetic shift: floor division by 2^32
+
+    def _round64(
+        self, x: np.ndarray, v: np.ndarray, f: np.ndarray, r: np.ndarray, up: np.ndarray
+    ) -> None:
+        """``f = floor(v) + [r < frac(v) * 2^32]`` with ``v = clip(x) * scale``, in float64.
+
+        Rounds up with probability ``ceil(frac * 2^32) / 2^32``; for ``|v| >= 2^52`` the
+        fraction is 0 and ``v`` is kept exactly.
+        """
+        scale = self.scale
+        np.multiply(x, scale, out=v)
+        np.clip(v, -self.clip * scale, self.clip * scale, out=v)
+        np.floor(v, out=f)
+        np.subtract(v, f, out=v)  # fractional part, exact
+        np.multiply(v, _TWO_32, out=v)  # exact
+        np.less(r, v, out=up)
+        np.add(f, up, out=f)
 
     def decode(self, y: np.ndarray) -> np.ndarray:
         """Read a ring vector (one encoding, or a sum of up to ``max_summands``) as float64.

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from secure_agg import codec as codec_module
 from secure_agg.codec import FixedPointCodec
 from secure_agg.errors import ConfigError, RingError
 from secure_agg.ring import ring_sum
@@ -137,8 +138,9 @@ def test_sum_error_is_within_documented_bound(
         assert abs(decoded[i] - exact) <= bound
 
 
-def test_stochastic_rounding_is_unbiased() -> None:
-    codec = FixedPointCodec(bits=32, clip=1.0, frac_bits=2)  # ring unit 0.25
+@pytest.mark.parametrize("bits", [32, 64], ids=["b32", "b64"])
+def test_stochastic_rounding_is_unbiased(bits: int) -> None:
+    codec = FixedPointCodec(bits=bits, clip=1.0, frac_bits=2)  # ring unit 0.25
     count = 200_000
     for value in (0.3, -0.3, 0.0625, 0.9):
         decoded = codec.decode(codec.encode(np.full(count, value), np.random.default_rng(7)))
@@ -153,15 +155,21 @@ def test_exact_values_are_not_perturbed() -> None:
     np.testing.assert_array_equal(codec.decode(codec.encode(x, np.random.default_rng(0))), x)
 
 
-def test_encoding_is_reproducible_and_independent_of_chunking() -> None:
-    codec = FixedPointCodec(bits=32, clip=2.0, max_summands=4)
-    x = np.random.default_rng(1).normal(size=100_003).astype(np.float32)
+@pytest.mark.parametrize("bits", [32, 64], ids=["b32", "b64"])
+def test_encoding_is_reproducible_and_independent_of_chunking(
+    bits: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    codec = FixedPointCodec(bits=bits, clip=2.0, max_summands=4)
+    x = np.random.default_rng(1).normal(size=100_003)  # float64: random low bits even at b64
     first = codec.encode(x, np.random.default_rng(99))
     np.testing.assert_array_equal(first, codec.encode(x, np.random.default_rng(99)))
-    rng = np.random.default_rng(99)
-    parts = [codec.encode(x[:12_345], rng), codec.encode(x[12_345:], rng)]
-    np.testing.assert_array_equal(first, np.concatenate(parts))
+    monkeypatch.setattr(codec_module, "_CHUNK", 1000)
+    np.testing.assert_array_equal(first, codec.encode(x, np.random.default_rng(99)))
     assert not np.array_equal(first, codec.encode(x, np.random.default_rng(100)))
+    rng, reference = np.random.default_rng(99), np.random.default_rng(99)
+    codec.encode(x, rng)
+    reference.bytes(32)  # encode draws exactly one 32-byte key, whatever the length
+    assert rng.random() == reference.random()
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
