@@ -66,7 +66,6 @@ class Endpoint:
         )
         self._sequence = sequence or PROCESS_SEQUENCE
         self._handlers: dict[str, Handler] = {}
-        self._started = False
 
     @property
     def org_id(self) -> str:
@@ -84,11 +83,9 @@ class Endpoint:
     async def start(self) -> None:
         """Start serving registered handlers."""
         await self.transport.start(self._handle)
-        self._started = True
 
     async def close(self) -> None:
         """Stop serving and close the transport."""
-        self._started = False
         await self.transport.close()
 
     def _envelope(

@@ -68,7 +68,10 @@ def certificate_fingerprint(certificate_pem: bytes) -> str:
 
 def certificate_org_id(certificate_pem: bytes) -> str:
     """The org id named in the certificate's subject common name."""
-    cert = x509.load_pem_x509_certificate(certificate_pem)
+    try:
+        cert = x509.load_pem_x509_certificate(certificate_pem)
+    except ValueError as exc:
+        raise IdentityError(f"not a PEM certificate: {exc}") from None
     names = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
     if not names:
         raise IdentityError("certificate has no subject common name")

@@ -162,3 +162,10 @@ def test_repr_does_not_leak_the_key() -> None:
     ident = OrgIdentity.generate("org-r", bytes(32))
     assert "Ed25519PrivateKey" not in repr(ident)
     assert ident.private_key_pem().hex() not in repr(ident)
+
+
+def test_certificate_helpers_reject_garbage() -> None:
+    with pytest.raises(IdentityError):
+        certificate_fingerprint(b"not a certificate")
+    with pytest.raises(IdentityError):
+        certificate_org_id(b"-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n")
