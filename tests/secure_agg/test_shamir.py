@@ -14,7 +14,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from secure_agg.errors import ConfigError, ShareError
+from secure_agg.errors import ConfigError, DecryptionError, ShareError
+from secure_agg.keys import (
+    RoundContext,
+    agree,
+    decrypt,
+    encrypt,
+    generate_keypair,
+    share_encryption_key,
+)
 from secure_agg.shamir import PRIME, SHARE_BYTES, Share, combine, commitment, split
 
 VECTORS = json.loads((Path(__file__).resolve().parents[1] / "vectors" / "shamir.json").read_text())
@@ -144,3 +152,21 @@ def test_split_validation(secret: bytes, t: int, n: int) -> None:
 def test_commitment_is_domain_separated() -> None:
     assert commitment(b"s") != hashlib.sha256(b"s").digest()
     assert len(commitment(b"s")) == 32
+
+
+def test_shares_travel_encrypted_to_their_holder() -> None:
+    ctx = RoundContext(federation="fed", run="run", round=1)
+    dealer, holder = generate_keypair(bytes(range(32))), generate_keypair(bytes(range(1, 33)))
+    key = share_encryption_key(agree(dealer.private, holder.public), ctx, "dealer", "holder")
+    share = split(b"s" * 32, 2, 3)[1]
+    aad = ctx.to_bytes() + b"dealer->holder"
+    blob = encrypt(key, share.to_bytes(), aad)
+    holder_key = share_encryption_key(agree(holder.private, dealer.public), ctx, "holder", "dealer")
+    assert Share.from_bytes(decrypt(holder_key, blob, aad)) == share
+    for position in (0, 12, len(blob) - 1):
+        tampered = bytearray(blob)
+        tampered[position] ^= 0x01
+        with pytest.raises(DecryptionError):
+            decrypt(holder_key, bytes(tampered), aad)
+    with pytest.raises(DecryptionError):
+        decrypt(holder_key, blob, ctx.to_bytes() + b"dealer->other")
