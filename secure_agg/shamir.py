@@ -132,17 +132,49 @@ def split(secret: bytes, t: int, n: int, rng: Callable[[int], bytes] | None = No
     return shares
 
 
-def _interpolate(points: Sequence[Share], at: int) -> int:
-    """Value at ``at`` of the polynomial through ``points`` (Lagrange, mod PRIME)."""
-    total = 0
-    for i, pi in enumerate(points):
-        num, den = 1, 1
-        for j, pj in enumerate(points):
-            if i != j:
-                num = num * (at - pj.x) % PRIME
-                den = den * (pi.x - pj.x) % PRIME
-        total = (total + pi.y * num * pow(den, -1, PRIME)) % PRIME
-    return total
+def _batch_inverse(values: Sequence[int]) -> list[int]:
+    """Inverses mod PRIME of non-zero ``values`` with one exponentiation (Montgomery's trick)."""
+    prefix = [1]
+    for v in values:
+        prefix.append(prefix[-1] * v % PRIME)
+    inverse = pow(prefix[-1], -1, PRIME)
+    out = [0] * len(values)
+    for i in range(len(values) - 1, -1, -1):
+        out[i] = inverse * prefix[i] % PRIME
+        inverse = inverse * values[i] % PRIME
+    return out
+
+
+class _Interpolant:
+    """The polynomial through ``points`` in barycentric form (Berrut and Trefethen, 2004).
+
+    Setup costs ``O(t^2)`` multiplications and one inversion; each evaluation costs
+    ``O(t)`` and one inversion, so checking many extra shares stays cheap.
+    """
+
+    def __init__(self, points: Sequence[Share]) -> None:
+        self.xs = [p.x for p in points]
+        self.ys = [p.y for p in points]
+        denominators = []
+        for i, xi in enumerate(self.xs):
+            d = 1
+            for j, xj in enumerate(self.xs):
+                if i != j:
+                    d = d * (xi - xj) % PRIME
+            denominators.append(d)
+        self.weights = _batch_inverse(denominators)
+
+    def __call__(self, at: int) -> int:
+        if at in self.xs:
+            return self.ys[self.xs.index(at)]
+        gaps = [(at - x) % PRIME for x in self.xs]
+        node = 1
+        for g in gaps:
+            node = node * g % PRIME
+        total = 0
+        for w, y, inv in zip(self.weights, self.ys, _batch_inverse(gaps), strict=True):
+            total += w * y % PRIME * inv
+        return node * (total % PRIME) % PRIME
 
 
 def combine(
@@ -170,11 +202,11 @@ def combine(
     xs = [share.x for share in shares]
     if len(set(xs)) != len(xs):
         raise ShareError("duplicated share index x")
-    base = list(shares[:t])
+    polynomial = _Interpolant(shares[:t])
     for extra in shares[t:]:
-        if _interpolate(base, extra.x) != extra.y:
+        if polynomial(extra.x) != extra.y:
             raise ShareError(f"share x={extra.x} is inconsistent with the other shares")
-    value = _interpolate(base, 0)
+    value = polynomial(0)
     if value >= 1 << (8 * secret_len):
         raise ShareError("shares do not reconstruct a secret of the expected length")
     secret = value.to_bytes(secret_len, "big")
