@@ -31,6 +31,7 @@ to ``ABORTED`` (raising :class:`RoundAborted`) and releases nothing further.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import struct
@@ -242,11 +243,17 @@ def share_aad(ctx: RoundContext, sender: str, recipient: str) -> bytes:
     return b"".join(struct.pack(">I", len(p)) + p for p in parts)
 
 
-def _probe_keypair() -> KeyPair:
-    return generate_keypair(hashlib.sha256(b"fedweave/secagg/key-probe").digest())
+_PROBE = generate_keypair(hashlib.sha256(b"fedweave/secagg/key-probe").digest())
 
 
-_PROBE = _probe_keypair()
+@functools.lru_cache(maxsize=4096)
+def _usable_public_key(key: bytes) -> bool:
+    """Whether ``key`` is a valid X25519 public key that is not of low order (RFC 7748 §6.1)."""
+    try:
+        agree(_PROBE.private, key)
+    except ConfigError:
+        return False
+    return True
 
 
 # --------------------------------------------------------------------------- peer
@@ -444,12 +451,8 @@ class SecAggPeer:
             raise DuplicateMessage(f"second AdvertiseKeys from {msg.sender!r}")
         if msg.sender in self.neighbours:  # the keys this peer agrees with before finalize
             for name, key in (("c_pk", msg.c_pk), ("s_pk", msg.s_pk)):
-                try:
-                    agree(_PROBE.private, key)
-                except ConfigError:
-                    raise MalformedMessage(
-                        f"{name} of {msg.sender!r} is not a usable X25519 key"
-                    ) from None
+                if not _usable_public_key(key):
+                    raise MalformedMessage(f"{name} of {msg.sender!r} is not a usable X25519 key")
         self._adverts[msg.sender] = msg
 
     def close_advertise(self) -> frozenset[str]:
@@ -786,6 +789,7 @@ class RoundResult:
     masked: each survivor's masked input y_i.
     views: per peer, the encoded messages it received, in order.
     aborted: per peer that aborted, its reason.
+    peers: every participant's state machine as the round left it.
     """
 
     sums: dict[str, np.ndarray]
@@ -793,6 +797,7 @@ class RoundResult:
     masked: dict[str, np.ndarray]
     views: dict[str, list[bytes]]
     aborted: dict[str, str]
+    peers: dict[str, SecAggPeer]
 
     @property
     def total(self) -> np.ndarray:
@@ -938,7 +943,9 @@ def simulate_round(
             sums[org] = peers[org].finalize(total)
         except RoundAborted as exc:
             aborted[org] = peers[org].abort_reason or str(exc)
-    return RoundResult(sums=sums, survivors=survivors, masked=masked, views=views, aborted=aborted)
+    return RoundResult(
+        sums=sums, survivors=survivors, masked=masked, views=views, aborted=aborted, peers=peers
+    )
 
 
 def run_round(
