@@ -54,10 +54,16 @@ _LITTLE_ENDIAN = sys.byteorder == "little"
 _SIGNED: dict[int, np.dtype[Any]] = {32: np.dtype(np.int32), 64: np.dtype(np.int64)}
 
 
-def _per_summand(clip: float, noise_bound: float, frac_bits: int) -> int:
-    """Largest ring magnitude of one summand: rounded clipped value plus noise."""
+def _fits(n: int, clip: float, noise_bound: float, frac_bits: int, limit: int) -> bool:
+    """Whether ``n`` summands of the largest magnitude (rounded clip plus noise) fit ``limit``.
+
+    Exact integer arithmetic: ``ceil`` of a finite float is an exact int.
+    """
     scale = 2.0**frac_bits
-    return math.ceil(clip * scale) + math.ceil(noise_bound * scale)
+    value, noise = clip * scale, noise_bound * scale
+    if not (math.isfinite(value) and math.isfinite(noise)):
+        return False
+    return n * (math.ceil(value) + math.ceil(noise)) <= limit
 
 
 def _positive_finite(name: str, value: Any, allow_zero: bool = False) -> None:
@@ -95,11 +101,7 @@ class FixedPointCodec:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ConfigError(f"max_summands must be an int >= 1, got {n!r}")
         limit = (1 << (self.bits - 1)) - 1
-        fits = [
-            f
-            for f in range(self.bits - 1)
-            if n * _per_summand(self.clip, self.noise_bound, f) <= limit
-        ]
+        fits = [f for f in range(self.bits - 1) if _fits(n, self.clip, self.noise_bound, f, limit)]
         largest = max(fits) if fits else None
         if self.frac_bits is None:
             if largest is None:
@@ -119,7 +121,7 @@ class FixedPointCodec:
                 f"a sum of max_summands={n} vectors could wrap the {self.bits}-bit ring at "
                 f"frac_bits={f} (clip={self.clip}, noise_bound={self.noise_bound}): "
                 + (hint + ", or " if hint else "")
-                + "lower clip or max_summands, or use bits=64"
+                + "lower clip, noise_bound or max_summands, or use bits=64"
             )
 
     @property
