@@ -23,6 +23,15 @@ Stages (``Stage``), each closed explicitly when the overlay's deadline passes::
 ``sign(i, j) = +1`` when i precedes j in the ring order and ``-1`` otherwise, so the
 pairwise masks of two survivors cancel in any sum, added in any order or by chunks.
 
+Without a server nobody hands out one U2: each peer's U2 is the set of orgs whose
+ShareKeys reached it, and an org that dropped half-way through sending its shares
+leaves views that differ. UnmaskShares therefore carries its sender's U2 view, and
+finalize removes a dropped org's pairwise mask exactly for the survivors that report
+holding its shares. A survivor that stays silent in UNMASK is assumed to share the
+reporters' view; when the reporters disagree about that dropped org, finalize aborts
+rather than guess. (A partial send that reached only silent survivors goes
+undetected: the overlay should deliver each ShareKeys batch whole or not at all.)
+
 Every input is validated completely before any state changes: a rejected message or
 call raises a specific :class:`~secure_agg.errors.ProtocolError` and leaves the peer
 exactly as it was. A round that can no longer finish with at least ``t`` orgs moves
@@ -80,11 +89,14 @@ __all__ = [
     "MalformedMessage",
     "OutOfStage",
     "ProtocolConfig",
+    "RandomBytes",
     "RoundAborted",
     "RoundResult",
     "SecAggPeer",
+    "SignFn",
     "Stage",
     "UnknownSender",
+    "VerifyFn",
     "WrongRecipient",
     "WrongRound",
     "run_round",
@@ -174,6 +186,7 @@ class ProtocolConfig:
     bits: ring width, 32 or 64 (``Z_2^bits``).
     neighbours: k for SecAgg+ (each org masks and shares with k neighbours of a graph
         seeded by ctx and U0); None for the complete graph.
+    graph: derived, not passed: the round's :class:`~secure_agg.graph.NeighbourGraph`.
     """
 
     ctx: RoundContext
@@ -305,7 +318,6 @@ class SecAggPeer:
         self._u3: frozenset[str] | None = None
         self._released: dict[str, ShareKind] = {}
         self._unmasks: dict[str, UnmaskShares] = {}
-        self._result: np.ndarray | None = None
 
     # ---------------------------------------------------------------- inspection
 
@@ -773,7 +785,6 @@ class SecAggPeer:
         for seed, sign in dangling:
             prg.add_mask(z, seed, sign)
         self._stage = Stage.DONE
-        self._result = z
         return z
 
 
