@@ -78,12 +78,20 @@ class RingEndpoint(Protocol):
 
 
 class RingBroken(Exception):
-    """The ring could not finish; ``suspect`` is the member blamed, when one is known."""
+    """The ring could not finish.
 
-    def __init__(self, reason: str, suspect: str | None = None) -> None:
+    ``suspect`` is the member this node blames, when it blames one (an unreachable
+    successor, a silent or malformed predecessor); ``suspects`` adds the members
+    blamed by the aborts of other members received so far.
+    """
+
+    def __init__(
+        self, reason: str, suspect: str | None = None, suspects: frozenset[str] = frozenset()
+    ) -> None:
         super().__init__(reason if suspect is None else f"{reason} (suspect: {suspect})")
         self.reason = reason
         self.suspect = suspect
+        self.suspects = suspects | ({suspect} if suspect is not None else set())
 
 
 def ring_order(members: Sequence[str] | set[str] | frozenset[str], round: int) -> list[str]:
@@ -138,6 +146,7 @@ _Key = tuple[str, int, bytes, int, int, str]  # run, round, ring id, phase, step
 class _RoundBox:
     chunks: dict[_Key, asyncio.Future[bytes]] = field(default_factory=dict)
     aborts: dict[bytes, asyncio.Event] = field(default_factory=dict)
+    suspects: dict[bytes, set[str]] = field(default_factory=dict)
     buffered: int = 0
 
 
@@ -202,9 +211,16 @@ class RingReducer:
         box = self._boxes.get((env.run, env.round))
         if box is None:
             raise Refused(RefusalReason.STALE, f"no open round {env.run!r}/{env.round}")
-        if len(env.payload) != 16:
-            raise Refused(RefusalReason.MALFORMED, "abort must carry a 16-byte ring id")
-        box.aborts.setdefault(env.payload, asyncio.Event()).set()
+        rid, blamed = env.payload[:16], env.payload[16:]
+        if len(rid) != 16 or len(blamed) > 1024:
+            raise Refused(RefusalReason.MALFORMED, "abort is a 16-byte ring id and a suspect")
+        try:
+            suspect = blamed.decode("utf-8")
+        except UnicodeDecodeError:
+            raise Refused(RefusalReason.MALFORMED, "abort suspect is not UTF-8") from None
+        if suspect:
+            box.suspects.setdefault(rid, set()).add(suspect)
+        box.aborts.setdefault(rid, asyncio.Event()).set()
         return _ACK
 
     # -- the algorithm ---------------------------------------------------------------
@@ -332,21 +348,32 @@ class RingReducer:
                 await step_once(_PHASE_SCATTER, s, (pos - s) % n, (pos - s - 1) % n)
             for s in range(n - 1):
                 await step_once(_PHASE_GATHER, s, (pos + 1 - s) % n, (pos - s) % n)
-        except RingBroken:
-            await self._broadcast_abort(order, rid, run=run, round=round, timeout=timeout)
-            raise
+        except RingBroken as exc:
+            await self._broadcast_abort(
+                order, rid, exc.suspect, run=run, round=round, timeout=timeout
+            )
+            known = frozenset(box.suspects.get(rid, set()) & set(order))
+            raise RingBroken(exc.reason, exc.suspect, known) from exc
         return acc
 
     async def _broadcast_abort(
-        self, order: Sequence[str], rid: bytes, *, run: str, round: int, timeout: float
+        self,
+        order: Sequence[str],
+        rid: bytes,
+        suspect: str | None,
+        *,
+        run: str,
+        round: int,
+        timeout: float,
     ) -> None:
-        """Tell every other member to stop waiting on this ring (best effort)."""
+        """Tell every other member to stop waiting on this ring, and whom it blames."""
         me = self.endpoint.org_id
+        payload = rid + (suspect or "").encode("utf-8")
 
         async def one(peer: str) -> None:
             with contextlib.suppress(TransportError):
                 await self.endpoint.send(
-                    peer, KIND_ABORT, rid, run=run, round=round, stage="reduce", timeout=timeout
+                    peer, KIND_ABORT, payload, run=run, round=round, stage="reduce", timeout=timeout
                 )
 
-        await asyncio.gather(*(one(p) for p in order if p != me))
+        await asyncio.gather(*(one(p) for p in order if p not in (me, suspect)))

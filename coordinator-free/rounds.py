@@ -1,0 +1,1072 @@
+"""The leaderless round engine: agree on a round, run the masked sum, reduce along a ring.
+
+Every org node runs one :class:`RoundEngine`. There is no coordinator: each stage is a
+signed exchange among the participants, and every decision that must be shared (who
+takes part, who dropped) is made by **view agreement**. A round of ``run_round``
+(``docs/ARCHITECTURE.md``, "A round", steps 1, 3-5):
+
+1. **ready** — the node broadcasts a signed ``round.ready`` carrying its
+   ``AdvertiseKeys`` message (Bonawitz et al., CCS'17, §4 round 0) and collects the
+   others' until the ready deadline (or until every member answered).
+2. **agree on U1** — the participants follow deterministically from the ``ready``
+   messages seen; each node sends every other participant its view (the sorted set
+   and its SHA-256) inside a signed envelope. When every view received equals the
+   node's own, the set is agreed; otherwise the node retries with the intersection of
+   the views it got (never silently summing over a split view), up to
+   ``max_view_attempts`` times. The ring order is ``SHA-256(round || org_id)``.
+3. **share keys** — the Shamir shares of the self-mask seed and of the mask key,
+   encrypted to each holder (§4 round 1), point to point; the set of orgs whose
+   shares arrived (``U2``) is agreed the same way.
+4. **masked input, reduce** — each node masks its input (§4 round 2) and the masked
+   vectors are summed by :class:`~coordinator_free.ring.RingReducer`. If the ring
+   breaks (a member died or stalled), every node proposes the members it still
+   reaches, the survivors agree on them and the ring runs again over their masked
+   vectors, which each still holds.
+5. **unmask** — the survivors ``U3`` are agreed, each releases the self-mask shares of
+   survivors and the mask-key shares of the dropped (§4 round 4) — once per round,
+   so one honest node never releases both kinds of share for one org — and every
+   node removes the masks from the same masked sum: every survivor holds the same
+   sum. At least ``t`` survivors are needed at every stage, or the round fails with
+   :class:`RoundFailed` and a reason.
+
+After the strategy steps, :meth:`RoundEngine.check_model_hash` gossips the digest of
+the next model among the participants and raises :class:`ModelHashMismatch` when any
+differs, stopping the run loudly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import struct
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+from coordinator_free.endpoint import Endpoint
+from coordinator_free.errors import CoordinatorFreeError, RefusalReason, Refused, TransportError
+from coordinator_free.identity import verify_signature
+from coordinator_free.ring import RingBroken, RingReducer, RingStats, ring_order
+from coordinator_free.wire import Envelope
+
+from secure_agg.codec import FixedPointCodec
+from secure_agg.errors import SecAggError
+from secure_agg.keys import RoundContext
+from secure_agg.messages import AdvertiseKeys, Message, ShareKeys, UnmaskShares
+from secure_agg.protocol import ProtocolConfig, SecAggPeer
+
+__all__ = [
+    "KIND_MODEL",
+    "KIND_READY",
+    "KIND_SHARE",
+    "KIND_UNMASK",
+    "KIND_VIEW",
+    "MaskedSum",
+    "ModelHashMismatch",
+    "RoundConfig",
+    "RoundEngine",
+    "RoundFailed",
+    "RoundResult",
+    "SecAggSession",
+    "SessionContext",
+    "SessionFactory",
+    "StageHook",
+    "View",
+    "endpoint_signer",
+    "secagg_sessions",
+    "view_hash",
+]
+
+logger = logging.getLogger(__name__)
+
+KIND_READY = "round.ready"
+KIND_VIEW = "round.view"
+KIND_SHARE = "round.share"
+KIND_UNMASK = "round.unmask"
+KIND_MODEL = "round.model"
+
+_HASH = 32
+
+
+class RoundFailed(CoordinatorFreeError):
+    """The round could not complete; ``stage`` is where, ``reason`` says why."""
+
+    def __init__(self, stage: str, reason: str) -> None:
+        super().__init__(f"round failed at {stage}: {reason}")
+        self.stage = stage
+        self.reason = reason
+
+
+class ModelHashMismatch(CoordinatorFreeError):
+    """Some participants hold a different next model than this node: stop the run."""
+
+    def __init__(self, run: str, round: int, mine: bytes, differing: Mapping[str, bytes]) -> None:
+        names = ", ".join(f"{o}={d.hex()[:12]}" for o, d in sorted(differing.items()))
+        super().__init__(
+            f"model hash mismatch after {run!r} round {round}: mine {mine.hex()[:12]}, {names}"
+        )
+        self.run = run
+        self.round = round
+        self.mine = mine
+        self.differing = dict(differing)
+
+
+@dataclass(frozen=True)
+class RoundConfig:
+    """Timing and thresholds of the round engine.
+
+    ready_timeout: seconds the ready stage waits when ``run_round`` gets no deadline.
+    stage_timeout: seconds a stage waits for the other participants' messages.
+    step_timeout: seconds one ring step waits for the predecessor's chunk.
+    send_timeout: seconds one send waits for its reply.
+    threshold: the Shamir threshold ``t``, the fewest survivors a round can finish
+        with; ``None`` means a majority of the agreed participants, ``|U1| // 2 + 1``.
+    min_participants: the fewest participants a round starts with (at least 2).
+    max_view_attempts: how many times one view agreement is retried.
+    max_reduce_attempts: how many times the ring runs, the first time included.
+    lookahead_rounds: how many rounds ahead of its last one a node buffers messages.
+    """
+
+    ready_timeout: float = 5.0
+    stage_timeout: float = 10.0
+    step_timeout: float = 10.0
+    send_timeout: float = 10.0
+    threshold: int | None = None
+    min_participants: int = 2
+    max_view_attempts: int = 3
+    max_reduce_attempts: int = 3
+    lookahead_rounds: int = 2
+
+    def __post_init__(self) -> None:
+        for name in (
+            "ready_timeout",
+            "stage_timeout",
+            "step_timeout",
+            "send_timeout",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"RoundConfig.{name} must be a positive number, got {value!r}")
+        if self.threshold is not None and (
+            not isinstance(self.threshold, int) or self.threshold < 2
+        ):
+            raise ValueError(f"RoundConfig.threshold must be None or >= 2, got {self.threshold!r}")
+        if self.min_participants < 2:
+            raise ValueError("RoundConfig.min_participants must be at least 2")
+        for name in ("max_view_attempts", "max_reduce_attempts", "lookahead_rounds"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RoundConfig.{name} must be at least 1")
+
+    def threshold_for(self, n_participants: int) -> int:
+        """``t`` for a round with ``n_participants`` agreed participants."""
+        return self.threshold if self.threshold is not None else n_participants // 2 + 1
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """What one completed round gives the org node.
+
+    sum: the unmasked sum of the survivors' inputs, as the session returns it.
+    participants: the agreed participants ``U1``, in ring order.
+    survivors: the orgs whose inputs are in ``sum`` (``U3``), in ring order.
+    dropped: participants whose inputs are not in ``sum``, sorted.
+    threshold: the ``t`` the round ran with.
+    bytes_sent: payload bytes this node's engine sent (envelopes not counted).
+    messages_sent: messages this node's engine sent.
+    ring_bytes_sent: payload bytes of ring chunks among ``bytes_sent``.
+    ring_attempts: how many times the ring ran.
+    stage_times: seconds spent in each stage.
+    """
+
+    run: str
+    round: int
+    sum: np.ndarray
+    participants: tuple[str, ...]
+    survivors: tuple[str, ...]
+    dropped: tuple[str, ...]
+    threshold: int
+    bytes_sent: int
+    messages_sent: int
+    ring_bytes_sent: int
+    ring_attempts: int
+    stage_times: dict[str, float]
+
+
+@dataclass(frozen=True)
+class SessionContext:
+    """What a masked-sum session is built from.
+
+    participants: ``U0``, every org invited to the round, sorted (the same on every
+    node: the federation's members); threshold: ``t``; vector: this org's input.
+    """
+
+    federation: str
+    run: str
+    round: int
+    org_id: str
+    participants: tuple[str, ...]
+    threshold: int
+    vector: np.ndarray
+
+
+class MaskedSum(Protocol):
+    """One org's side of a masked-sum protocol for one round.
+
+    The engine calls the methods in this order and moves their bytes over the
+    network; ``receive_*`` raise on a message they refuse and leave the session as
+    it was, so the engine leaves that sender out of its view. :class:`SecAggSession`
+    adapts :class:`secure_agg.protocol.SecAggPeer` to it.
+    """
+
+    def advertise(self) -> bytes:
+        """This org's public keys for the round (carried by ``round.ready``)."""
+        ...
+
+    def receive_advert(self, sender: str, data: bytes) -> None:
+        """Take another participant's advertisement."""
+        ...
+
+    def share_keys(self, participants: frozenset[str]) -> Mapping[str, bytes]:
+        """Given the agreed ``U1``, the share message for each other participant."""
+        ...
+
+    def receive_share(self, sender: str, data: bytes) -> None:
+        """Take the share message another participant sent this org."""
+        ...
+
+    def masked_input(self) -> np.ndarray:
+        """This org's masked input (a ring array)."""
+        ...
+
+    def unmask(self, survivors: frozenset[str]) -> bytes:
+        """The shares this org releases, given the agreed survivors ``U3``."""
+        ...
+
+    def receive_release(self, sender: str, data: bytes) -> None:
+        """Take the shares another survivor released."""
+        ...
+
+    def unmasked_sum(self, masked_sum: np.ndarray) -> np.ndarray:
+        """The sum of the survivors' inputs, from the ring's sum of masked inputs."""
+        ...
+
+
+SessionFactory = Callable[[SessionContext], MaskedSum]
+SignFn = Callable[[bytes], bytes]
+VerifyFn = Callable[[str, bytes, bytes], bool]
+RandomBytes = Callable[[int], bytes]
+
+
+class SecAggSession:
+    """:class:`MaskedSum` over :class:`secure_agg.protocol.SecAggPeer` (Bonawitz §4).
+
+    The peer's stage machine does the cryptography and refuses anything out of order
+    or malformed; this adapter only decodes messages and closes each stage when the
+    engine has agreed on it. A float input is encoded with ``codec`` (clip, scale,
+    stochastic rounding; ``codec.max_summands`` must cover the participants) and the
+    sum decoded back; a ring input (``uint32`` / ``uint64``) is summed as it is.
+    """
+
+    def __init__(
+        self,
+        ctx: SessionContext,
+        sign: SignFn,
+        verify: VerifyFn,
+        *,
+        codec: FixedPointCodec | None = None,
+        rng: RandomBytes | None = None,
+        encode_rng: np.random.Generator | None = None,
+    ) -> None:
+        x = np.asarray(ctx.vector)
+        self.codec: FixedPointCodec | None = None
+        if np.issubdtype(x.dtype, np.floating):
+            if codec is None:
+                raise ValueError("a float input needs a FixedPointCodec to enter the ring")
+            if codec.max_summands < len(ctx.participants):
+                raise ValueError(
+                    f"codec.max_summands={codec.max_summands} is below the "
+                    f"{len(ctx.participants)} participants: the sum could wrap"
+                )
+            self.codec = codec
+            x = codec.encode(x, encode_rng if encode_rng is not None else np.random.default_rng())
+            bits = codec.bits
+        elif x.dtype == np.dtype(np.uint32) or x.dtype == np.dtype(np.uint64):
+            bits = x.dtype.itemsize * 8
+        else:
+            raise ValueError(f"inputs are float arrays or ring arrays, not {x.dtype}")
+        config = ProtocolConfig(
+            ctx=RoundContext(ctx.federation, ctx.run, ctx.round),
+            participants=ctx.participants,
+            threshold=ctx.threshold,
+            vector_length=int(x.shape[0]),
+            bits=bits,
+        )
+        self._x = x
+        self.peer = SecAggPeer(config, ctx.org_id, sign, verify, rng=rng)
+
+    @staticmethod
+    def _decode(kind: type[Message], sender: str, data: bytes) -> Message:
+        msg = kind.from_bytes(data)
+        if msg.sender != sender:
+            raise ValueError(f"a {kind.__name__} signed as {msg.sender!r} came from {sender!r}")
+        return msg
+
+    def advertise(self) -> bytes:
+        return self.peer.advertise_keys().to_bytes()
+
+    def receive_advert(self, sender: str, data: bytes) -> None:
+        msg = self._decode(AdvertiseKeys, sender, data)
+        assert isinstance(msg, AdvertiseKeys)
+        self.peer.receive_advertise(msg)
+
+    def share_keys(self, participants: frozenset[str]) -> Mapping[str, bytes]:
+        self.peer.close_advertise()
+        return {o: m.to_bytes() for o, m in self.peer.share_keys().items() if o in participants}
+
+    def receive_share(self, sender: str, data: bytes) -> None:
+        msg = self._decode(ShareKeys, sender, data)
+        assert isinstance(msg, ShareKeys)
+        self.peer.receive_shares(msg)
+
+    def masked_input(self) -> np.ndarray:
+        self.peer.close_shares()
+        return self.peer.masked_input(self._x)
+
+    def unmask(self, survivors: frozenset[str]) -> bytes:
+        return self.peer.unmask(survivors).to_bytes()
+
+    def receive_release(self, sender: str, data: bytes) -> None:
+        msg = self._decode(UnmaskShares, sender, data)
+        assert isinstance(msg, UnmaskShares)
+        self.peer.receive_unmask(msg)
+
+    def unmasked_sum(self, masked_sum: np.ndarray) -> np.ndarray:
+        total = self.peer.finalize(masked_sum)
+        return self.codec.decode(total) if self.codec is not None else total
+
+
+def endpoint_signer(endpoint: Endpoint) -> tuple[SignFn, VerifyFn]:
+    """Sign with the endpoint's org identity; verify against the federation's member keys."""
+
+    def verify(sender: str, data: bytes, signature: bytes) -> bool:
+        key = endpoint.guard.members().get(sender)
+        return key is not None and verify_signature(key, data, signature)
+
+    return endpoint.identity.sign, verify
+
+
+def secagg_sessions(
+    sign: SignFn,
+    verify: VerifyFn,
+    *,
+    codec: FixedPointCodec | None = None,
+    seed: int | None = None,
+) -> SessionFactory:
+    """A :data:`SessionFactory` of :class:`SecAggSession`.
+
+    ``seed`` makes every key, mask seed, Shamir coefficient and rounding draw a
+    deterministic function of ``(seed, org, round)``; for test vectors and the
+    simulator only, never in a deployment.
+    """
+
+    def factory(ctx: SessionContext) -> MaskedSum:
+        rng: RandomBytes | None = None
+        encode_rng: np.random.Generator | None = None
+        if seed is not None:
+            material = hashlib.sha256(
+                f"{seed}\x00{ctx.run}\x00{ctx.round}\x00{ctx.org_id}".encode()
+            ).digest()
+            gen = np.random.default_rng(list(material))
+            encode_rng = np.random.default_rng(list(material[::-1]))
+
+            def rng(k: int) -> bytes:
+                return gen.bytes(k)
+
+        return SecAggSession(ctx, sign, verify, codec=codec, rng=rng, encode_rng=encode_rng)
+
+    return factory
+
+
+StageHook = Callable[[str, str, int, str], Awaitable[None]]
+"""``hook(org_id, run, round, stage)``, awaited as each stage (and ring step) begins."""
+
+
+@dataclass(frozen=True)
+class View:
+    """One node's proposal for a set agreed in a stage: the members and a flag."""
+
+    tag: str
+    attempt: int
+    members: frozenset[str]
+    flag: bool = True
+
+    def digest(self) -> bytes:
+        return view_hash(self.tag, self.members, self.flag)
+
+    def to_bytes(self) -> bytes:
+        tag = self.tag.encode("utf-8")
+        parts = [
+            struct.pack(">H", len(tag)),
+            tag,
+            struct.pack(">IBI", self.attempt, self.flag, len(self.members)),
+        ]
+        for org in sorted(self.members):
+            raw = org.encode("utf-8")
+            parts += [struct.pack(">H", len(raw)), raw]
+        parts.append(self.digest())
+        return b"".join(parts)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> View:
+        """Decode a view; ``ValueError`` on anything but a canonical encoding."""
+        try:
+            pos = 0
+            (n,) = struct.unpack_from(">H", data, pos)
+            pos += 2
+            tag = data[pos : pos + n].decode("utf-8")
+            pos += n
+            attempt, flag, count = struct.unpack_from(">IBI", data, pos)
+            pos += 9
+            if flag > 1 or count > len(data):
+                raise ValueError("bad flag or count")
+            members: list[str] = []
+            for _ in range(count):
+                (n,) = struct.unpack_from(">H", data, pos)
+                pos += 2
+                members.append(data[pos : pos + n].decode("utf-8"))
+                pos += n
+            digest = data[pos:]
+        except (struct.error, UnicodeDecodeError) as exc:
+            raise ValueError(f"malformed view: {exc}") from None
+        if members != sorted(set(members)):
+            raise ValueError("view members must be sorted and distinct")
+        view = cls(tag, attempt, frozenset(members), bool(flag))
+        if digest != view.digest():
+            raise ValueError("view digest does not match its members")
+        return view
+
+
+def view_hash(tag: str, members: Iterable[str], flag: bool = True) -> bytes:
+    """SHA-256 over a stage tag, the sorted member set and a flag (the signed view hash)."""
+    h = hashlib.sha256(b"fedweave/view\x00")
+    for part in (tag, *sorted(members)):
+        raw = part.encode("utf-8")
+        h.update(struct.pack(">H", len(raw)) + raw)
+    h.update(b"\x01" if flag else b"\x00")
+    return h.digest()
+
+
+class _Inbox:
+    """Messages of one round by key and sender; first message per (key, sender) wins."""
+
+    def __init__(self) -> None:
+        self._items: dict[tuple[str, ...], dict[str, bytes]] = {}
+        self._events: dict[tuple[str, ...], asyncio.Event] = {}
+
+    def put(self, key: tuple[str, ...], sender: str, payload: bytes) -> bool:
+        box = self._items.setdefault(key, {})
+        if sender in box:
+            return False
+        box[sender] = payload
+        self._events.setdefault(key, asyncio.Event()).set()
+        return True
+
+    def get(self, key: tuple[str, ...]) -> dict[str, bytes]:
+        return dict(self._items.get(key, {}))
+
+    async def wait(
+        self, key: tuple[str, ...], senders: Iterable[str], deadline: float
+    ) -> dict[str, bytes]:
+        """What ``senders`` posted under ``key`` once all did, or at ``deadline`` (loop time)."""
+        wanted = set(senders)
+        event = self._events.setdefault(key, asyncio.Event())
+        loop = asyncio.get_running_loop()
+        while True:
+            event.clear()
+            box = self._items.get(key, {})
+            if wanted <= box.keys():
+                break
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), remaining)
+        box = self._items.get(key, {})
+        return {s: box[s] for s in wanted if s in box}
+
+
+@dataclass
+class _RoundState:
+    run: str
+    round: int
+    inbox: _Inbox = field(default_factory=_Inbox)
+    released_for: frozenset[str] | None = None
+    # per stage tag, the set (and flag) this node settled on, and the views it has sent
+    decided: dict[str, tuple[frozenset[str], bool]] = field(default_factory=dict)
+    views_sent: set[tuple[str, int, str]] = field(default_factory=set)
+
+
+@dataclass
+class _Counters:
+    bytes_sent: int = 0
+    messages_sent: int = 0
+    ring: RingStats = field(default_factory=RingStats)
+
+
+class RoundEngine:
+    """Runs leaderless secure-aggregation rounds for one org over its :class:`Endpoint`.
+
+    peers: the org ids that may take part (the manifest's members, or the membership
+    layer's live view); this org may be among them. session_factory builds this org's
+    masked-sum session for a round. hook: the simulator's fault-injection seam.
+    """
+
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        peers: Callable[[], Iterable[str]],
+        session_factory: SessionFactory,
+        config: RoundConfig | None = None,
+        *,
+        clock: Callable[[], float] = time.time,
+        hook: StageHook | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.peers = peers
+        self.session_factory = session_factory
+        self.config = config or RoundConfig()
+        self.clock = clock
+        self.hook = hook
+        self.ring = RingReducer(endpoint)
+        self._states: dict[tuple[str, int], _RoundState] = {}
+        self._last_done: dict[str, int] = {}
+        self._model_hashes: dict[tuple[str, int], dict[str, bytes]] = {}
+        self._model_events: dict[tuple[str, int], asyncio.Event] = {}
+        self._background: set[asyncio.Future[set[str]]] = set()
+        for kind, handler in (
+            (KIND_READY, self._on_ready),
+            (KIND_VIEW, self._on_view),
+            (KIND_SHARE, self._on_share),
+            (KIND_UNMASK, self._on_unmask),
+            (KIND_MODEL, self._on_model),
+        ):
+            endpoint.on(kind, handler)
+
+    @property
+    def org_id(self) -> str:
+        return self.endpoint.org_id
+
+    # -- round state --------------------------------------------------------------------
+
+    def _state(self, run: str, round: int) -> _RoundState:
+        """The state of ``(run, round)``, created on first contact; refuses wrong rounds."""
+        key = (run, round)
+        state = self._states.get(key)
+        if state is not None:
+            return state
+        last = self._last_done.get(run)
+        if last is not None and round <= last:
+            raise Refused(RefusalReason.STALE, f"round {round} of {run!r} is over")
+        if last is not None and round > last + self.config.lookahead_rounds:
+            raise Refused(RefusalReason.STALE, f"round {round} of {run!r} is too far ahead")
+        if len(self._states) >= 2 * self.config.lookahead_rounds + 2:
+            raise Refused(RefusalReason.STALE, "too many rounds open")
+        state = _RoundState(run, round)
+        self._states[key] = state
+        self.ring.open(run, round)
+        return state
+
+    def _finish(self, run: str, round: int) -> None:
+        last = self._last_done.get(run)
+        self._last_done[run] = round if last is None else max(last, round)
+        for key in [k for k in self._states if k[0] == run and k[1] <= round]:
+            del self._states[key]
+            self.ring.close(*key)
+
+    # -- handlers -----------------------------------------------------------------------
+
+    async def _on_ready(self, env: Envelope) -> bytes:
+        state = self._state(env.run, env.round)
+        if not state.inbox.put(("ready",), env.sender, env.payload):
+            raise Refused(RefusalReason.REPLAY, "second ready for this round")
+        return b""
+
+    async def _on_view(self, env: Envelope) -> bytes:
+        state = self._state(env.run, env.round)
+        try:
+            view = View.from_bytes(env.payload)
+        except ValueError as exc:
+            raise Refused(RefusalReason.MALFORMED, str(exc)) from None
+        if not _known_tag(view.tag, self.config) or view.attempt >= self.config.max_view_attempts:
+            raise Refused(RefusalReason.MALFORMED, f"unknown view {view.tag!r}/{view.attempt}")
+        if not state.inbox.put(("view", view.tag, str(view.attempt)), env.sender, env.payload):
+            raise Refused(RefusalReason.REPLAY, "second view for this stage")
+        settled = state.decided.get(view.tag)
+        if settled is not None and (view.tag, view.attempt, env.sender) not in state.views_sent:
+            # this node settled the stage already (all it heard agreed); a peer that
+            # heard less is retrying: answer with the settled view so it can converge
+            state.views_sent.add((view.tag, view.attempt, env.sender))
+            answer = View(view.tag, view.attempt, settled[0], settled[1]).to_bytes()
+            task = asyncio.ensure_future(
+                self._broadcast(
+                    _Counters(),
+                    [env.sender],
+                    KIND_VIEW,
+                    answer,
+                    run=env.run,
+                    round=env.round,
+                    stage=view.tag,
+                )
+            )
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        return b""
+
+    async def _on_share(self, env: Envelope) -> bytes:
+        state = self._state(env.run, env.round)
+        if len(env.payload) < _HASH:
+            raise Refused(RefusalReason.MALFORMED, "share without a view hash")
+        if not state.inbox.put(("share",), env.sender, env.payload):
+            raise Refused(RefusalReason.REPLAY, "second share for this round")
+        return b""
+
+    async def _on_unmask(self, env: Envelope) -> bytes:
+        return self._put_bound(env, "unmask")
+
+    def _put_bound(self, env: Envelope, what: str) -> bytes:
+        """File a message bound to an agreed view by its leading 32-byte view hash."""
+        state = self._state(env.run, env.round)
+        if len(env.payload) < _HASH:
+            raise Refused(RefusalReason.MALFORMED, f"{what} without a view hash")
+        key = (what, env.payload[:_HASH].hex())
+        if not state.inbox.put(key, env.sender, env.payload[_HASH:]):
+            raise Refused(RefusalReason.REPLAY, f"second {what} for this view")
+        return b""
+
+    async def _on_model(self, env: Envelope) -> bytes:
+        if len(env.payload) != _HASH:
+            raise Refused(RefusalReason.MALFORMED, "a model hash is 32 bytes")
+        last = self._last_done.get(env.run)
+        if last is not None and not last - 8 <= env.round <= last + self.config.lookahead_rounds:
+            raise Refused(RefusalReason.STALE, f"model hash of round {env.round} is out of range")
+        key = (env.run, env.round)
+        hashes = self._model_hashes.setdefault(key, {})
+        if env.sender in hashes:
+            raise Refused(RefusalReason.REPLAY, "second model hash for this round")
+        hashes[env.sender] = env.payload
+        self._model_events.setdefault(key, asyncio.Event()).set()
+        while len(self._model_hashes) > 16:
+            oldest = min(self._model_hashes, key=lambda k: k[1])
+            del self._model_hashes[oldest]
+            self._model_events.pop(oldest, None)
+        return b""
+
+    # -- sending ------------------------------------------------------------------------
+
+    async def _send(
+        self,
+        counters: _Counters,
+        peer: str,
+        kind: str,
+        payload: bytes,
+        *,
+        run: str,
+        round: int,
+        stage: str,
+        timeout: float | None = None,
+    ) -> bytes:
+        counters.bytes_sent += len(payload)
+        counters.messages_sent += 1
+        return await self.endpoint.send(
+            peer,
+            kind,
+            payload,
+            run=run,
+            round=round,
+            stage=stage,
+            timeout=timeout or self.config.send_timeout,
+        )
+
+    async def _broadcast(
+        self,
+        counters: _Counters,
+        peers: Iterable[str],
+        kind: str,
+        payload: bytes | Mapping[str, bytes],
+        *,
+        run: str,
+        round: int,
+        stage: str,
+        timeout: float | None = None,
+    ) -> set[str]:
+        """Send to every peer at once; return the peers that failed to take it."""
+        failed: set[str] = set()
+
+        async def one(peer: str) -> None:
+            data = payload if isinstance(payload, bytes) else payload[peer]
+            try:
+                await self._send(
+                    counters, peer, kind, data, run=run, round=round, stage=stage, timeout=timeout
+                )
+            except TransportError as exc:
+                logger.info("%s: %s to %s failed: %s", self.org_id, kind, peer, exc)
+                failed.add(peer)
+
+        await asyncio.gather(*(one(p) for p in peers if p != self.org_id))
+        return failed
+
+    # -- agreement ----------------------------------------------------------------------
+
+    async def _agree(
+        self,
+        state: _RoundState,
+        counters: _Counters,
+        tag: str,
+        proposal: frozenset[str],
+        flag: bool = True,
+    ) -> tuple[frozenset[str], bool]:
+        """Agree on a set with the other members of ``proposal`` (see the module docstring).
+
+        Returns ``(members, flag)`` once every member's view equals this node's; the
+        flag of a view is the AND of the flags seen. Raises :class:`RoundFailed` when
+        this node is left out or the views do not converge.
+        """
+        me = self.org_id
+        view, ok = proposal, flag
+        loop = asyncio.get_running_loop()
+        for attempt in range(self.config.max_view_attempts):
+            mine = View(tag, attempt, view, ok)
+            others = sorted(view - {me})
+            state.views_sent.update((tag, attempt, o) for o in others)
+            failed = await self._broadcast(
+                counters,
+                others,
+                KIND_VIEW,
+                mine.to_bytes(),
+                run=state.run,
+                round=state.round,
+                stage=tag,
+            )
+            got = await state.inbox.wait(
+                ("view", tag, str(attempt)), others, loop.time() + self.config.stage_timeout
+            )
+            views = {o: View.from_bytes(p) for o, p in got.items()}
+            missing = (set(others) - set(views)) | failed
+            if not missing and all(v.members == view and v.flag == ok for v in views.values()):
+                state.decided[tag] = (view, ok)
+                return view, ok
+            new = set(view) - missing
+            for v in views.values():
+                new &= v.members
+                ok = ok and v.flag
+            logger.info(
+                "%s: views of %s differ at attempt %d (missing %s); retrying with %d members",
+                me,
+                tag,
+                attempt,
+                sorted(missing),
+                len(new),
+            )
+            if me not in new:
+                raise RoundFailed(tag, "the other participants' views leave this node out")
+            view = frozenset(new)
+        raise RoundFailed(
+            tag, f"views did not agree after {self.config.max_view_attempts} attempts (split view)"
+        )
+
+    # -- the round ----------------------------------------------------------------------
+
+    async def _enter(self, run: str, round: int, stage: str) -> None:
+        if self.hook is not None:
+            await self.hook(self.org_id, run, round, stage)
+
+    async def run_round(
+        self,
+        run: str,
+        round: int,
+        vector: np.ndarray,
+        *,
+        deadline: float | None = None,
+    ) -> RoundResult:
+        """Take part in round ``round`` of ``run`` with ``vector``; every survivor gets the same sum.
+
+        ``deadline`` is the clock time (``clock()``) by which ``ready`` messages must
+        be seen; ``None`` means ``ready_timeout`` from now. Raises :class:`RoundFailed`
+        with the stage and the reason when the round cannot complete. Whatever the
+        outcome, the round is closed afterwards: its late messages are refused and the
+        next round starts clean.
+        """
+        if not run:
+            raise ValueError("run must be a non-empty string")
+        try:
+            state = self._state(run, round)
+        except Refused as exc:
+            raise RoundFailed("ready", f"round {round} of {run!r} cannot start: {exc}") from None
+        try:
+            return await self._run(state, vector, deadline)
+        finally:
+            self._finish(run, round)
+
+    async def _run(
+        self, state: _RoundState, vector: np.ndarray, deadline: float | None
+    ) -> RoundResult:
+        me, run, rnd, cfg = self.org_id, state.run, state.round, self.config
+        counters = _Counters()
+        times: dict[str, float] = {}
+        loop = asyncio.get_running_loop()
+        t_stage = time.perf_counter()
+
+        def lap(stage: str) -> None:
+            nonlocal t_stage
+            now = time.perf_counter()
+            times[stage] = times.get(stage, 0.0) + now - t_stage
+            t_stage = now
+
+        # 1. ready
+        await self._enter(run, rnd, "ready")
+        u0 = tuple(sorted(set(self.peers()) | {me}))
+        t = cfg.threshold_for(len(u0))
+        if not 2 <= t <= len(u0):
+            raise RoundFailed("ready", f"threshold {t} does not fit {len(u0)} members")
+        session = self.session_factory(
+            SessionContext(self.endpoint.federation, run, rnd, me, u0, t, vector)
+        )
+        h0 = view_hash("members", u0)
+        advert = session.advertise()
+        state.inbox.put(("ready",), me, h0 + advert)
+        await self._broadcast(
+            counters, u0, KIND_READY, h0 + advert, run=run, round=rnd, stage="ready"
+        )
+        wait_s = (deadline - self.clock()) if deadline is not None else cfg.ready_timeout
+        readies = await state.inbox.wait(("ready",), u0, loop.time() + max(0.0, wait_s))
+        ready_set = {me}
+        for org, payload in sorted(readies.items()):
+            if org == me:
+                continue
+            if payload[:_HASH] != h0:
+                logger.warning("%s: %s is ready with another member list; left out", me, org)
+                continue
+            if self._accept(session.receive_advert, org, payload[_HASH:], "advertisement"):
+                ready_set.add(org)
+        lap("ready")
+
+        # 2. share keys, carrying this node's view of the participants
+        await self._enter(run, rnd, "share")
+        view1 = frozenset(ready_set)
+        if len(view1) < max(t, cfg.min_participants):
+            raise RoundFailed(
+                "ready",
+                f"{len(view1)} participants are ready, fewer than "
+                f"{max(t, cfg.min_participants)} (threshold t={t})",
+            )
+        h1 = view_hash("ready", view1)
+        try:
+            outgoing = session.share_keys(view1)
+        except (SecAggError, ValueError) as exc:
+            raise RoundFailed("share", f"cannot share keys: {exc}") from exc
+        await self._broadcast(
+            counters,
+            sorted(view1 - {me}),
+            KIND_SHARE,
+            {o: h1 + outgoing[o] for o in view1 if o != me},
+            run=run,
+            round=rnd,
+            stage="share",
+        )
+        shares = await state.inbox.wait(("share",), view1 - {me}, loop.time() + cfg.stage_timeout)
+        lap("share")
+
+        # 3. agree on the participants U1: settled at once when every share came with
+        # this node's view hash, by explicit view agreement otherwise
+        await self._enter(run, rnd, "agree-ready")
+        if shares.keys() == view1 - {me} and all(p[:_HASH] == h1 for p in shares.values()):
+            u1 = view1
+            state.decided["ready"] = (u1, True)
+        else:
+            u1, _ = await self._agree(state, counters, "ready", view1)
+            if len(u1) < t:
+                raise RoundFailed("ready", f"{len(u1)} participants agreed, fewer than t={t}")
+            shares = state.inbox.get(("share",))
+        share_set = {me}
+        for org, payload in sorted(shares.items()):
+            if org in u1 and self._accept(session.receive_share, org, payload[_HASH:], "share"):
+                share_set.add(org)
+        u2 = frozenset(share_set)
+        if len(u2) < t:
+            raise RoundFailed("share", f"{len(u2)} orgs shared their keys, fewer than t={t}")
+        lap("agree-ready")
+
+        # 4. masked input and the ring
+        await self._enter(run, rnd, "mask")
+        try:
+            masked = session.masked_input()
+        except (SecAggError, ValueError) as exc:
+            raise RoundFailed("mask", f"cannot mask the input: {exc}") from exc
+        lap("mask")
+        members = u2
+        total: np.ndarray | None = None
+        attempt = 0
+        while total is None:
+            if attempt >= cfg.max_reduce_attempts:
+                raise RoundFailed("reduce", f"the ring broke {attempt} times")
+            await self._enter(run, rnd, "reduce")
+            order = ring_order(members, rnd)
+            acc: np.ndarray | None = None
+            suspects: frozenset[str] = frozenset()
+            try:
+                acc = await self.ring.allreduce(
+                    order,
+                    masked,
+                    run=run,
+                    round=rnd,
+                    attempt=attempt,
+                    timeout=cfg.step_timeout,
+                    stats=counters.ring,
+                    on_step=self._step_hook(run, rnd),
+                )
+            except RingBroken as exc:
+                logger.info("%s: ring attempt %d broke: %s", me, attempt, exc)
+                suspects = exc.suspects - {me}
+            lap("reduce")
+            await self._enter(run, rnd, "agree-reduce")
+            proposal = members - suspects
+            agreed, completed = await self._agree(
+                state, counters, f"reduce:{attempt}", proposal, acc is not None
+            )
+            lap("agree-reduce")
+            if completed and agreed == members and acc is not None:
+                total = acc
+            else:
+                members = agreed
+                if len(members) < t:
+                    raise RoundFailed(
+                        "reduce", f"{len(members)} survivors, fewer than the threshold t={t}"
+                    )
+            attempt += 1
+
+        # 5. unmask
+        await self._enter(run, rnd, "unmask")
+        u3 = members
+        if state.released_for is not None and state.released_for != u3:
+            raise RoundFailed("unmask", "shares were already released for another survivor set")
+        state.released_for = u3
+        try:
+            release = session.unmask(u3)
+        except (SecAggError, ValueError) as exc:
+            raise RoundFailed("unmask", f"cannot release shares: {exc}") from exc
+        h3 = view_hash("unmask", u3)
+        await self._broadcast(
+            counters,
+            sorted(u3 - {me}),
+            KIND_UNMASK,
+            h3 + release,
+            run=run,
+            round=rnd,
+            stage="unmask",
+        )
+        releases = await state.inbox.wait(
+            ("unmask", h3.hex()), u3 - {me}, loop.time() + cfg.stage_timeout
+        )
+        released = 1 + sum(
+            self._accept(session.receive_release, org, payload, "release")
+            for org, payload in sorted(releases.items())
+        )
+        if released < t:
+            raise RoundFailed("unmask", f"{released} orgs released shares, fewer than t={t}")
+        try:
+            result = session.unmasked_sum(total)
+        except (SecAggError, ValueError) as exc:
+            raise RoundFailed("unmask", f"cannot remove the masks: {exc}") from exc
+        lap("unmask")
+        await self._enter(run, rnd, "done")
+        order1 = tuple(ring_order(u1, rnd))
+        return RoundResult(
+            run=run,
+            round=rnd,
+            sum=result,
+            participants=order1,
+            survivors=tuple(o for o in order1 if o in u3),
+            dropped=tuple(sorted(u1 - u3)),
+            threshold=t,
+            bytes_sent=counters.bytes_sent + counters.ring.bytes_sent,
+            messages_sent=counters.messages_sent + counters.ring.messages_sent,
+            ring_bytes_sent=counters.ring.bytes_sent,
+            ring_attempts=attempt,
+            stage_times=times,
+        )
+
+    def _accept(
+        self, receive: Callable[[str, bytes], None], sender: str, data: bytes, what: str
+    ) -> bool:
+        """Hand one message to the session; a refused one is logged and left out."""
+        try:
+            receive(sender, data)
+        except (SecAggError, ValueError) as exc:
+            logger.warning("%s: refused the %s of %s: %s", self.org_id, what, sender, exc)
+            return False
+        return True
+
+    def _step_hook(self, run: str, round: int) -> Callable[[str, int], Awaitable[None]] | None:
+        hook = self.hook
+        if hook is None:
+            return None
+
+        async def on_step(phase: str, step: int) -> None:
+            await hook(self.org_id, run, round, f"reduce.{phase}.{step}")
+
+        return on_step
+
+    # -- the next model's hash ------------------------------------------------------------
+
+    async def publish_model_hash(
+        self, run: str, round: int, digest: bytes, peers: Iterable[str]
+    ) -> set[str]:
+        """Send the SHA-256 of this node's next model to ``peers``; return those not reached."""
+        if len(digest) != _HASH:
+            raise ValueError("a model hash is a 32-byte SHA-256 digest")
+        return await self._broadcast(
+            _Counters(), sorted(set(peers)), KIND_MODEL, digest, run=run, round=round, stage="model"
+        )
+
+    async def compare_model_hash(
+        self, run: str, round: int, digest: bytes, peers: Iterable[str], *, timeout: float
+    ) -> frozenset[str]:
+        """Wait for ``peers``' model hashes; raise :class:`ModelHashMismatch` on any difference.
+
+        Returns the peers whose hash arrived and matched; a peer that sent nothing
+        within ``timeout`` is not a mismatch (it may have dropped out).
+        """
+        key = (run, round)
+        wanted = set(peers) - {self.org_id}
+        event = self._model_events.setdefault(key, asyncio.Event())
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while True:
+            event.clear()
+            got = self._model_hashes.get(key, {})
+            differing = {o: d for o, d in got.items() if o in wanted and d != digest}
+            if differing:
+                raise ModelHashMismatch(run, round, digest, differing)
+            if wanted <= got.keys() or loop.time() >= end:
+                return frozenset(o for o in wanted if o in got)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), end - loop.time())
+
+    async def check_model_hash(
+        self, run: str, round: int, digest: bytes, peers: Iterable[str], *, timeout: float
+    ) -> frozenset[str]:
+        """Publish this node's model hash, then compare with the peers' (both above)."""
+        peer_set = set(peers) - {self.org_id}
+        await self.publish_model_hash(run, round, digest, peer_set)
+        return await self.compare_model_hash(run, round, digest, peer_set, timeout=timeout)
+
+
+def _known_tag(tag: str, config: RoundConfig) -> bool:
+    if tag in ("ready", "share"):
+        return True
+    prefix, _, num = tag.partition(":")
+    return prefix == "reduce" and num.isdigit() and int(num) < config.max_reduce_attempts
