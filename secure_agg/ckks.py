@@ -348,6 +348,19 @@ def _check_vector(vector: np.ndarray, params: CkksParams) -> np.ndarray:
     return x
 
 
+def _load_chunk(context: ts.Context, bundle: CkksBundle, index: int, slots: int) -> ts.CKKSVector:
+    """Chunk ``index`` of ``bundle`` as a TenSEAL vector; ConfigError if it is not one
+    of the expected size."""
+    expected = min(slots, bundle.length - index * slots)
+    try:
+        vec = ts.ckks_vector_from(context, bundle.chunks[index])
+    except Exception as exc:  # TenSEAL raises bare ValueError/RuntimeError
+        raise ConfigError(f"chunk {index} is not a TenSEAL CKKS vector: {exc}") from exc
+    if vec.size() != expected:
+        raise ConfigError(f"chunk {index} holds {vec.size()} values, expected {expected}")
+    return vec
+
+
 def ckks_encrypt(
     public_context: CkksPublicContext | bytes, vector: np.ndarray, *, contributor: str
 ) -> bytes:
@@ -395,9 +408,9 @@ def ckks_sum(public_context: CkksPublicContext | bytes, bundles: Iterable[bytes]
         contributors.update(bundle.contributors)
     chunks = []
     for i in range(len(first.chunks)):
-        acc = ts.ckks_vector_from(public.context, first.chunks[i])
+        acc = _load_chunk(public.context, first, i, public.params.slots)
         for bundle in parsed[1:]:
-            acc.add_(ts.ckks_vector_from(public.context, bundle.chunks[i]))
+            acc.add_(_load_chunk(public.context, bundle, i, public.params.slots))
         chunks.append(acc.serialize())
     return CkksBundle(
         public.fingerprint, first.length, tuple(sorted(contributors)), tuple(chunks)
@@ -466,12 +479,13 @@ class CkksKeyHolder:
             )
         if self._opened:
             raise KeyHolderRefusal("the key holder opens one aggregate per round")
+        slots = self.params.slots
+        vectors = [_load_chunk(self._secret, bundle, i, slots) for i in range(len(bundle.chunks))]
         self._opened = True
-        out = np.empty(len(bundle.chunks) * self.params.slots, dtype=np.float64)
-        zeros = np.zeros(self.params.slots)
+        out = np.empty(len(bundle.chunks) * slots, dtype=np.float64)
+        zeros = np.zeros(slots)
         pos = 0
-        for chunk in bundle.chunks:
-            vec = ts.ckks_vector_from(self._secret, chunk)
+        for vec in vectors:
             # Re-randomize before decrypting (Li and Micciancio, EUROCRYPT 2021): the
             # released result then carries fresh noise that whoever built the aggregate
             # ciphertext does not know, so (ciphertext, result) is no linear equation in

@@ -167,6 +167,26 @@ def test_released_sum_is_not_the_plain_decryption_of_the_aggregate() -> None:
     assert not np.array_equal(released, plain)
 
 
+def test_malformed_chunks_are_refused_without_using_up_the_round() -> None:
+    holder, ids = _holder(3)
+    a, b = (ckks_encrypt(holder.public, np.ones(5), contributor=i) for i in ids[:2])
+    good = CkksBundle.from_bytes(ckks_add(holder.public, a, b))
+    garbage = CkksBundle(good.fingerprint, 5, good.contributors, (b"not a ciphertext",))
+    with pytest.raises(ConfigError, match="chunk 0 is not"):
+        holder.decrypt_sum(garbage.to_bytes())
+    short = CkksBundle.from_bytes(ckks_encrypt(holder.public, np.ones(3), contributor=ids[2]))
+    resized = CkksBundle(good.fingerprint, 5, good.contributors, short.chunks)
+    with pytest.raises(ConfigError, match="holds 3 values, expected 5"):
+        holder.decrypt_sum(resized.to_bytes())
+    with pytest.raises(ConfigError, match="holds 3 values, expected 5"):
+        ckks_add(
+            holder.public,
+            resized.to_bytes(),
+            ckks_encrypt(holder.public, np.ones(5), contributor=ids[2]),
+        )
+    np.testing.assert_allclose(holder.decrypt_sum(good.to_bytes()), np.full(5, 2.0), atol=TOL)
+
+
 def test_key_holder_rejects_bundles_under_another_key() -> None:
     holder, ids = _holder(2)
     other, _ = _holder(2)
