@@ -86,19 +86,19 @@ class CkksParams:
     TenSEAL 0.3.18 (SEAL's zstd-compressed serialization) on uniform inputs in
     ``[-1, 1]``:
 
-    ===============  ==========  ======  ============  ============  =================
-    N                chain       scale   B/param       max err, 1    max err, 20 summed
-    ===============  ==========  ======  ============  ============  =================
-    8192             (60,40,60)  2^40    57.4          ~1e-8         ~5e-8
-    4096             (40,20,40)  2^20    39.5          ~2e-3         ~7e-3 (5 summed)
-    4096             (60,20)     2^40    32.1          ~3e-9         ~2e-8
-    **4096**         **(50,20)** 2^30    **28.8**      ~3e-6         ~2e-5
-    4096             (40,20)     2^25    24.0          ~1e-4         ~6e-4
-    ===============  ==========  ======  ============  ============  =================
+    ======  ============  =====  =======  ============  =================
+    N       chain         scale  B/param  max err, one  max err, sum of 20
+    ======  ============  =====  =======  ============  =================
+    8192    (60, 40, 60)  2^40   57.4     7e-9          3e-8
+    4096    (40, 20, 40)  2^20   39.5     4e-3          1e-2
+    4096    (60, 20)      2^40   32.1     4e-9          2e-8
+    4096    (50, 20)      2^30   28.8     3e-6          1e-5
+    4096    (40, 20)      2^25   24.0     1e-4          5e-4
+    ======  ============  =====  =======  ============  =================
 
-    ``(50, 20)`` at ``2^30`` is the smallest chain below 32 wire bytes per parameter
-    whose error stays around ``1e-6`` per summand, with room for sums up to
-    ``2^18`` in magnitude (:attr:`max_abs_sum`); ``N = 4096`` encrypts slightly faster
+    ``(50, 20)`` at ``2^30`` is the most precise chain measured under 32 wire bytes per
+    parameter (``(60, 20)`` is just over), about ``3e-6`` per summand, with room for
+    sums up to ``2^18`` in magnitude (:attr:`max_abs_sum`); ``N = 4096`` encrypts slightly faster
     per parameter than 8192 and wastes fewer slots on short vectors. 70 bits of
     modulus is far below the 109 allowed at ``N = 4096`` for 128-bit security.
 
