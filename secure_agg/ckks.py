@@ -13,11 +13,12 @@ TenSEAL has no threshold decryption. The trust model implemented here is a
 * The key holder (:class:`CkksKeyHolder`) makes a fresh key pair for the round and
   publishes the public context only (no secret key).
 * Every participant encrypts its vector with :func:`ckks_encrypt`; ciphertexts are
-  summed along the ring with :func:`ckks_add` (public context only). The chain starts
-  *after* the key holder, so the key holder never receives an individual ciphertext or
-  a partial sum, only the final aggregate bundle, which :meth:`CkksKeyHolder.decrypt_sum`
-  opens once, and only if it is marked as the sum of at least ``threshold`` distinct
-  participants.
+  summed along a chain with :func:`ckks_add` (public context only). The chain
+  (:func:`ring_order`) starts at the key holder, which sends its own ciphertext on,
+  and ends back at it, so the key holder never receives an individual ciphertext or a
+  partial sum, only the final aggregate bundle, which
+  :meth:`CkksKeyHolder.decrypt_sum` opens once, and only if it is marked as the sum of
+  at least ``threshold`` distinct participants.
 
 :func:`simulate_round` runs this flow in process and returns the transcript of
 messages, which is what the tests inspect.
