@@ -325,6 +325,7 @@ class Gossip:
         self._subscribers: dict[str, list[asyncio.Queue[SignedRecord]]] = {}
         self._task: asyncio.Task[None] | None = None
         self._running = False
+        self._stopping = asyncio.Event()
         self.periods = 0
         """Push rounds run so far."""
         self.counters: Counter[str] = Counter()
@@ -367,6 +368,7 @@ class Gossip:
     async def stop(self) -> None:
         """Stop pushing and refuse incoming pushes."""
         self._running = False
+        self._stopping.set()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -572,4 +574,14 @@ class Gossip:
                 raise
             except Exception:  # one failed round must not stop the broadcast
                 logger.exception("%s: gossip round %d failed", self.me, self.periods)
-            await asyncio.sleep(max(0.0, self.config.period_s - (loop.time() - started)))
+            await self._sleep(self.config.period_s - (loop.time() - started))
+
+    async def _sleep(self, seconds: float) -> None:
+        """Sleep until the next period, or until :meth:`stop` (a cancellation can be
+        lost in ``asyncio.wait_for`` on Python 3.11; the event cannot)."""
+        if seconds <= 0:
+            await asyncio.sleep(0)
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await self._stopping.wait()

@@ -367,6 +367,7 @@ class Membership:
         self._task: asyncio.Task[None] | None = None
         self._side_tasks: set[asyncio.Task[Any]] = set()
         self._running = False
+        self._stopping = asyncio.Event()
         self.periods = 0
         """Protocol periods run so far."""
         self.counters: Counter[str] = Counter()
@@ -399,6 +400,7 @@ class Membership:
     async def stop(self) -> None:
         """Stop probing and answering (to others this member then looks failed)."""
         self._running = False
+        self._stopping.set()
         tasks = [t for t in (self._task, *self._side_tasks) if t is not None]
         for task in tasks:
             task.cancel()
@@ -415,10 +417,9 @@ class Membership:
         """
         if self._left:
             return
+        peers = [p for p in self.live(include_suspect=False) if p != self.me]
         self._left = True
         update = Update(self.me, MemberStatus.LEFT, self._incarnation)
-        peers = self.live(include_suspect=False)
-        peers.remove(self.me)
         fanout = min(len(peers), max(self.config.indirect_k, self._retransmit_limit()))
         chosen = self._rng.sample(peers, fanout)
         payload = encode_message(self._incarnation, [update])
@@ -722,4 +723,14 @@ class Membership:
                 raise
             except Exception:  # a bug in one period must not stop failure detection
                 logger.exception("%s: SWIM period %d failed", self.me, self.periods)
-            await asyncio.sleep(max(0.0, self.config.period_s - (loop.time() - started)))
+            await self._sleep(self.config.period_s - (loop.time() - started))
+
+    async def _sleep(self, seconds: float) -> None:
+        """Sleep until the next period, or until :meth:`stop` (a cancellation can be
+        lost in ``asyncio.wait_for`` on Python 3.11; the event cannot)."""
+        if seconds <= 0:
+            await asyncio.sleep(0)
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await self._stopping.wait()
