@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from secure_agg import prg
 from secure_agg.errors import ConfigError
@@ -413,3 +415,32 @@ def test_driver_rejects_bad_drop_and_missing_inputs() -> None:
         run_round(cfg, inputs, {"stranger": Stage.UNMASK})
     with pytest.raises(ConfigError, match="inputs"):
         run_round(cfg, {"org-00": inputs["org-00"]})
+
+
+_FAST_IDS = hmac_identities(orgs(6))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    drops=st.dictionaries(st.sampled_from(orgs(6)), st.sampled_from(DROP_STAGES), max_size=6),
+    seed=st.integers(min_value=0, max_value=2**32 - 1),
+)
+def test_any_dropout_pattern_gives_the_exact_sum_or_a_clean_abort(
+    drops: dict[str, Stage], seed: int
+) -> None:
+    parts = orgs(6)
+    cfg = ProtocolConfig(CTX, parts, 4, 5)
+    inputs = random_inputs(cfg, np.random.default_rng(seed))
+    result = simulate_round(cfg, inputs, drops, seed=seed, identities=_FAST_IDS)
+    survivors = expected_survivors(cfg, drops)
+    releasers = {p for p in parts if p not in drops}  # releasers <= survivors <= sharers
+    if len(releasers) >= 4:
+        assert not result.aborted
+        assert result.survivors == survivors
+        assert np.array_equal(result.total, plain_sum(cfg, inputs, survivors))
+    else:
+        # whichever stage it happens at, every remaining peer aborts and nobody sums
+        assert result.sums == {}
+        assert releasers <= set(result.aborted)
+        assert all(result.peers[p].stage is Stage.ABORTED for p in result.aborted)
+        assert all(result.aborted.values())
