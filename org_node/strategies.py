@@ -385,6 +385,11 @@ class Strategy(ABC):
             for n, p in zip(new, global_params, strict=True)
         ]
 
+    def step_packed(self, global_params: Sequence[np.ndarray], summed_vec: np.ndarray) -> NDArrays:
+        """:meth:`step` on the decoded secure sum of :func:`pack_weighted` vectors."""
+        summed, weight = unpack_weighted(summed_vec, params_shapes(global_params))
+        return self.step(global_params, summed, weight)
+
     @abstractmethod
     def _apply(self, x: NDArrays, delta: NDArrays) -> NDArrays:
         """New float64 parameters from float64 ``x`` and mean delta (round already counted)."""

@@ -234,6 +234,7 @@ def test_protect_update_clips_quantizes_and_noises_reproducibly() -> None:
 # --------------------------------------------------------------------------- example-level DP-SGD
 
 
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
 def test_example_level_dp_sgd_with_opacus() -> None:
     torch.manual_seed(0)
     x = torch.randn(64, 4)

@@ -269,6 +269,22 @@ def test_fedavgm_nesterov_matches_torch() -> None:
         np.testing.assert_allclose(x[0], ref.detach().numpy(), rtol=1e-12)
 
 
+def test_step_packed_equals_unpack_then_step() -> None:
+    rng = np.random.default_rng(5)
+    x = _model(rng)
+    clients = _clients(rng, x)
+    vec = np.sum(
+        [pack_weighted([lp - gp for lp, gp in zip(loc, x, strict=True)], w) for loc, w in clients],
+        axis=0,
+    )
+    a, b = FedAdam(), FedAdam()
+    summed, weight = unpack_weighted(vec, params_shapes(x))
+    for pa, pb in zip(a.step_packed(x, vec), b.step(x, summed, weight), strict=True):
+        assert pa.tobytes() == pb.tobytes()
+    with pytest.raises(ShapeMismatchError):
+        a.step_packed(x, vec[:-2])
+
+
 def test_fedavg_server_lr_and_dtype_preserved() -> None:
     x = [np.array([1.0, 2.0], dtype=np.float32)]
     out = FedAvg(make_strategy("fedavg", {"server_lr": 0.5}).config).step(
