@@ -33,6 +33,7 @@ from coordinator_free.memory import InMemoryNetwork
 from bench.common import Report, run_main
 
 __all__ = [
+    "FEDERATION",
     "SimCluster",
     "default_period",
     "main",
@@ -40,6 +41,8 @@ __all__ = [
     "measure_detection",
     "measure_message_rate",
     "org_ids",
+    "swim_config",
+    "wait_until",
 ]
 
 FEDERATION = "bench-federation"
