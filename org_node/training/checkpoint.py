@@ -15,10 +15,13 @@ directory must be on a file system every host sees.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
 import shutil
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +48,15 @@ def fingerprint(spec: LocalJobSpec, global_state: dict[str, np.ndarray]) -> str:
         h.update(name.encode())
         h.update(np.ascontiguousarray(global_state[name], dtype=np.float32).tobytes())
     return h.hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """DCP warns when used without a process group; world size 1 does so on purpose."""
+    with warnings.catch_warnings():
+        if not dist.is_initialized():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 class TrainerState(Stateful):
@@ -131,7 +143,8 @@ class JobCheckpointer:
     def save(self, step: int) -> None:
         """Collective: every rank calls it with the same step."""
         self.trainer.step = step
-        dcp_save(self._state(), checkpoint_id=str(self._path(step)))
+        with _single_process_quiet():
+            dcp_save(self._state(), checkpoint_id=str(self._path(step)))
         if not dist.is_initialized() or dist.get_rank() == 0:
             for old in self.steps()[: -self.keep]:
                 shutil.rmtree(self._path(old), ignore_errors=True)
@@ -142,5 +155,6 @@ class JobCheckpointer:
         if step is None:
             return 0
         state = self._state()
-        dcp_load(state, checkpoint_id=str(self._path(step)))
+        with _single_process_quiet():
+            dcp_load(state, checkpoint_id=str(self._path(step)))
         return self.trainer.step
