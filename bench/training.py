@@ -356,7 +356,7 @@ def body(report: Report) -> None:
     dsetup = (
         DiLoCoSetup(task="digits", sync_steps=120, inner_steps=10, max_rounds=40)
         if quick
-        else DiLoCoSetup(task="gpt", sync_steps=400, inner_steps=25, max_rounds=100)
+        else DiLoCoSetup(task="digits", sync_steps=300, inner_steps=20, max_rounds=100)
     )
     res = run_diloco(dsetup)
     reached = not np.isnan(res["diloco_rounds"])

@@ -279,7 +279,8 @@ class DiLoCoConfig:
 
     outer_lr: outer learning rate (0.7 in the paper). outer_momentum: Nesterov
     momentum (0.9 in the paper). inner_steps: ``H``, local AdamW steps per round.
-    inner_lr, inner_weight_decay, inner_betas: the inner AdamW's hyper-parameters.
+    inner_lr, inner_weight_decay: the inner AdamW's hyper-parameters (betas are
+    torch's defaults, as in the local job).
     """
 
     outer_lr: float = 0.7
@@ -287,7 +288,6 @@ class DiLoCoConfig:
     inner_steps: int = 500
     inner_lr: float = 4e-4
     inner_weight_decay: float = 0.1
-    inner_betas: tuple[float, float] = (0.9, 0.95)
 
     def __post_init__(self) -> None:
         _check_positive("outer_lr", self.outer_lr)
@@ -298,12 +298,6 @@ class DiLoCoConfig:
             raise StrategyConfigError(f"inner_steps must be an int >= 1, got {self.inner_steps!r}")
         _check_positive("inner_lr", self.inner_lr)
         _check_positive("inner_weight_decay", self.inner_weight_decay, allow_zero=True)
-        betas = tuple(self.inner_betas)
-        if len(betas) != 2:
-            raise StrategyConfigError(f"inner_betas must be two numbers, got {self.inner_betas!r}")
-        for b in betas:
-            _check_unit("inner_betas", float(b))
-        object.__setattr__(self, "inner_betas", (float(betas[0]), float(betas[1])))
 
 
 def _config_from_mapping(cls: type[Any], values: Mapping[str, Any]) -> Any:
@@ -397,7 +391,9 @@ class Strategy(ABC):
     # -- what the local job needs ---------------------------------------------------
 
     def local_config(self) -> dict[str, Any]:
-        """Settings the local job must apply (proximal term, inner optimizer, ...)."""
+        """Settings the local job must apply, named as ``LocalJobSpec`` fields
+        (``prox_mu`` for FedProx; ``optimizer``, ``local_steps``, ``lr``,
+        ``weight_decay`` for DiLoCo's inner loop)."""
         return {}
 
     # -- state ----------------------------------------------------------------------
@@ -479,7 +475,7 @@ class FedProx(Strategy):
         return [p + lr * d for p, d in zip(x, delta, strict=True)]
 
     def local_config(self) -> dict[str, Any]:
-        return {"proximal_mu": self.config.mu}
+        return {"prox_mu": self.config.mu}
 
 
 class _FedOpt(Strategy):
@@ -634,11 +630,10 @@ class DiLoCo(_OuterMomentum):
     def local_config(self) -> dict[str, Any]:
         c = self.config
         return {
-            "inner_optimizer": "adamw",
-            "inner_steps": c.inner_steps,
-            "inner_lr": c.inner_lr,
-            "inner_weight_decay": c.inner_weight_decay,
-            "inner_betas": list(c.inner_betas),
+            "optimizer": "adamw",
+            "local_steps": c.inner_steps,
+            "lr": c.inner_lr,
+            "weight_decay": c.inner_weight_decay,
         }
 
 
@@ -729,9 +724,4 @@ def build_inner_optimizer(
     """DiLoCo's inner optimizer: AdamW with the configured lr, betas and weight decay."""
     import torch
 
-    return torch.optim.AdamW(
-        parameters,
-        lr=config.inner_lr,
-        betas=config.inner_betas,
-        weight_decay=config.inner_weight_decay,
-    )
+    return torch.optim.AdamW(parameters, lr=config.inner_lr, weight_decay=config.inner_weight_decay)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any
 
@@ -45,6 +46,7 @@ from org_node.strategies import (
     state_to_bytes,
     unpack_weighted,
 )
+from org_node.training.spec import LocalJobSpec
 
 SHAPES = [(3, 4), (4,), (2, 2, 2)]
 
@@ -153,7 +155,7 @@ def test_fedprox_aggregates_as_fedavg_and_exports_mu() -> None:
     summed, w = _secure_sum(x, clients)
     strat = FedProx(FedProxConfig(mu=0.3))
     _assert_close(strat.step(x, summed, w), FedAvg().step(x, summed, w), rtol=0)
-    assert strat.local_config() == {"proximal_mu": 0.3}
+    assert strat.local_config() == {"prox_mu": 0.3}
 
 
 @pytest.mark.parametrize(
@@ -253,8 +255,8 @@ def test_diloco_outer_step_is_torch_nesterov_sgd_on_pseudo_gradient() -> None:
         opt.step()
         x = strat.step(x, summed, w)
         _assert_close(x, [p.detach().numpy() for p in ref], rtol=1e-10)
-    assert strat.local_config()["inner_steps"] == 10
-    assert strat.local_config()["inner_optimizer"] == "adamw"
+    assert strat.local_config()["local_steps"] == 10
+    assert strat.local_config()["optimizer"] == "adamw"
 
 
 def test_fedavgm_nesterov_matches_torch() -> None:
@@ -376,4 +378,17 @@ def test_inner_optimizer_is_configured_adamw() -> None:
     assert isinstance(opt, torch.optim.AdamW)
     group = opt.param_groups[0]
     assert group["lr"] == 1e-3 and group["weight_decay"] == 0.05
-    assert tuple(group["betas"]) == (0.9, 0.95)
+    assert tuple(group["betas"]) == (0.9, 0.999)
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_local_config_keys_are_local_job_spec_fields(name: str) -> None:
+    """What a strategy asks of the local job can be applied to its spec as is."""
+    spec = LocalJobSpec(task="tabular")
+    updated = dataclasses.replace(spec, **make_strategy(name).local_config())
+    assert isinstance(updated, LocalJobSpec)
+    if name == "fedprox":
+        assert updated.prox_mu == FedProxConfig().mu
+    if name == "diloco":
+        assert updated.optimizer == "adamw"
+        assert updated.local_steps == DiLoCoConfig().inner_steps
