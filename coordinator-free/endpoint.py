@@ -8,6 +8,11 @@ handler registered for the kind and answers with a reply envelope of kind
 ``KIND.reply``, signed by the receiver, whose payload starts with the SHA-256 of the
 request's bytes: the caller verifies the reply with its own guard and checks that
 binding, so a reply can be neither forged, replayed, nor swapped between requests.
+
+An optional egress hook (``on_egress``) sees every signed envelope this endpoint is
+about to send, request or reply, with its wire bytes, *before* the bytes reach the
+transport; the org's audit log records the message there. When the hook raises, the
+message is not sent and the exception propagates (fail closed).
 """
 
 from __future__ import annotations
@@ -22,12 +27,15 @@ from coordinator_free.identity import OrgIdentity
 from coordinator_free.transport import PROCESS_SEQUENCE, MessageGuard, SequenceCounter, Transport
 from coordinator_free.wire import Envelope
 
-__all__ = ["REPLY_SUFFIX", "Endpoint", "Handler"]
+__all__ = ["REPLY_SUFFIX", "EgressHook", "Endpoint", "Handler"]
 
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[Envelope], Awaitable[bytes | None]]
 """Handles one verified envelope; returns the reply payload (``None`` for empty)."""
+
+EgressHook = Callable[[Envelope, bytes], None]
+"""Sees each outbound signed envelope and its wire bytes before they are sent."""
 
 REPLY_SUFFIX = ".reply"
 _DIGEST_SIZE = 32
@@ -47,6 +55,7 @@ class Endpoint:
         max_skew_s: float = 300.0,
         clock: Callable[[], float] = time.time,
         sequence: SequenceCounter | None = None,
+        on_egress: EgressHook | None = None,
     ) -> None:
         if transport.org_id != identity.org_id:
             raise ValueError(
@@ -66,6 +75,7 @@ class Endpoint:
         )
         self._sequence = sequence or PROCESS_SEQUENCE
         self._handlers: dict[str, Handler] = {}
+        self.on_egress = on_egress
 
     @property
     def org_id(self) -> str:
@@ -88,9 +98,10 @@ class Endpoint:
         """Stop serving and close the transport."""
         await self.transport.close()
 
-    def _envelope(
+    def _outbound(
         self, peer: str, kind: str, payload: bytes, run: str, round_: int, stage: str
-    ) -> Envelope:
+    ) -> bytes:
+        """Sign an envelope, show it to the egress hook, and return its wire bytes."""
         env = Envelope(
             federation=self.federation,
             run=run,
@@ -103,7 +114,11 @@ class Endpoint:
             sent_at=float(self.clock()),
             payload=payload,
         )
-        return env.with_signature(self.identity.sign(env.signing_bytes()))
+        signed = env.with_signature(self.identity.sign(env.signing_bytes()))
+        wire = signed.to_wire()
+        if self.on_egress is not None:
+            self.on_egress(signed, wire)
+        return wire
 
     async def send(
         self,
@@ -122,7 +137,7 @@ class Endpoint:
         ``Refused`` when the peer refused the message (or we refused its reply),
         ``PeerUnreachable``, ``RequestTimeout``, ``RemoteError``.
         """
-        request = self._envelope(peer, kind, payload, run, round, stage).to_wire()
+        request = self._outbound(peer, kind, payload, run, round, stage)
         reply_bytes = await self.transport.request(peer, request, timeout=timeout)
         reply = self.guard.check(reply_bytes)
         digest = hashlib.sha256(request).digest()
@@ -150,6 +165,6 @@ class Endpoint:
             logger.exception("%s: handler for %r failed", self.org_id, env.kind)
             raise
         body = hashlib.sha256(data).digest() + (result or b"")
-        return self._envelope(
+        return self._outbound(
             env.sender, env.kind + REPLY_SUFFIX, body, env.run, env.round, env.stage
-        ).to_wire()
+        )
