@@ -587,12 +587,13 @@ class SecAggPeer:
         own = self._own()
         assert self._u2 is not None
         y = x.copy()
-        prg.add_mask(y, own.b, 1)
+        masks: list[tuple[bytes, int]] = [(own.b, 1)]
         for j in sorted(self._u2 - {self.me}):
             seed = pairwise_mask_seed(
                 agree(own.s.private, self._adverts[j].s_pk), cfg.ctx, self.me, j
             )
-            prg.add_mask(y, seed, cfg.mask_sign(self.me, j))
+            masks.append((seed, cfg.mask_sign(self.me, j)))
+        prg.add_masks(y, masks)
         self._masked = True
         return y
 
@@ -780,10 +781,7 @@ class SecAggPeer:
                     raise self._abort(f"survivor {j!r} advertised an unusable s_pk") from None
                 dangling.append((pairwise_mask_seed(shared, cfg.ctx, j, k), -cfg.mask_sign(j, k)))
         z = masked_sum if in_place else masked_sum.copy()
-        for j in sorted(b_seeds):
-            prg.add_mask(z, b_seeds[j], -1)
-        for seed, sign in dangling:
-            prg.add_mask(z, seed, sign)
+        prg.add_masks(z, [(b_seeds[j], -1) for j in sorted(b_seeds)] + dangling)
         self._stage = Stage.DONE
         return z
 

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from secure_agg.errors import ConfigError, RingError
-from secure_agg.prg import CHUNK_BYTES, add_mask, expand
+from secure_agg.prg import CHUNK_BYTES, FUSED_CHUNK_BYTES, add_mask, add_masks, expand
 
 VECTORS = Path(__file__).resolve().parents[1] / "vectors"
 PRG = json.loads((VECTORS / "prg.json").read_text())
@@ -88,6 +88,31 @@ def test_pairwise_masks_cancel(seeds: list[bytes], length: int, bits: int) -> No
     for seed in reversed(seeds):
         add_mask(y, seed, -1)
     np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("bits", [32, 64], ids=["b32", "b64"])
+def test_fused_masks_equal_one_mask_at_a_time(bits: int) -> None:
+    dtype = np.uint32 if bits == 32 else np.uint64
+    length = FUSED_CHUNK_BYTES // (bits // 8) * 3 + 11
+    base = np.random.default_rng(5).integers(0, 2**bits, size=length, dtype=dtype)
+    masks = [(hashlib.sha256(bytes([i])).digest(), 1 if i % 2 else -1) for i in range(5)]
+    fused = base.copy()
+    add_masks(fused, masks)
+    one_by_one = base.copy()
+    for seed, sign in masks:
+        mask = expand(seed, length, bits)
+        one_by_one = one_by_one + mask if sign == 1 else one_by_one - mask
+    np.testing.assert_array_equal(fused, one_by_one)
+    assert not np.array_equal(fused, base)
+    add_masks(fused, [(seed, -sign) for seed, sign in masks])
+    np.testing.assert_array_equal(fused, base)
+
+
+def test_fused_masks_reject_a_bad_sign_before_touching_the_target() -> None:
+    target = np.arange(10, dtype=np.uint32)
+    with pytest.raises(ConfigError):
+        add_masks(target, [(bytes(32), 1), (bytes(32), 2)])
+    np.testing.assert_array_equal(target, np.arange(10, dtype=np.uint32))
 
 
 def test_add_mask_rejects_bad_targets() -> None:

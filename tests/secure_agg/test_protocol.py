@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -235,14 +235,14 @@ def test_masked_input_costs_k_plus_one_expansions(monkeypatch: pytest.MonkeyPatc
     parts = orgs(12)
     cfg = ProtocolConfig(CTX, parts, 3, 32, neighbours=4)
     calls: list[int] = []
-    real = prg.add_mask
+    real = prg.add_masks
 
-    def counting(target: np.ndarray, seed: bytes, sign: int = 1) -> None:
-        calls.append(sign)
-        real(target, seed, sign)
+    def counting(target: np.ndarray, masks: Sequence[tuple[bytes, int]]) -> None:
+        calls.extend(sign for _, sign in masks)
+        real(target, masks)
 
     inputs = random_inputs(cfg, np.random.default_rng(1))
-    monkeypatch.setattr(prg, "add_mask", counting)
+    monkeypatch.setattr(prg, "add_masks", counting)
 
     def aggregate(masked: Mapping[str, np.ndarray]) -> np.ndarray:
         # every peer added 1 self mask + 4 pairwise masks, nothing else
