@@ -179,6 +179,13 @@ class RingReducer:
                 if not fut.done():
                     fut.cancel()
 
+    def suspects(self, run: str, round: int, order: Sequence[str], attempt: int) -> frozenset[str]:
+        """The members of a ring that aborts received so far blame."""
+        box = self._boxes.get((run, round))
+        if box is None:
+            return frozenset()
+        return frozenset(box.suspects.get(ring_id(order, attempt), set()) & set(order))
+
     def is_open(self, run: str, round: int) -> bool:
         return (run, round) in self._boxes
 

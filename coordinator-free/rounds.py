@@ -250,6 +250,10 @@ class MaskedSum(Protocol):
         """Take the shares another survivor released."""
         ...
 
+    def can_finish(self) -> bool:
+        """Whether the releases taken so far suffice for :meth:`unmasked_sum`."""
+        ...
+
     def unmasked_sum(self, masked_sum: np.ndarray) -> np.ndarray:
         """The sum of the survivors' inputs, from the ring's sum of masked inputs."""
         ...
@@ -343,6 +347,9 @@ class SecAggSession:
         msg = self._decode(UnmaskShares, sender, data)
         assert isinstance(msg, UnmaskShares)
         self.peer.receive_unmask(msg)
+
+    def can_finish(self) -> bool:
+        return not self.peer.missing_shares()
 
     def unmasked_sum(self, masked_sum: np.ndarray) -> np.ndarray:
         total = self.peer.finalize(masked_sum)
@@ -580,6 +587,10 @@ class RoundEngine:
         self.ring.open(run, round)
         return state
 
+    def open_rounds(self) -> list[tuple[str, int]]:
+        """The ``(run, round)`` pairs this engine holds state for (buffered or running)."""
+        return sorted(self._states)
+
     def _finish(self, run: str, round: int) -> None:
         last = self._last_done.get(run)
         self._last_done[run] = round if last is None else max(last, round)
@@ -751,8 +762,11 @@ class RoundEngine:
                 round=state.round,
                 stage=tag,
             )
+            # a peer that could not take this node's view is out: no waiting for its own
             got = await state.inbox.wait(
-                ("view", tag, str(attempt)), others, loop.time() + self.config.stage_timeout
+                ("view", tag, str(attempt)),
+                set(others) - failed,
+                loop.time() + self.config.stage_timeout,
             )
             views = {o: View.from_bytes(p) for o, p in got.items()}
             missing = (set(others) - set(views)) | failed
@@ -802,6 +816,15 @@ class RoundEngine:
         """
         if not run:
             raise ValueError("run must be a non-empty string")
+        # messages of rounds this node will never run (behind this one, or too far
+        # ahead of it) are dropped, so wrong-round traffic cannot hold slots
+        for key in [
+            k
+            for k in self._states
+            if k[0] == run and not round <= k[1] <= round + self.config.lookahead_rounds
+        ]:
+            del self._states[key]
+            self.ring.close(*key)
         try:
             state = self._state(run, round)
         except Refused as exc:
@@ -838,11 +861,27 @@ class RoundEngine:
         h0 = view_hash("members", u0)
         advert = session.advertise()
         state.inbox.put(("ready",), me, h0 + advert)
-        await self._broadcast(
-            counters, u0, KIND_READY, h0 + advert, run=run, round=rnd, stage="ready"
-        )
         wait_s = (deadline - self.clock()) if deadline is not None else cfg.ready_timeout
-        readies = await state.inbox.wait(("ready",), u0, loop.time() + max(0.0, wait_s))
+        ready_end = loop.time() + max(0.0, wait_s)
+        # a peer not reached (a partition, a peer still starting) is tried again a few
+        # times before the deadline, so a partition that heals in time costs nothing
+        pending: set[str] = set(u0) - {me}
+        retry_s = max(0.05, wait_s / 8)
+        while True:
+            failed = await self._broadcast(
+                counters,
+                sorted(pending),
+                KIND_READY,
+                h0 + advert,
+                run=run,
+                round=rnd,
+                stage="ready",
+            )
+            pending = failed
+            if not pending or loop.time() + retry_s >= ready_end:
+                break
+            await state.inbox.wait(("ready",), u0, min(ready_end, loop.time() + retry_s))
+        readies = await state.inbox.wait(("ready",), u0, ready_end)
         ready_set = {me}
         for org, payload in sorted(readies.items()):
             if org == me:
@@ -868,7 +907,7 @@ class RoundEngine:
             outgoing = session.share_keys(view1)
         except (SecAggError, ValueError) as exc:
             raise RoundFailed("share", f"cannot share keys: {exc}") from exc
-        await self._broadcast(
+        unshared = await self._broadcast(
             counters,
             sorted(view1 - {me}),
             KIND_SHARE,
@@ -877,7 +916,9 @@ class RoundEngine:
             round=rnd,
             stage="share",
         )
-        shares = await state.inbox.wait(("share",), view1 - {me}, loop.time() + cfg.stage_timeout)
+        shares = await state.inbox.wait(
+            ("share",), view1 - {me} - unshared, loop.time() + cfg.stage_timeout
+        )
         lap("share")
 
         # 3. agree on the participants U1: settled at once when every share came with
@@ -887,7 +928,7 @@ class RoundEngine:
             u1 = view1
             state.decided["ready"] = (u1, True)
         else:
-            u1, _ = await self._agree(state, counters, "ready", view1)
+            u1, _ = await self._agree(state, counters, "ready", view1 - unshared)
             if len(u1) < t:
                 raise RoundFailed("ready", f"{len(u1)} participants agreed, fewer than t={t}")
             shares = state.inbox.get(("share",))
@@ -930,7 +971,7 @@ class RoundEngine:
                 )
             except RingBroken as exc:
                 logger.info("%s: ring attempt %d broke: %s", me, attempt, exc)
-                suspects = exc.suspects - {me}
+                suspects = (exc.suspects | self.ring.suspects(run, rnd, order, attempt)) - {me}
             lap("reduce")
             await self._enter(run, rnd, "agree-reduce")
             proposal = members - suspects
@@ -968,13 +1009,22 @@ class RoundEngine:
             round=rnd,
             stage="unmask",
         )
-        releases = await state.inbox.wait(
-            ("unmask", h3.hex()), u3 - {me}, loop.time() + cfg.stage_timeout
-        )
-        released = 1 + sum(
-            self._accept(session.receive_release, org, payload, "release")
-            for org, payload in sorted(releases.items())
-        )
+        # finish as soon as the session holds every share it needs (a survivor that
+        # died after the reduce is simply not waited for), or at the stage deadline
+        unmask_end = loop.time() + cfg.stage_timeout
+        accepted: set[str] = set()
+        while True:
+            releases = state.inbox.get(("unmask", h3.hex()))
+            for org, payload in sorted(releases.items()):
+                if org in u3 and org not in accepted and org != me:
+                    accepted.add(org)
+                    self._accept(session.receive_release, org, payload, "release")
+            if session.can_finish() and len(accepted) + 1 >= t:
+                break
+            if accepted | {me} >= u3 or loop.time() >= unmask_end:
+                break
+            await state.inbox.wait(("unmask", h3.hex()), u3 - {me} - accepted, unmask_end)
+        released = len(accepted) + 1
         if released < t:
             raise RoundFailed("unmask", f"{released} orgs released shares, fewer than t={t}")
         try:
