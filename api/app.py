@@ -1,0 +1,109 @@
+"""The admin API's app factory: ``create_app(settings, node)``.
+
+One FastAPI app with a router per resource (:mod:`api.routers`), the database engine
+from the settings, the node's services, the failed-authentication limiter, the body
+size limit, and CORS only when origins are configured. Errors are JSON
+``{"detail": message}``; an unexpected exception is logged without request data and
+answered with an opaque 500.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request, Response
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse
+from sqlalchemy import Engine
+
+from api.routers import audit, checkpoints, datasets, federation, peers, policies, runs, tokens
+from api.routers import node as node_routes
+from api.security import AuthFailureLimiter, BodySizeLimit
+from api.settings import Settings
+from org_node import __version__
+from org_node.db.engine import make_engine, migrate
+from org_node.services import NodeServices
+
+__all__ = ["create_app"]
+
+logger = logging.getLogger(__name__)
+
+
+def create_app(
+    settings: Settings,
+    node: NodeServices,
+    *,
+    engine: Engine | None = None,
+    limiter: AuthFailureLimiter | None = None,
+    run_migrations: bool = True,
+) -> FastAPI:
+    """Build the admin API.
+
+    settings: the node's settings (database URL, limits, CORS, dataset roots).
+    node: the running node's services; tests pass a fake.
+    engine: an engine to use instead of one made from ``settings``.
+    limiter: the failed-authentication limiter (tests pass one with a fake clock).
+    run_migrations: bring the schema to the newest version at start-up.
+    """
+    engine = engine or make_engine(settings.resolved_database_url)
+    if run_migrations:
+        migrate(engine)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        yield
+        engine.dispose()
+
+    app = FastAPI(
+        title="fedweave org admin API",
+        version=__version__,
+        description="Administer one org node: tokens, datasets, policies, runs, "
+        "federation membership, checkpoints and the audit log.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.engine = engine
+    app.state.node = node
+    app.state.auth_limiter = limiter or AuthFailureLimiter(
+        settings.auth_failure_limit, settings.auth_failure_window_s
+    )
+    app.state.request_counts = Counter[str]()
+
+    for module in (
+        node_routes,
+        tokens,
+        datasets,
+        policies,
+        runs,
+        federation,
+        peers,
+        checkpoints,
+        audit,
+    ):
+        app.include_router(module.router)
+
+    @app.middleware("http")
+    async def count_requests(
+        request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        response = await call_next(request)
+        request.app.state.request_counts[f"{response.status_code // 100}xx"] += 1
+        return response
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.error("unhandled %s on %s %s", type(exc).__name__, request.method, request.url.path)
+        return JSONResponse(status_code=500, content={"detail": "internal error"})
+
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
+    if settings.cors_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.cors_origins),
+            allow_methods=["GET", "POST", "PATCH", "DELETE"],
+            allow_headers=["Authorization", "Content-Type", "Idempotency-Key"],
+        )
+    return app

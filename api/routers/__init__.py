@@ -1,0 +1,60 @@
+"""One router per resource, all under ``/v1`` (health and metrics at the root).
+
+Shared here: the error body (:class:`ErrorMessage`), the error responses every router
+documents in the OpenAPI spec, and the role sets routes admit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import HTTPException, status
+from pydantic import BaseModel
+
+from org_node.db.models import Role
+
+__all__ = [
+    "ADMIN",
+    "AUDIT_READERS",
+    "ERRORS",
+    "READERS",
+    "WRITERS",
+    "ErrorMessage",
+    "conflict",
+    "not_found",
+]
+
+ADMIN = (Role.ADMIN,)
+WRITERS = (Role.ADMIN, Role.OPERATOR)
+READERS = (Role.ADMIN, Role.OPERATOR, Role.AUDITOR)
+AUDIT_READERS = (Role.ADMIN, Role.AUDITOR)
+
+
+class ErrorMessage(BaseModel):
+    """Every 4xx except validation errors: one readable message."""
+
+    detail: str
+
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorMessage, "description": text}
+    for code, text in (
+        (400, "Malformed request"),
+        (401, "Missing or invalid credentials"),
+        (403, "The token's role may not do this"),
+        (404, "No such resource"),
+        (409, "Conflict with the resource's current state or version"),
+        (413, "Request body too large"),
+        (422, "Invalid request"),
+        (429, "Too many failed authentication attempts"),
+    )
+}
+"""Documented on every protected route (422 is FastAPI's validation error or ours)."""
+
+
+def not_found(what: str) -> HTTPException:
+    return HTTPException(status_code=status.HTTP_404_NOT_FOUND, detail=f"{what} not found")
+
+
+def conflict(message: str) -> HTTPException:
+    return HTTPException(status_code=status.HTTP_409_CONFLICT, detail=message)

@@ -1,0 +1,126 @@
+"""``/v1/audit``: the hash-chained audit log — filtered, paginated events and a report.
+
+The report counts events and bytes by peer and by kind over a filter, and re-verifies
+the chain over the whole log (every ``prev_hash`` is its predecessor's ``entry_hash``,
+every ``entry_hash`` recomputes). Signed chain heads and the compliance report belong
+to the audit log module and extend this report.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query
+from pydantic import BaseModel
+from sqlmodel import col, func, select
+
+from api.deps import PageDep, SessionDep, require_roles
+from api.routers import AUDIT_READERS, ERRORS
+from org_node.db.models import AuditEvent, AuditEventPublic, AuditEventsPublic
+from org_node.db.repo import GENESIS_HASH, audit_entry_hash
+
+__all__ = ["AuditReport", "router"]
+
+router = APIRouter(
+    prefix="/v1/audit",
+    tags=["audit"],
+    responses=ERRORS,
+    dependencies=[require_roles(*AUDIT_READERS)],
+)
+
+_Name = Annotated[str | None, Query(min_length=1, max_length=100)]
+
+
+class AuditReport(BaseModel):
+    events: int
+    bytes_total: int
+    bytes_by_peer: dict[str, int]
+    events_by_kind: dict[str, int]
+    chain_ok: bool
+    chain_length: int
+    first_bad_entry: int | None
+
+
+def _filters(
+    run: str | None,
+    peer: str | None,
+    kind: str | None,
+    since: datetime | None,
+    until: datetime | None,
+) -> list[Any]:
+    cond: list[Any] = []
+    if run is not None:
+        cond.append(AuditEvent.run == run)
+    if peer is not None:
+        cond.append(AuditEvent.peer == peer)
+    if kind is not None:
+        cond.append(AuditEvent.kind == kind)
+    if since is not None:
+        cond.append(col(AuditEvent.time) >= since)
+    if until is not None:
+        cond.append(col(AuditEvent.time) < until)
+    return cond
+
+
+@router.get("/events", response_model=AuditEventsPublic)
+def list_events(
+    session: SessionDep,
+    page: PageDep,
+    run: _Name = None,
+    peer: _Name = None,
+    kind: _Name = None,
+    since: datetime | None = None,
+    until: datetime | None = None,
+) -> AuditEventsPublic:
+    """Audit events in log order, filtered by run, peer, kind and time."""
+    cond = _filters(run, peer, kind, since, until)
+    count = session.exec(select(func.count()).select_from(AuditEvent).where(*cond)).one()
+    rows = session.exec(
+        select(AuditEvent)
+        .where(*cond)
+        .order_by(col(AuditEvent.id))
+        .offset(page.offset)
+        .limit(page.limit)
+    ).all()
+    return AuditEventsPublic(data=[AuditEventPublic.model_validate(r) for r in rows], count=count)
+
+
+@router.get("/report", response_model=AuditReport)
+def report(
+    session: SessionDep,
+    run: _Name = None,
+    peer: _Name = None,
+    since: datetime | None = None,
+    until: datetime | None = None,
+) -> AuditReport:
+    """Totals over the filtered events, and a verification of the whole chain."""
+    cond = _filters(run, peer, None, since, until)
+    events, total = session.exec(
+        select(func.count(), func.coalesce(func.sum(AuditEvent.bytes), 0)).where(*cond)
+    ).one()
+    by_peer = session.exec(
+        select(AuditEvent.peer, func.sum(AuditEvent.bytes))
+        .where(*cond, col(AuditEvent.peer).is_not(None))
+        .group_by(AuditEvent.peer)
+    ).all()
+    by_kind = session.exec(
+        select(AuditEvent.kind, func.count()).where(*cond).group_by(AuditEvent.kind)
+    ).all()
+    prev, length, bad = GENESIS_HASH, 0, None
+    for row in session.exec(select(AuditEvent).order_by(col(AuditEvent.id))):
+        length += 1
+        fields = row.model_dump()
+        if row.prev_hash != prev or audit_entry_hash(prev, fields) != row.entry_hash:
+            bad = row.id
+            break
+        prev = row.entry_hash
+    return AuditReport(
+        events=events,
+        bytes_total=int(total),
+        bytes_by_peer={str(p): int(b) for p, b in by_peer},
+        events_by_kind={k: int(n) for k, n in by_kind},
+        chain_ok=bad is None,
+        chain_length=length,
+        first_bad_entry=bad,
+    )

@@ -1,0 +1,304 @@
+"""``/v1/runs``: propose a run, consent to it or not, start, pause, resume, abort; its
+status, per-round metrics, and a server-sent events stream of its progress.
+
+State changes follow the pure table of :mod:`org_node.runs`; an action the current
+state does not allow is 409 naming that state. Each change is one conditional update
+(``WHERE version = v AND state = s``), then the node's hook, then the commit: a hook that
+refuses (``ServiceRefused``) or a concurrent change leaves nothing half-written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, Query, Request, Response, status
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import StreamingResponse
+from sqlmodel import Session, col, func, select
+
+from api.deps import (
+    CurrentPrincipal,
+    IdempotencyKeyDep,
+    NodeDep,
+    PageDep,
+    SessionDep,
+    require_roles,
+)
+from api.idempotency import remember, replay, scope_of
+from api.routers import ERRORS, READERS, WRITERS, conflict, not_found
+from api.routers.policies import violations
+from org_node.db.models import (
+    Run,
+    RunActionRequest,
+    RunCreate,
+    RunMetric,
+    RunMetricPublic,
+    RunMetricsPublic,
+    RunPublic,
+    RunsPublic,
+    utcnow,
+)
+from org_node.db.repo import append_audit_event, update_versioned
+from org_node.runs import TERMINAL_STATES, InvalidTransition, RunAction, RunState, next_state
+from org_node.services import NodeServices, RunEvent, ServiceError
+
+__all__ = ["HEARTBEAT_S", "router"]
+
+HEARTBEAT_S = 15.0
+"""Seconds between keep-alive comments on an idle event stream."""
+
+router = APIRouter(prefix="/v1/runs", tags=["runs"], responses=ERRORS)
+
+_HOOKS: dict[RunAction, str] = {
+    RunAction.ACCEPT: "on_run_accepted",
+    RunAction.DECLINE: "on_run_declined",
+    RunAction.START: "on_run_started",
+    RunAction.PAUSE: "on_run_paused",
+    RunAction.RESUME: "on_run_resumed",
+    RunAction.ABORT: "on_run_aborted",
+}
+_POLICY_CHECKED = (RunAction.ACCEPT, RunAction.START, RunAction.RESUME)
+RunIdPath = Annotated[str, "run id"]
+
+
+def _public(row: Run) -> RunPublic:
+    return RunPublic.model_validate(row, from_attributes=True)
+
+
+def _get(session: Session, run_id: str) -> Run:
+    row = session.get(Run, run_id) if 0 < len(run_id) <= 32 else None
+    if row is None:
+        raise not_found("run")
+    return row
+
+
+@router.post(
+    "",
+    response_model=RunPublic,
+    status_code=status.HTTP_201_CREATED,
+    dependencies=[require_roles(*WRITERS)],
+)
+def propose(
+    body: RunCreate,
+    session: SessionDep,
+    principal: CurrentPrincipal,
+    idempotency_key: IdempotencyKeyDep,
+) -> Response | RunPublic:
+    """Record a proposed run (this org has not consented yet)."""
+    scope = scope_of("runs.create", principal)
+    if (earlier := replay(session, scope, idempotency_key, body)) is not None:
+        return earlier
+    row = Run(
+        id=uuid.uuid4().hex,
+        name=body.name,
+        spec=body.spec.model_dump(mode="json"),
+        proposed_by=principal.name,
+    )
+    session.add(row)
+    session.flush()
+    public = _public(row)
+    remember(session, scope, idempotency_key, body, 201, public.model_dump(mode="json"))
+    append_audit_event(
+        session, stage="consent", kind="run.propose", run=row.id, privacy_class="internal"
+    )
+    session.commit()
+    return public
+
+
+@router.get("", response_model=RunsPublic, dependencies=[require_roles(*READERS)])
+def list_runs(
+    session: SessionDep, page: PageDep, state: Annotated[RunState | None, Query()] = None
+) -> RunsPublic:
+    """Runs, newest first, optionally only those in ``state``."""
+    count_q = select(func.count()).select_from(Run)
+    rows_q = select(Run)
+    if state is not None:
+        count_q = count_q.where(Run.state == state.value)
+        rows_q = rows_q.where(Run.state == state.value)
+    count = session.exec(count_q).one()
+    rows = session.exec(
+        rows_q.order_by(col(Run.created_at).desc(), col(Run.id))
+        .offset(page.offset)
+        .limit(page.limit)
+    ).all()
+    return RunsPublic(data=[_public(r) for r in rows], count=count)
+
+
+@router.get("/{run_id}", response_model=RunPublic, dependencies=[require_roles(*READERS)])
+def read(run_id: str, session: SessionDep) -> RunPublic:
+    """The run's status: state, version, current round, this org's recorded consent."""
+    return _public(_get(session, run_id))
+
+
+def _transition(
+    action: RunAction,
+    run_id: str,
+    body: RunActionRequest | None,
+    session: Session,
+    node: NodeServices,
+    principal: CurrentPrincipal,
+) -> RunPublic:
+    request = body or RunActionRequest()
+    row = _get(session, run_id)
+    if request.version is not None and request.version != row.version:
+        raise conflict(f"run version is {row.version}, not {request.version}: reload and retry")
+    current = RunState(row.state)
+    try:
+        new = next_state(current, action)
+    except InvalidTransition as exc:
+        raise conflict(str(exc)) from None
+    if action in _POLICY_CHECKED:
+        broken = violations(session, _public(row).spec.to_spec())
+        if broken:
+            listed = "; ".join(f"{v.policy}: {v.message}" for v in broken)
+            raise conflict(f"run violates this org's policies: {listed}")
+    values: dict[str, Any] = {"state": new.value, "updated_at": utcnow()}
+    if action in (RunAction.ACCEPT, RunAction.DECLINE):
+        values |= {
+            "decided_by": principal.name,
+            "decided_at": utcnow(),
+            "decision_reason": request.reason or None,
+        }
+    if not update_versioned(session, Run, run_id, row.version, values, where={"state": current}):
+        session.rollback()
+        latest = _get(session, run_id)
+        raise conflict(f"run changed concurrently; it is now {latest.state}")
+    append_audit_event(
+        session,
+        stage="consent" if action in (RunAction.ACCEPT, RunAction.DECLINE) else "control",
+        kind=f"run.{action.value}",
+        run=run_id,
+        privacy_class="internal",
+    )
+    hook: Callable[[str, dict[str, Any]], None] = getattr(node, _HOOKS[action])
+    try:
+        hook(run_id, dict(row.spec))
+    except ServiceError as exc:
+        session.rollback()
+        raise conflict(f"the node refused to {action.value} the run: {exc}") from None
+    session.commit()
+    session.expire_all()
+    public = _public(_get(session, run_id))
+    node.events.publish(run_id, "state", {"state": public.state.value, "version": public.version})
+    return public
+
+
+def _action_route(action: RunAction, doc: str) -> None:
+    roles = WRITERS
+
+    def handler(
+        run_id: str,
+        session: SessionDep,
+        node: NodeDep,
+        principal: CurrentPrincipal,
+        body: Annotated[RunActionRequest | None, Body()] = None,
+    ) -> RunPublic:
+        return _transition(action, run_id, body, session, node, principal)
+
+    handler.__doc__ = doc
+    handler.__name__ = f"{action.value}_run"
+    router.add_api_route(
+        f"/{{run_id}}/{action.value}",
+        handler,
+        methods=["POST"],
+        response_model=RunPublic,
+        dependencies=[require_roles(*roles)],
+        name=f"{action.value}_run",
+        summary=f"{action.value.capitalize()} a run",
+    )
+
+
+_action_route(RunAction.ACCEPT, "This org consents to the run (checked against its policies).")
+_action_route(RunAction.DECLINE, "This org declines the run; the decision is recorded.")
+_action_route(RunAction.START, "Start an accepted run (policies are checked again).")
+_action_route(RunAction.PAUSE, "Pause a running run after the current round.")
+_action_route(RunAction.RESUME, "Resume a paused run (policies are checked again).")
+_action_route(RunAction.ABORT, "Abort a run that has not ended.")
+
+
+@router.get(
+    "/{run_id}/metrics", response_model=RunMetricsPublic, dependencies=[require_roles(*READERS)]
+)
+def metrics(
+    run_id: str,
+    session: SessionDep,
+    page: PageDep,
+    round: Annotated[int | None, Query(ge=0, le=2**31 - 1)] = None,
+) -> RunMetricsPublic:
+    """Per-round metrics recorded by the run engine, in round order."""
+    _get(session, run_id)
+    cond = [RunMetric.run_id == run_id]
+    if round is not None:
+        cond.append(RunMetric.round == round)
+    count = session.exec(select(func.count()).select_from(RunMetric).where(*cond)).one()
+    rows = session.exec(
+        select(RunMetric)
+        .where(*cond)
+        .order_by(col(RunMetric.round), col(RunMetric.id))
+        .offset(page.offset)
+        .limit(page.limit)
+    ).all()
+    return RunMetricsPublic(data=[RunMetricPublic.model_validate(r) for r in rows], count=count)
+
+
+def _sse(event: RunEvent) -> str:
+    data = json.dumps(dict(event.data), separators=(",", ":"), default=str)
+    return f"id: {event.seq}\nevent: {event.kind}\ndata: {data}\n\n"
+
+
+def _snapshot(engine: Any, run_id: str) -> RunPublic | None:
+    with Session(engine) as session:
+        row = session.get(Run, run_id) if 0 < len(run_id) <= 32 else None
+        return None if row is None else _public(row)
+
+
+def _ended(event: RunEvent) -> bool:
+    return event.kind == "state" and event.data.get("state") in {s.value for s in TERMINAL_STATES}
+
+
+@router.get(
+    "/{run_id}/events",
+    response_class=StreamingResponse,
+    dependencies=[require_roles(*READERS)],
+    responses={200: {"content": {"text/event-stream": {}}, "description": "Event stream"}},
+)
+async def events(run_id: str, request: Request, node: NodeDep) -> StreamingResponse:
+    """Server-sent events of the run's progress (``state``, ``round``, ``metric`` …).
+
+    The first event is a ``state`` snapshot; the stream ends after a terminal state.
+    """
+    snapshot = await run_in_threadpool(_snapshot, request.app.state.engine, run_id)
+    if snapshot is None:
+        raise not_found("run")
+    bus = node.events
+    queue = bus.subscribe(run_id)
+
+    async def stream() -> AsyncIterator[str]:
+        try:
+            first = {"state": snapshot.state.value, "version": snapshot.version}
+            yield _sse(RunEvent(run_id, 0, "state", first))
+            if snapshot.state in TERMINAL_STATES:
+                return
+            while True:
+                try:
+                    event = await asyncio.wait_for(queue.get(), HEARTBEAT_S)
+                except TimeoutError:
+                    if await request.is_disconnected():
+                        return
+                    yield ": keep-alive\n\n"
+                    continue
+                yield _sse(event)
+                if _ended(event):
+                    return
+        finally:
+            bus.unsubscribe(run_id, queue)
+
+    return StreamingResponse(
+        stream(),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
+    )

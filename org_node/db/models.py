@@ -1,0 +1,464 @@
+"""The node's tables and their model families (SQLModel).
+
+Each resource has one family, as in the FastAPI full-stack template: ``XBase`` (shared
+fields) → ``XCreate`` / ``XUpdate`` (what a client may send) → ``X(table=True)`` (the row,
+the only model that holds secrets such as a token hash) → ``XPublic`` / ``XsPublic``
+(what the API answers; lists are ``{"data": [...], "count": total}``).
+
+Mutable rows carry a ``version`` that every update must name (optimistic concurrency:
+the update that names a stale version is refused). Creation requests may carry an
+idempotency key, remembered in :class:`IdempotencyRecord`.
+
+Audit events (:class:`AuditEvent`) are hash-chained: ``entry_hash`` is the SHA-256 of
+``prev_hash`` and the event's canonical JSON (see :mod:`org_node.db.repo`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import field_validator, model_validator
+from sqlalchemy import JSON, BigInteger, Column, DateTime, Dialect, UniqueConstraint
+from sqlalchemy.types import TypeDecorator
+from sqlmodel import Field, SQLModel
+
+from org_node.policy import PolicyError, RunSpec
+from org_node.runs import RunState
+
+__all__ = [
+    "ApiToken",
+    "AuditEvent",
+    "AuditEventPublic",
+    "AuditEventsPublic",
+    "Backend",
+    "Dataset",
+    "DatasetCreate",
+    "DatasetPublic",
+    "DatasetUpdate",
+    "DatasetsPublic",
+    "IdempotencyRecord",
+    "PoliciesPublic",
+    "PolicyCreate",
+    "PolicyPublic",
+    "PolicyRecord",
+    "PolicyUpdate",
+    "Role",
+    "Run",
+    "RunActionRequest",
+    "RunCreate",
+    "RunMetric",
+    "RunMetricPublic",
+    "RunMetricsPublic",
+    "RunPublic",
+    "RunSpecModel",
+    "RunsPublic",
+    "TokenCreate",
+    "TokenCreated",
+    "TokenPublic",
+    "TokensPublic",
+    "UTCDateTime",
+    "utcnow",
+]
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
+_NAME = re.compile(NAME_PATTERN)
+Backend = Literal["masked", "ckks"]
+
+
+def utcnow() -> datetime:
+    """The current time, timezone-aware UTC."""
+    return datetime.now(UTC)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """A timestamp stored in UTC and always read back timezone-aware.
+
+    PostgreSQL keeps ``timestamptz``; SQLite has no time zones, so the UTC wall time is
+    stored and UTC is attached again on reading. Naive datetimes are refused on writing.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("timestamps must be timezone-aware")
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value.astimezone(UTC)
+
+
+def _ts() -> Any:
+    return Field(default_factory=utcnow, sa_type=UTCDateTime)
+
+
+class Role(StrEnum):
+    """What a token may do: ``admin`` everything, ``operator`` run the node's work,
+    ``auditor`` read everything and the audit log."""
+
+    ADMIN = "admin"
+    OPERATOR = "operator"
+    AUDITOR = "auditor"
+
+
+def _check_names(values: list[str] | None, what: str) -> list[str] | None:
+    if values is None:
+        return None
+    if len(set(values)) != len(values):
+        raise ValueError(f"{what} holds duplicates")
+    for v in values:
+        if not _NAME.match(v) and ":" not in v:
+            raise ValueError(f"{what}: {v!r} is not a valid name")
+    return values
+
+
+def _check_columns(v: dict[str, str]) -> dict[str, str]:
+    if len(v) > 10_000:
+        raise ValueError("at most 10000 columns")
+    for key, typ in v.items():
+        if not key or len(key) > 200 or not typ or len(typ) > 100:
+            raise ValueError("column names and types must be 1-200 and 1-100 characters")
+    return v
+
+
+# --- tokens ---------------------------------------------------------------------------
+
+
+class TokenBase(SQLModel):
+    name: str = Field(min_length=1, max_length=100, schema_extra={"pattern": NAME_PATTERN})
+    role: Role
+
+
+class TokenCreate(TokenBase):
+    """A new bearer token; its secret is shown once, in :class:`TokenCreated`."""
+
+
+class ApiToken(TokenBase, table=True):
+    """A bearer token. Only the SHA-256 of its secret is stored."""
+
+    __tablename__ = "api_token"
+    id: int | None = Field(default=None, primary_key=True)
+    role: str = Field(max_length=16)  # type: ignore[assignment]
+    key_id: str = Field(max_length=32, unique=True, index=True)
+    token_hash: str = Field(max_length=64)
+    created_at: datetime = _ts()
+    revoked_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    last_used_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+
+
+class TokenPublic(TokenBase):
+    id: int
+    key_id: str
+    created_at: datetime
+    revoked_at: datetime | None
+    last_used_at: datetime | None
+
+
+class TokenCreated(TokenPublic):
+    token: str = Field(description="The bearer secret; shown once, never stored.")
+
+
+class TokensPublic(SQLModel):
+    data: list[TokenPublic]
+    count: int
+
+
+# --- datasets -------------------------------------------------------------------------
+
+
+class DatasetBase(SQLModel):
+    name: str = Field(min_length=1, max_length=100, schema_extra={"pattern": NAME_PATTERN})
+    description: str = Field(default="", max_length=1000)
+    columns: dict[str, str] = Field(
+        default_factory=dict,
+        sa_type=JSON,
+        description="The dataset's schema: column name -> type name.",
+    )
+    row_count: int = Field(ge=0, le=2**62, sa_type=BigInteger)
+
+    @field_validator("columns")
+    @classmethod
+    def _columns(cls, v: dict[str, str]) -> dict[str, str]:
+        return _check_columns(v)
+
+
+class DatasetCreate(DatasetBase):
+    path: str = Field(
+        min_length=1,
+        max_length=4096,
+        description="File or directory under one of the node's dataset roots.",
+    )
+
+
+class DatasetUpdate(SQLModel):
+    version: int = Field(ge=1, le=2**62)
+    description: str | None = Field(default=None, max_length=1000)
+    columns: dict[str, str] | None = None
+    row_count: int | None = Field(default=None, ge=0, le=2**62)
+    rehash: bool = Field(default=False, description="Recompute the content hash now.")
+
+    @field_validator("columns")
+    @classmethod
+    def _columns(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        return None if v is None else _check_columns(v)
+
+
+class Dataset(DatasetBase, table=True):
+    """A local dataset registered with the node; its bytes never leave the org."""
+
+    id: int | None = Field(default=None, primary_key=True)
+    name: str = Field(max_length=100, unique=True, index=True)
+    path: str = Field(max_length=4096)
+    content_hash: str = Field(max_length=64)
+    version: int = Field(default=1)
+    created_at: datetime = _ts()
+    updated_at: datetime = _ts()
+
+
+class DatasetPublic(DatasetBase):
+    id: int
+    path: str
+    content_hash: str
+    version: int
+    created_at: datetime
+    updated_at: datetime
+
+
+class DatasetsPublic(SQLModel):
+    data: list[DatasetPublic]
+    count: int
+
+
+# --- policies -------------------------------------------------------------------------
+
+
+class PolicyFields(SQLModel):
+    min_participants: int = Field(default=2, ge=1, le=100_000)
+    required_backend: Backend | None = None
+    min_threshold: int | None = Field(default=None, ge=1, le=100_000)
+    max_epsilon: float | None = Field(default=None, gt=0, le=1e6)
+    allowed_tasks: list[str] | None = Field(default=None, sa_type=JSON, max_length=1000)
+    allowed_peers: list[str] | None = Field(default=None, sa_type=JSON, max_length=10_000)
+
+    @field_validator("allowed_tasks", "allowed_peers")
+    @classmethod
+    def _names(cls, v: list[str] | None) -> list[str] | None:
+        return _check_names(v, "names")
+
+
+class PolicyBase(PolicyFields):
+    name: str = Field(min_length=1, max_length=100, schema_extra={"pattern": NAME_PATTERN})
+    enabled: bool = True
+
+
+class PolicyCreate(PolicyBase):
+    """A policy every run must meet before this org consents to it or starts it."""
+
+
+class PolicyUpdate(SQLModel):
+    version: int = Field(ge=1, le=2**62)
+    enabled: bool | None = None
+    min_participants: int | None = Field(default=None, ge=1, le=100_000)
+    required_backend: Backend | None = None
+    min_threshold: int | None = Field(default=None, ge=1, le=100_000)
+    max_epsilon: float | None = Field(default=None, gt=0, le=1e6)
+    allowed_tasks: list[str] | None = Field(default=None, max_length=1000)
+    allowed_peers: list[str] | None = Field(default=None, max_length=10_000)
+
+    @field_validator("allowed_tasks", "allowed_peers")
+    @classmethod
+    def _names(cls, v: list[str] | None) -> list[str] | None:
+        return _check_names(v, "names")
+
+
+class PolicyRecord(PolicyBase, table=True):
+    __tablename__ = "policy"
+    id: int | None = Field(default=None, primary_key=True)
+    required_backend: str | None = Field(default=None, max_length=16)  # type: ignore[assignment]
+    name: str = Field(max_length=100, unique=True, index=True)
+    version: int = Field(default=1)
+    created_at: datetime = _ts()
+    updated_at: datetime = _ts()
+
+
+class PolicyPublic(PolicyBase):
+    id: int
+    version: int
+    created_at: datetime
+    updated_at: datetime
+
+
+class PoliciesPublic(SQLModel):
+    data: list[PolicyPublic]
+    count: int
+
+
+# --- runs -----------------------------------------------------------------------------
+
+
+class RunSpecModel(SQLModel):
+    """The wire form of :class:`org_node.policy.RunSpec`."""
+
+    model_config = {"extra": "forbid"}
+
+    task: str = Field(min_length=1, max_length=200)
+    rounds: int = Field(ge=1, le=1_000_000)
+    participants: list[str] = Field(min_length=1, max_length=10_000)
+    backend: Backend = "masked"
+    threshold: int = Field(default=2, ge=1, le=100_000)
+    epsilon: float | None = Field(default=None, gt=0, le=1e6)
+
+    @model_validator(mode="after")
+    def _coherent(self) -> RunSpecModel:
+        _check_names(self.participants, "participants")
+        try:
+            self.to_spec()
+        except PolicyError as exc:
+            raise ValueError(str(exc)) from None
+        return self
+
+    def to_spec(self) -> RunSpec:
+        return RunSpec.from_dict(self.model_dump())
+
+
+class RunBase(SQLModel):
+    name: str = Field(min_length=1, max_length=100, schema_extra={"pattern": NAME_PATTERN})
+
+
+class RunCreate(RunBase):
+    spec: RunSpecModel
+
+
+class Run(RunBase, table=True):
+    """A federated run as this org sees it, with this org's recorded consent."""
+
+    id: str = Field(primary_key=True, max_length=32)
+    spec: dict[str, Any] = Field(sa_type=JSON)
+    state: str = Field(default=RunState.PROPOSED.value, max_length=16, index=True)
+    version: int = Field(default=1)
+    current_round: int = Field(default=0)
+    proposed_by: str = Field(max_length=100)
+    decided_by: str | None = Field(default=None, max_length=100)
+    decided_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    decision_reason: str | None = Field(default=None, max_length=500)
+    created_at: datetime = _ts()
+    updated_at: datetime = _ts()
+
+
+class RunPublic(RunBase):
+    id: str
+    spec: RunSpecModel
+    state: RunState
+    version: int
+    current_round: int
+    proposed_by: str
+    decided_by: str | None
+    decided_at: datetime | None
+    decision_reason: str | None
+    created_at: datetime
+    updated_at: datetime
+
+
+class RunsPublic(SQLModel):
+    data: list[RunPublic]
+    count: int
+
+
+class RunActionRequest(SQLModel):
+    """An operator command on a run; ``version`` (if given) must be the current one."""
+
+    version: int | None = Field(default=None, ge=1, le=2**62)
+    reason: str = Field(default="", max_length=500)
+
+
+class RunMetric(SQLModel, table=True):
+    __tablename__ = "run_metric"
+    id: int | None = Field(default=None, primary_key=True)
+    run_id: str = Field(foreign_key="run.id", index=True, max_length=32)
+    round: int = Field(ge=0)
+    name: str = Field(max_length=100)
+    value: float
+    recorded_at: datetime = _ts()
+
+    @field_validator("value")
+    @classmethod
+    def _finite(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise ValueError("metric values must be finite")
+        return v
+
+
+class RunMetricPublic(SQLModel):
+    round: int
+    name: str
+    value: float
+    recorded_at: datetime
+
+
+class RunMetricsPublic(SQLModel):
+    data: list[RunMetricPublic]
+    count: int
+
+
+# --- audit ----------------------------------------------------------------------------
+
+
+class AuditEventBase(SQLModel):
+    time: datetime = Field(sa_type=UTCDateTime, index=True)
+    run: str | None = Field(default=None, max_length=32, index=True)
+    round: int | None = Field(default=None, ge=0)
+    stage: str = Field(max_length=64)
+    peer: str | None = Field(default=None, max_length=100, index=True)
+    kind: str = Field(max_length=64, index=True)
+    bytes: int = Field(default=0, ge=0, le=2**62, sa_type=BigInteger)
+    sha256: str | None = Field(default=None, max_length=64)
+    privacy_class: str = Field(max_length=32)
+
+
+class AuditEvent(AuditEventBase, table=True):
+    """One entry of the hash-chained audit log."""
+
+    __tablename__ = "audit_event"
+    id: int | None = Field(default=None, primary_key=True)
+    prev_hash: str = Field(max_length=64)
+    entry_hash: str = Field(max_length=64, unique=True)
+
+
+class AuditEventPublic(AuditEventBase):
+    id: int
+    prev_hash: str
+    entry_hash: str
+
+
+class AuditEventsPublic(SQLModel):
+    data: list[AuditEventPublic]
+    count: int
+
+
+# --- idempotency ----------------------------------------------------------------------
+
+
+class IdempotencyRecord(SQLModel, table=True):
+    """The answer to a creation request, kept so that a retried request gets it again."""
+
+    __tablename__ = "idempotency_record"
+    __table_args__ = (UniqueConstraint("scope", "key"),)
+    id: int | None = Field(default=None, primary_key=True)
+    scope: str = Field(max_length=200)
+    key: str = Field(max_length=200)
+    request_hash: str = Field(max_length=64)
+    status_code: int
+    response: dict[str, Any] = Field(sa_column=Column(JSON, nullable=False))
+    created_at: datetime = _ts()

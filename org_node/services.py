@@ -1,0 +1,308 @@
+"""What the admin API needs from the running node, as one small protocol.
+
+The API layer never reaches into the node's engine: it is handed a
+:class:`NodeServices` (identity, the federation manifest and its pending proposals,
+the live peer view, run-control hooks, checkpoints) and a :class:`RunEventBus` on which
+the engine publishes round progress. Tests pass a fake; the composition root passes the
+real node. :class:`StaticNode` is the simplest real implementation: a node that knows
+its identity and manifest but runs no engine yet (what ``fedweave run`` serves before
+the round engine is attached).
+
+Errors a service raises are narrow: :class:`UnknownCheckpoint`, :class:`ServiceRefused`
+(the node will not do it now, e.g. no federation yet) — the API maps them to 404 and 409.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from coordinator_free.manifest import Manifest, Member
+from coordinator_free.membership import MemberState
+
+__all__ = [
+    "CheckpointInfo",
+    "NodeHealth",
+    "NodeIdentityInfo",
+    "NodeServices",
+    "RunEvent",
+    "RunEventBus",
+    "ServiceError",
+    "ServiceRefused",
+    "ShardReport",
+    "StaticNode",
+    "UnknownCheckpoint",
+]
+
+
+class ServiceError(Exception):
+    """Base class of the errors a node service raises."""
+
+
+class ServiceRefused(ServiceError):
+    """The node will not do this in its current state (the message says why)."""
+
+
+class UnknownCheckpoint(ServiceError):
+    """No checkpoint with that id."""
+
+
+@dataclass(frozen=True)
+class NodeIdentityInfo:
+    """Who this node is: org id, display name, certificate fingerprint, peer endpoint."""
+
+    org_id: str
+    display_name: str
+    fingerprint: str
+    endpoint: str
+    version: str
+
+
+@dataclass(frozen=True)
+class NodeHealth:
+    """Liveness and readiness with one line per component (``"ok"`` or the problem)."""
+
+    ready: bool
+    checks: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One erasure-coded checkpoint: run, round, shard layout and content hash."""
+
+    checkpoint_id: str
+    run_id: str
+    round: int
+    created_at: float
+    data_shards: int
+    parity_shards: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class ShardReport:
+    """Result of checking a checkpoint's shards at their holders."""
+
+    checkpoint_id: str
+    healthy: int
+    missing: tuple[str, ...]
+    corrupt: tuple[str, ...]
+    restorable: bool
+
+
+@dataclass(frozen=True)
+class RunEvent:
+    """One progress event of a run (``kind`` e.g. ``state``, ``round``, ``metric``)."""
+
+    run_id: str
+    seq: int
+    kind: str
+    data: Mapping[str, Any]
+
+
+class RunEventBus:
+    """In-process publish/subscribe of :class:`RunEvent` per run.
+
+    ``publish`` may be called from any thread (the API's worker threads, the engine);
+    subscribers are asyncio queues, fed on their own loop. Each subscriber queue is
+    bounded; when a slow reader's queue is full the oldest event is dropped, never the
+    publisher blocked. The last ``history`` events of each run are kept so that a new
+    subscriber first sees what already happened.
+    """
+
+    def __init__(self, *, queue_size: int = 256, history: int = 64) -> None:
+        if queue_size < 1 or history < 0:
+            raise ValueError("queue_size must be >= 1 and history >= 0")
+        self._queue_size = queue_size
+        self._history = history
+        self._lock = threading.Lock()
+        self._seq = itertools.count(1)
+        self._subs: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Queue[RunEvent]]]] = {}
+        self._past: dict[str, deque[RunEvent]] = {}
+
+    def publish(self, run_id: str, kind: str, data: Mapping[str, Any]) -> RunEvent:
+        """Deliver an event to every subscriber of ``run_id``; returns it."""
+        with self._lock:
+            event = RunEvent(run_id, next(self._seq), kind, dict(data))
+            if self._history:
+                self._past.setdefault(run_id, deque(maxlen=self._history)).append(event)
+            subs = list(self._subs.get(run_id, ()))
+        for loop, queue in subs:
+            try:
+                loop.call_soon_threadsafe(self._put, queue, event)
+            except RuntimeError:  # the subscriber's loop is closed
+                self._drop(run_id, queue)
+        return event
+
+    @staticmethod
+    def _put(queue: asyncio.Queue[RunEvent], event: RunEvent) -> None:
+        if queue.full():
+            queue.get_nowait()
+        queue.put_nowait(event)
+
+    def subscribe(self, run_id: str) -> asyncio.Queue[RunEvent]:
+        """A queue of ``run_id``'s events, primed with its recent history.
+
+        Must be called from the event loop that will read the queue.
+        """
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[RunEvent] = asyncio.Queue(self._queue_size)
+        with self._lock:
+            for event in self._past.get(run_id, ()):
+                self._put(queue, event)
+            self._subs.setdefault(run_id, []).append((loop, queue))
+        return queue
+
+    def unsubscribe(self, run_id: str, queue: asyncio.Queue[RunEvent]) -> None:
+        """Stop delivering to ``queue``."""
+        self._drop(run_id, queue)
+
+    def _drop(self, run_id: str, queue: asyncio.Queue[RunEvent]) -> None:
+        with self._lock:
+            subs = self._subs.get(run_id, [])
+            self._subs[run_id] = [s for s in subs if s[1] is not queue]
+            if not self._subs[run_id]:
+                del self._subs[run_id]
+
+    def subscribers(self, run_id: str) -> int:
+        """How many queues receive ``run_id``'s events."""
+        with self._lock:
+            return len(self._subs.get(run_id, ()))
+
+
+@runtime_checkable
+class NodeServices(Protocol):
+    """The running node, as the admin API sees it."""
+
+    @property
+    def events(self) -> RunEventBus:
+        """Where the node publishes run progress."""
+        ...
+
+    def identity(self) -> NodeIdentityInfo: ...
+
+    def health(self) -> NodeHealth: ...
+
+    def manifest(self) -> Manifest | None:
+        """The current verified manifest; None before the org joined a federation."""
+        ...
+
+    def proposals(self) -> list[Manifest]:
+        """Proposed next manifest versions not yet carried by a quorum."""
+        ...
+
+    def propose_add(self, member: Member, note: str) -> Manifest: ...
+
+    def propose_remove(self, org_id: str, note: str) -> Manifest: ...
+
+    def sign_proposal(self, digest: str) -> Manifest:
+        """Add this org's signature to the pending proposal ``digest``."""
+        ...
+
+    def peers(self) -> list[MemberState]:
+        """The live view of the other members (status, last seen, round-trip time)."""
+        ...
+
+    def on_run_accepted(self, run_id: str, spec: Mapping[str, Any]) -> None:
+        """Called before the new state is committed; raising ServiceError undoes it."""
+        ...
+
+    def on_run_declined(self, run_id: str, spec: Mapping[str, Any]) -> None: ...
+
+    def on_run_started(self, run_id: str, spec: Mapping[str, Any]) -> None: ...
+
+    def on_run_paused(self, run_id: str, spec: Mapping[str, Any]) -> None: ...
+
+    def on_run_resumed(self, run_id: str, spec: Mapping[str, Any]) -> None: ...
+
+    def on_run_aborted(self, run_id: str, spec: Mapping[str, Any]) -> None: ...
+
+    def checkpoints(self) -> list[CheckpointInfo]: ...
+
+    def verify_checkpoint(self, checkpoint_id: str) -> ShardReport: ...
+
+    def restore_checkpoint(self, checkpoint_id: str) -> CheckpointInfo: ...
+
+
+class StaticNode:
+    """A node with an identity and (optionally) a manifest, and no round engine.
+
+    Run hooks are recorded in :attr:`calls` (the API publishes the state events); there
+    are no peers, proposals or checkpoints yet. Federation changes are refused with :class:`ServiceRefused`.
+    """
+
+    def __init__(
+        self,
+        identity: NodeIdentityInfo,
+        manifest: Manifest | None = None,
+        *,
+        events: RunEventBus | None = None,
+    ) -> None:
+        self._identity = identity
+        self._manifest = manifest
+        self._events = events or RunEventBus()
+        self.calls: list[tuple[str, str]] = []
+        """Run hooks called so far, as ``(hook, run_id)``; the engine attaches later."""
+
+    @property
+    def events(self) -> RunEventBus:
+        return self._events
+
+    def identity(self) -> NodeIdentityInfo:
+        return self._identity
+
+    def health(self) -> NodeHealth:
+        return NodeHealth(ready=True, checks={"engine": "ok"})
+
+    def manifest(self) -> Manifest | None:
+        return self._manifest
+
+    def proposals(self) -> list[Manifest]:
+        return []
+
+    def propose_add(self, member: Member, note: str) -> Manifest:
+        raise ServiceRefused("this node runs no federation engine")
+
+    def propose_remove(self, org_id: str, note: str) -> Manifest:
+        raise ServiceRefused("this node runs no federation engine")
+
+    def sign_proposal(self, digest: str) -> Manifest:
+        raise ServiceRefused("this node runs no federation engine")
+
+    def peers(self) -> list[MemberState]:
+        return []
+
+    def _record(self, hook: str, run_id: str) -> None:
+        self.calls.append((hook, run_id))
+
+    def on_run_accepted(self, run_id: str, spec: Mapping[str, Any]) -> None:
+        self._record("accepted", run_id)
+
+    def on_run_declined(self, run_id: str, spec: Mapping[str, Any]) -> None:
+        self._record("declined", run_id)
+
+    def on_run_started(self, run_id: str, spec: Mapping[str, Any]) -> None:
+        self._record("started", run_id)
+
+    def on_run_paused(self, run_id: str, spec: Mapping[str, Any]) -> None:
+        self._record("paused", run_id)
+
+    def on_run_resumed(self, run_id: str, spec: Mapping[str, Any]) -> None:
+        self._record("resumed", run_id)
+
+    def on_run_aborted(self, run_id: str, spec: Mapping[str, Any]) -> None:
+        self._record("aborted", run_id)
+
+    def checkpoints(self) -> list[CheckpointInfo]:
+        return []
+
+    def verify_checkpoint(self, checkpoint_id: str) -> ShardReport:
+        raise UnknownCheckpoint(f"no checkpoint {checkpoint_id!r}")
+
+    def restore_checkpoint(self, checkpoint_id: str) -> CheckpointInfo:
+        raise UnknownCheckpoint(f"no checkpoint {checkpoint_id!r}")

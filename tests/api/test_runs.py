@@ -1,0 +1,182 @@
+"""``/v1/runs``: proposal, consent, the state machine over HTTP, metrics, SSE."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from sqlmodel import Session, select
+
+from org_node.db.models import AuditEvent, Role, Run, RunMetric
+from org_node.runs import InvalidTransition, RunAction, RunState, allowed_actions, next_state
+from org_node.services import ServiceRefused
+from tests.api.conftest import RUN_SPEC, Api, propose_run
+
+
+def test_propose_read_and_list(api: Api) -> None:
+    run = propose_run(api)
+    assert run["state"] == "proposed" and run["version"] == 1
+    assert run["spec"]["participants"] == RUN_SPEC["participants"]
+    assert run["proposed_by"] == "admin-token"
+    got = api.client.get(f"/v1/runs/{run['id']}", headers=api.h(Role.AUDITOR)).json()
+    assert got == run
+    listed = api.client.get("/v1/runs?state=proposed", headers=api.h()).json()
+    assert listed["count"] == 1 and listed["data"][0]["id"] == run["id"]
+    assert api.client.get("/v1/runs?state=running", headers=api.h()).json()["count"] == 0
+
+
+def test_full_life_cycle_calls_hooks_and_records_consent(api: Api) -> None:
+    run = propose_run(api)
+    rid = run["id"]
+    for action, state in [
+        ("accept", "accepted"),
+        ("start", "running"),
+        ("pause", "paused"),
+        ("resume", "running"),
+        ("abort", "aborted"),
+    ]:
+        r = api.client.post(
+            f"/v1/runs/{rid}/{action}", json={"reason": "ok by us"}, headers=api.h(Role.OPERATOR)
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["state"] == state
+    final = api.client.get(f"/v1/runs/{rid}", headers=api.h()).json()
+    assert final["decided_by"] == "operator-token"
+    assert final["decision_reason"] == "ok by us"
+    assert final["version"] == 6
+    assert [c[0] for c in api.node.calls] == ["accepted", "started", "paused", "resumed", "aborted"]
+    with Session(api.engine) as s:
+        kinds = s.exec(select(AuditEvent.kind).where(AuditEvent.run == rid)).all()
+    assert kinds == [
+        "run.propose",
+        "run.accept",
+        "run.start",
+        "run.pause",
+        "run.resume",
+        "run.abort",
+    ]
+
+
+def test_invalid_transition_is_409_naming_the_state(api: Api) -> None:
+    rid = propose_run(api)["id"]
+    assert api.client.post(f"/v1/runs/{rid}/abort", headers=api.h()).status_code == 200
+    r = api.client.post(f"/v1/runs/{rid}/start", headers=api.h())
+    assert r.status_code == 409
+    assert "aborted" in r.json()["detail"]
+    assert api.client.get(f"/v1/runs/{rid}", headers=api.h()).json()["state"] == "aborted"
+
+
+def test_stale_version_is_409(api: Api) -> None:
+    rid = propose_run(api)["id"]
+    r = api.client.post(f"/v1/runs/{rid}/accept", json={"version": 7}, headers=api.h())
+    assert r.status_code == 409 and "version is 1" in r.json()["detail"]
+    r = api.client.post(f"/v1/runs/{rid}/accept", json={"version": 1}, headers=api.h())
+    assert r.status_code == 200
+
+
+def test_refusing_hook_leaves_nothing_written(api: Api) -> None:
+    rid = propose_run(api)["id"]
+    api.node.refuse_next = ServiceRefused("engine busy")
+    r = api.client.post(f"/v1/runs/{rid}/accept", headers=api.h())
+    assert r.status_code == 409 and "engine busy" in r.json()["detail"]
+    run = api.client.get(f"/v1/runs/{rid}", headers=api.h()).json()
+    assert run["state"] == "proposed" and run["version"] == 1 and run["decided_by"] is None
+    with Session(api.engine) as s:
+        assert s.exec(select(AuditEvent).where(AuditEvent.kind == "run.accept")).first() is None
+
+
+def test_policy_blocks_consent(api: Api) -> None:
+    p = {"name": "strict", "max_epsilon": 1.0, "allowed_tasks": ["digits"]}
+    assert api.client.post("/v1/policies", json=p, headers=api.h()).status_code == 201
+    rid = propose_run(api)["id"]
+    r = api.client.post(f"/v1/runs/{rid}/accept", headers=api.h())
+    assert r.status_code == 409
+    detail = r.json()["detail"]
+    assert "strict" in detail and "epsilon" in detail and "tabular" in detail
+    assert api.client.post(f"/v1/runs/{rid}/decline", headers=api.h()).status_code == 200
+
+
+def test_unknown_run_and_bad_specs(api: Api) -> None:
+    assert api.client.get("/v1/runs/nope", headers=api.h()).status_code == 404
+    assert api.client.post("/v1/runs/nope/start", headers=api.h()).status_code == 404
+    bads: list[dict[str, object]] = [
+        {"threshold": 9},
+        {"participants": []},
+        {"participants": ["a", "a"]},
+        {"epsilon": -1},
+        {"backend": "plain"},
+        {"rounds": 0},
+        {"surprise": 1},
+    ]
+    for bad in bads:
+        r = api.client.post("/v1/runs", json={"name": "x", "spec": RUN_SPEC | bad}, headers=api.h())
+        assert r.status_code == 422, bad
+    with Session(api.engine) as s:
+        assert s.exec(select(Run)).all() == []
+
+
+def test_idempotent_proposal(api: Api) -> None:
+    body = {"name": "r1", "spec": RUN_SPEC}
+    key = {"Idempotency-Key": "abc-1"}
+    a = api.client.post("/v1/runs", json=body, headers=api.h(Role.ADMIN, **key))
+    b = api.client.post("/v1/runs", json=body, headers=api.h(Role.ADMIN, **key))
+    assert a.status_code == b.status_code == 201 and a.json() == b.json()
+    c = api.client.post("/v1/runs", json=body | {"name": "r2"}, headers=api.h(Role.ADMIN, **key))
+    assert c.status_code == 422
+    assert api.client.get("/v1/runs", headers=api.h()).json()["count"] == 1
+
+
+def test_metrics_by_round(api: Api) -> None:
+    rid = propose_run(api)["id"]
+    with Session(api.engine) as s:
+        for rnd in (0, 1, 2):
+            s.add(RunMetric(run_id=rid, round=rnd, name="loss", value=1.0 / (rnd + 1)))
+        s.commit()
+    r = api.client.get(f"/v1/runs/{rid}/metrics", headers=api.h(Role.AUDITOR)).json()
+    assert r["count"] == 3 and [m["round"] for m in r["data"]] == [0, 1, 2]
+    one = api.client.get(f"/v1/runs/{rid}/metrics?round=1", headers=api.h()).json()
+    assert one["count"] == 1 and one["data"][0]["value"] == pytest.approx(0.5)
+
+
+def _events(text: str) -> list[tuple[str, dict[str, object]]]:
+    out = []
+    for block in text.strip().split("\n\n"):
+        fields = dict(line.split(": ", 1) for line in block.splitlines() if ": " in line)
+        out.append((fields["event"], json.loads(fields["data"])))
+    return out
+
+
+def test_event_stream_of_a_finished_run(api: Api) -> None:
+    rid = propose_run(api)["id"]
+    api.client.post(f"/v1/runs/{rid}/decline", headers=api.h())
+    with api.client.stream("GET", f"/v1/runs/{rid}/events", headers=api.h()) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        body = r.read().decode()
+    assert _events(body) == [("state", {"state": "declined", "version": 2})]
+
+
+def test_event_stream_follows_progress_until_the_end(api: Api) -> None:
+    rid = propose_run(api)["id"]
+    api.client.post(f"/v1/runs/{rid}/accept", headers=api.h())
+    api.client.post(f"/v1/runs/{rid}/start", headers=api.h())
+    api.node.events.publish(rid, "round", {"round": 1, "survivors": 3})
+    api.node.events.publish(rid, "state", {"state": "completed"})
+    with api.client.stream("GET", f"/v1/runs/{rid}/events", headers=api.h()) as r:
+        events = _events(r.read().decode())
+    assert events[0] == ("state", {"state": "running", "version": 3})
+    assert ("round", {"round": 1, "survivors": 3}) in events
+    assert events[-1] == ("state", {"state": "completed"})
+    assert api.node.events.subscribers(rid) == 0
+
+
+def test_transition_table_is_total_and_consistent() -> None:
+    for state in RunState:
+        for action in RunAction:
+            if action in allowed_actions(state):
+                assert next_state(state, action) in RunState
+            else:
+                with pytest.raises(InvalidTransition, match=state.value):
+                    next_state(state, action)
+    with pytest.raises(ValueError):
+        next_state("flying", "start")
