@@ -1,0 +1,255 @@
+"""The leaderless round engine on the in-memory network, with the real secure_agg sessions."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+
+import numpy as np
+import pytest
+from coordinator_free.errors import RefusalReason, Refused
+from coordinator_free.rounds import (
+    KIND_READY,
+    ModelHashMismatch,
+    RoundConfig,
+    RoundEngine,
+    RoundFailed,
+    View,
+    endpoint_signer,
+    secagg_sessions,
+    view_hash,
+)
+from coordinator_free.sim import Fault, FaultSpec, RoundOutcome, SimConfig, Simulation
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from secure_agg.codec import FixedPointCodec
+
+FAST = RoundConfig(ready_timeout=0.6, stage_timeout=4.0, step_timeout=2.0, send_timeout=4.0)
+
+
+def sim_config(peers: int) -> SimConfig:
+    return SimConfig(peers=peers, length=64, seed=7, round_config=FAST)
+
+
+def assert_consistent(out: RoundOutcome) -> None:
+    assert out.problems() == []
+
+
+# -- pure parts ---------------------------------------------------------------------------
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    tag=st.sampled_from(["ready", "share", "reduce:0", "reduce:2"]),
+    attempt=st.integers(0, 5),
+    members=st.frozensets(st.text(min_size=1, max_size=12), max_size=8),
+    flag=st.booleans(),
+)
+def test_view_encoding_round_trips(
+    tag: str, attempt: int, members: frozenset[str], flag: bool
+) -> None:
+    view = View(tag, attempt, members, flag)
+    assert View.from_bytes(view.to_bytes()) == view
+    assert view.digest() == view_hash(tag, sorted(members, reverse=True), flag)
+
+
+def test_view_decoding_refuses_tampering() -> None:
+    raw = View("ready", 0, frozenset({"a", "b"})).to_bytes()
+    tampered = raw.replace(b"b", b"c")
+    with pytest.raises(ValueError, match="digest"):
+        View.from_bytes(tampered)
+    with pytest.raises(ValueError):
+        View.from_bytes(raw[:5])
+    assert view_hash("ready", ["a"]) != view_hash("share", ["a"])
+    assert view_hash("ready", ["a"], True) != view_hash("ready", ["a"], False)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("ready_timeout", 0),
+        ("stage_timeout", -1.0),
+        ("threshold", 1),
+        ("min_participants", 1),
+        ("max_view_attempts", 0),
+        ("max_reduce_attempts", 0),
+    ],
+)
+def test_round_config_refuses_invalid_values(field: str, value: float) -> None:
+    with pytest.raises(ValueError, match=field):
+        RoundConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_threshold_defaults_to_a_majority() -> None:
+    assert RoundConfig().threshold_for(4) == 3
+    assert RoundConfig().threshold_for(5) == 3
+    assert RoundConfig(threshold=2).threshold_for(5) == 2
+
+
+# -- rounds -------------------------------------------------------------------------------
+
+
+def test_every_node_gets_the_plaintext_sum_and_sends_about_two_payloads() -> None:
+    async def scenario() -> tuple[RoundOutcome, RoundOutcome]:
+        async with Simulation(SimConfig(peers=5, length=4000, seed=1, round_config=FAST)) as sim:
+            return await sim.round(1), await sim.round(2)
+
+    first, second = asyncio.run(scenario())
+    for out in (first, second):
+        assert_consistent(out)
+        assert len(out.results) == 5 and not out.failures
+        res = next(iter(out.results.values()))
+        assert res.dropped == () and res.ring_attempts == 1 and res.threshold == 3
+        np.testing.assert_array_equal(res.sum, out.expected(out.inputs))
+        payload = 4000 * 4
+        for r in out.results.values():
+            # the ring moves 2 (n-1)/n payloads per node, plus chunk headers
+            assert 1.6 * payload <= r.ring_bytes_sent <= 1.6 * payload + 512
+            assert {"ready", "share", "reduce", "unmask"} <= r.stage_times.keys()
+    # the ring order is the SHA-256 order of (round, org), the same on every node
+    orders = {r.participants for r in first.results.values()}
+    assert len(orders) == 1
+
+
+def test_float_inputs_are_encoded_and_decoded_by_the_codec() -> None:
+    async def scenario() -> dict[str, np.ndarray]:
+        sim = Simulation(SimConfig(peers=4, length=8, seed=2, round_config=FAST))
+        codec = FixedPointCodec(bits=32, clip=1.0, max_summands=4)
+        for org, engine in sim.engines.items():
+            engine.session_factory = secagg_sessions(
+                *endpoint_signer(sim.endpoints[org]), codec=codec, seed=2
+            )
+        rng = np.random.default_rng(0)
+        inputs = {o: rng.uniform(-1, 1, 8) for o in sim.orgs}
+        async with sim:
+            results = await asyncio.gather(
+                *(sim.engines[o].run_round("run", 1, inputs[o]) for o in sim.orgs)
+            )
+        truth = sum(inputs.values())
+        bound = codec.sum_error_bound(4)
+        for res in results:
+            assert res.sum.dtype == np.float64
+            assert np.all(np.abs(res.sum - truth) <= bound)
+        return {o: r.sum for o, r in zip(sim.orgs, results, strict=True)}
+
+    sums = asyncio.run(scenario())
+    first = next(iter(sums.values()))
+    assert all(np.array_equal(first, s) for s in sums.values())
+
+
+KILL_STAGES = [
+    ("ready", False),
+    ("share", False),
+    ("agree-ready", False),
+    ("mask", False),
+    ("reduce", False),
+    ("reduce.scatter.1", False),
+    ("reduce.gather.2", False),
+    ("agree-reduce", False),
+    ("unmask", True),
+]
+
+
+@pytest.mark.parametrize("stage, victim_in_sum", KILL_STAGES, ids=[s for s, _ in KILL_STAGES])
+def test_a_peer_killed_at_each_stage(stage: str, victim_in_sum: bool) -> None:
+    victim = "org-3"
+
+    async def scenario() -> tuple[RoundOutcome, RoundOutcome]:
+        faults = [FaultSpec(victim, Fault.KILL, stage, round=1)]
+        async with Simulation(sim_config(5), faults) as sim:
+            return await sim.round(1), await sim.round(2)
+
+    first, second = asyncio.run(scenario())
+    assert_consistent(first)
+    assert victim in first.killed and victim not in first.results
+    assert set(first.results) == {"org-0", "org-1", "org-2", "org-4"}
+    for res in first.results.values():
+        assert (victim in res.survivors) is victim_in_sum
+    # the next round works, without the dead peer
+    assert_consistent(second)
+    assert set(second.results) == {"org-0", "org-1", "org-2", "org-4"}
+
+
+def test_too_few_survivors_fail_with_a_reason_and_the_round_closes() -> None:
+    async def scenario() -> RoundOutcome:
+        faults = [
+            FaultSpec("org-0", Fault.KILL, "mask", round=1),
+            FaultSpec("org-1", Fault.KILL, "mask", round=1),
+        ]
+        async with Simulation(sim_config(4), faults) as sim:
+            return await sim.round(1)
+
+    out = asyncio.run(scenario())
+    assert not out.results
+    assert set(out.failures) == {"org-2", "org-3"}
+    for reason in out.failures.values():
+        assert "fewer than" in reason and "t=3" in reason
+    assert_consistent(out)  # no round left open on any node
+
+
+def test_messages_for_the_wrong_round_are_refused() -> None:
+    async def scenario() -> list[RefusalReason]:
+        async with Simulation(sim_config(3)) as sim:
+            out = await sim.round(1)
+            assert_consistent(out)
+            sender = sim.endpoints["org-0"]
+            reasons = []
+            for rnd in (1, 0, 50):  # finished, older, too far ahead
+                with pytest.raises(Refused) as info:
+                    await sender.send("org-1", KIND_READY, b"x" * 40, run="sim-run", round=rnd)
+                reasons.append(info.value.reason)
+            assert sim.engines["org-1"].open_rounds() == []
+            # and the next round is not disturbed
+            assert_consistent(await sim.round(2))
+            return reasons
+
+    assert asyncio.run(scenario()) == [RefusalReason.STALE] * 3
+
+
+def test_a_run_round_for_a_finished_round_fails_clearly() -> None:
+    async def scenario() -> None:
+        async with Simulation(sim_config(3)) as sim:
+            assert_consistent(await sim.round(1))
+            with pytest.raises(RoundFailed, match="cannot start"):
+                await sim.engines["org-0"].run_round("sim-run", 1, sim.inputs(1)["org-0"])
+
+    asyncio.run(scenario())
+
+
+def test_model_hashes_are_compared_and_a_mismatch_stops_loudly() -> None:
+    async def scenario() -> None:
+        async with Simulation(sim_config(3)) as sim:
+            good = hashlib.sha256(b"model r1").digest()
+            bad = hashlib.sha256(b"another model").digest()
+            orgs = sim.orgs
+            agreed = await asyncio.gather(
+                *(
+                    sim.engines[o].check_model_hash("sim-run", 1, good, orgs, timeout=5)
+                    for o in orgs
+                )
+            )
+            assert all(a == frozenset(orgs) - {o} for a, o in zip(agreed, orgs, strict=True))
+            results = await asyncio.gather(
+                sim.engines["org-0"].check_model_hash("sim-run", 2, good, orgs, timeout=5),
+                sim.engines["org-1"].check_model_hash("sim-run", 2, good, orgs, timeout=5),
+                sim.engines["org-2"].check_model_hash("sim-run", 2, bad, orgs, timeout=5),
+                return_exceptions=True,
+            )
+            assert all(isinstance(r, ModelHashMismatch) for r in results)
+            assert isinstance(results[0], ModelHashMismatch)
+            assert set(results[0].differing) == {"org-2"}
+            with pytest.raises(ValueError):
+                await sim.engines["org-0"].publish_model_hash("sim-run", 3, b"short", orgs)
+
+    asyncio.run(scenario())
+
+
+def test_engine_refuses_an_empty_run_name() -> None:
+    async def scenario() -> None:
+        sim = Simulation(sim_config(2))
+        engine: RoundEngine = sim.engines["org-0"]
+        with pytest.raises(ValueError, match="run"):
+            await engine.run_round("", 1, np.zeros(4, np.uint32))
+
+    asyncio.run(scenario())
