@@ -1,0 +1,155 @@
+"""Privacy classes of outbound messages, and the message-kind → class mapping.
+
+Every message an org sends is put in one :class:`PrivacyClass` before it leaves
+(``docs/SECURITY.md``, "Privacy audit"). The class says what the bytes can reveal:
+a public key, a Shamir share encrypted to its holder, a chunk of a *masked* vector, a
+CKKS ciphertext, a model hash, membership/gossip state, a checkpoint shard (encrypted
+with the owner's key before coding), or protocol control (views of agreed sets,
+aborts, acknowledgements).
+
+Three classes are **forbidden**: raw data, labels and an unmasked update must never
+leave an org (DESIGN, threat model: "nothing raw leaves an org"). The egress hook
+refuses them, and verification flags any that got into a log. An **unknown** kind is
+refused too: a message is only sent once someone has decided what it reveals (fail
+closed).
+
+Replies (``KIND.reply``) carry the request's digest and the handler's answer: a reply
+to a membership or gossip message carries membership updates and is classed
+``membership``; every other reply is an acknowledgement (``control``). The reply to
+an unknown kind is refused like the kind itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from enum import StrEnum
+from types import MappingProxyType
+
+__all__ = [
+    "FORBIDDEN_CLASSES",
+    "KIND_CLASSES",
+    "REPLY_SUFFIX",
+    "ClassificationError",
+    "ForbiddenClass",
+    "PrivacyClass",
+    "UnclassifiedKind",
+    "classify",
+]
+
+REPLY_SUFFIX = ".reply"
+
+
+class PrivacyClass(StrEnum):
+    """What an outbound message can reveal (values are the names written in logs)."""
+
+    PUBLIC_KEY = "public_key"
+    ENCRYPTED_SHARE = "encrypted_share"
+    RELEASED_SHARE = "released_share"
+    MASKED_CHUNK = "masked_vector_chunk"
+    CIPHERTEXT = "ciphertext"
+    MODEL_HASH = "model_hash"
+    MEMBERSHIP = "membership"
+    CHECKPOINT_SHARD = "checkpoint_shard"
+    AUDIT_HEAD = "audit_head"
+    CONTROL = "control"
+    RAW_DATA = "raw_data"
+    LABELS = "labels"
+    UNMASKED_UPDATE = "unmasked_update"
+
+
+FORBIDDEN_CLASSES: frozenset[PrivacyClass] = frozenset(
+    {PrivacyClass.RAW_DATA, PrivacyClass.LABELS, PrivacyClass.UNMASKED_UPDATE}
+)
+"""Classes that must never leave an org."""
+
+_RULES: dict[str, PrivacyClass] = {
+    # membership and gossip (coordinator_free.membership, coordinator_free.gossip)
+    "swim.": PrivacyClass.MEMBERSHIP,
+    "gossip.": PrivacyClass.MEMBERSHIP,
+    # the round engine (coordinator_free.rounds): round.ready carries AdvertiseKeys
+    # (Bonawitz et al. §4 round 0), round.share the encrypted Shamir shares (round 1),
+    # round.unmask the shares released for unmasking (round 4)
+    "round.ready": PrivacyClass.PUBLIC_KEY,
+    "round.share": PrivacyClass.ENCRYPTED_SHARE,
+    "round.unmask": PrivacyClass.RELEASED_SHARE,
+    "round.view": PrivacyClass.CONTROL,
+    "round.model": PrivacyClass.MODEL_HASH,
+    # the ring reduce over masked vectors (coordinator_free.ring)
+    "agg.chunk": PrivacyClass.MASKED_CHUNK,
+    "agg.abort": PrivacyClass.CONTROL,
+    "ring.": PrivacyClass.MASKED_CHUNK,
+    # secure_agg message names carried directly
+    "secagg.advertise": PrivacyClass.PUBLIC_KEY,
+    "secagg.share": PrivacyClass.ENCRYPTED_SHARE,
+    "secagg.masked": PrivacyClass.MASKED_CHUNK,
+    "secagg.unmask": PrivacyClass.RELEASED_SHARE,
+    "ckks.": PrivacyClass.CIPHERTEXT,
+    "shard.": PrivacyClass.CHECKPOINT_SHARD,
+    "model.hash": PrivacyClass.MODEL_HASH,
+    "audit.head": PrivacyClass.AUDIT_HEAD,
+    # forbidden: named so that a mistake is caught by name, not only as "unknown"
+    "data.": PrivacyClass.RAW_DATA,
+    "raw.": PrivacyClass.RAW_DATA,
+    "labels.": PrivacyClass.LABELS,
+    "update.": PrivacyClass.UNMASKED_UPDATE,
+}
+
+KIND_CLASSES: Mapping[str, PrivacyClass] = MappingProxyType(_RULES)
+"""The mapping: a key ending in ``.`` is a prefix, any other key an exact kind or a
+prefix followed by ``.`` (``round.ready`` covers ``round.ready.v2``)."""
+
+
+class ClassificationError(Exception):
+    """A message that the egress policy does not let out."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(detail)
+        self.kind = kind
+
+
+class UnclassifiedKind(ClassificationError):
+    """No privacy class is known for this message kind; it is not sent."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind, f"message kind {kind!r} has no privacy class: not sent")
+
+
+class ForbiddenClass(ClassificationError):
+    """The kind is of a forbidden class (raw data, labels, unmasked update)."""
+
+    def __init__(self, kind: str, privacy_class: PrivacyClass) -> None:
+        super().__init__(
+            kind, f"message kind {kind!r} is {privacy_class.value}, which never leaves the org"
+        )
+        self.privacy_class = privacy_class
+
+
+def _lookup(kind: str) -> PrivacyClass | None:
+    best: tuple[int, PrivacyClass] | None = None
+    for key, cls in _RULES.items():
+        if key.endswith("."):
+            hit = kind.startswith(key)
+        else:
+            hit = kind == key or kind.startswith(key + ".")
+        if hit and (best is None or len(key) > best[0]):
+            best = (len(key), cls)
+    return None if best is None else best[1]
+
+
+def classify(kind: str) -> PrivacyClass:
+    """The privacy class of a message ``kind``; the longest matching rule wins.
+
+    Raises :class:`UnclassifiedKind` for a kind no rule covers. Forbidden classes are
+    returned, not raised: the egress hook refuses them, verification reports them.
+    """
+    if not isinstance(kind, str) or not kind:
+        raise UnclassifiedKind(str(kind))
+    if kind.endswith(REPLY_SUFFIX):
+        base = _lookup(kind[: -len(REPLY_SUFFIX)])
+        if base is None:
+            raise UnclassifiedKind(kind)
+        return PrivacyClass.MEMBERSHIP if base is PrivacyClass.MEMBERSHIP else PrivacyClass.CONTROL
+    found = _lookup(kind)
+    if found is None:
+        raise UnclassifiedKind(kind)
+    return found

@@ -1,0 +1,472 @@
+"""A self-contained HTML page of a privacy audit report, with inline SVG charts.
+
+The page references nothing outside itself (no script, stylesheet, font or image is
+fetched: it renders offline and in an archive), escapes every string taken from the
+report (:func:`html.escape`), needs no JavaScript, and carries print CSS so that the
+tables and charts stay readable on paper (black-on-white, line styles and hatched
+fills that do not depend on colour, no page break inside a table row or chart).
+
+Charts: ε over rounds (per round and cumulative, with the budget when there is one),
+bytes sent per round by privacy class (stacked bars), loss and accuracy per round.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+__all__ = ["bar_chart_svg", "line_chart_svg", "render_html"]
+
+_CSS = """
+body{font-family:system-ui,-apple-system,"Segoe UI",Helvetica,Arial,sans-serif;margin:2em;
+color:#111;background:#fff;line-height:1.4}
+h1{font-size:1.6em;margin-bottom:.2em}h2{font-size:1.2em;border-bottom:1px solid #999;
+margin-top:1.6em}
+table{border-collapse:collapse;margin:.5em 0;font-size:.9em}
+th,td{border:1px solid #999;padding:.25em .5em;text-align:left;vertical-align:top}
+th{background:#eee}td.num{text-align:right;font-variant-numeric:tabular-nums}
+code{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:.85em;word-break:break-all}
+.ok{color:#064}.bad{color:#a00;font-weight:bold}
+figure{margin:1em 0}figcaption{font-size:.9em;color:#333}
+svg text{font-family:inherit;font-size:11px;fill:#111}
+@media print{body{margin:1cm;font-size:10pt}h2{break-after:avoid}
+tr,figure,svg{break-inside:avoid}.ok,.bad{color:#000}th{background:#ddd}}
+"""
+
+_STROKES = ("#1f4e79", "#a33", "#385723", "#7030a0", "#c55a11", "#333")
+_DASHES = ("", "6 3", "2 2", "8 3 2 3", "1 3", "10 4")
+_FILLS = (
+    "#1f4e79",
+    "#c55a11",
+    "#70ad47",
+    "#7030a0",
+    "#bf9000",
+    "#5b9bd5",
+    "#a33",
+    "#666",
+    "#ccc",
+    "#000",
+)
+
+
+def _e(value: Any) -> str:
+    return html.escape("" if value is None else str(value), quote=True)
+
+
+def _num(value: float) -> str:
+    if abs(value) >= 1e6 or (0 < abs(value) < 1e-3):
+        return f"{value:.3g}"
+    return f"{value:,.4g}" if isinstance(value, float) else f"{value:,}"
+
+
+def _ticks(top: float, count: int = 4) -> list[float]:
+    if top <= 0:
+        return [0.0]
+    return [top * i / count for i in range(count + 1)]
+
+
+_W, _H, _L, _R, _T, _B = 560, 260, 64, 150, 16, 44
+
+
+def _frame(title: str, x_label: str, y_label: str, y_max: float) -> list[str]:
+    pw, ph = _W - _L - _R, _H - _T - _B
+    out = [
+        f'<svg role="img" width="{_W}" height="{_H}" '
+        f'viewBox="0 0 {_W} {_H}"><title>{_e(title)}</title>',
+        f'<rect x="{_L}" y="{_T}" width="{pw}" height="{ph}" fill="none" stroke="#111"/>',
+    ]
+    for tick in _ticks(y_max):
+        y = _T + ph - (tick / y_max * ph if y_max > 0 else 0)
+        out.append(f'<line x1="{_L - 4}" y1="{y:.1f}" x2="{_L + pw}" y2="{y:.1f}" stroke="#ccc"/>')
+        out.append(f'<text x="{_L - 6}" y="{y + 4:.1f}" text-anchor="end">{_e(_num(tick))}</text>')
+    out.append(
+        f'<text x="{_L + pw / 2:.1f}" y="{_H - 6}" text-anchor="middle">{_e(x_label)}</text>'
+    )
+    out.append(
+        f'<text x="14" y="{_T + ph / 2:.1f}" text-anchor="middle" '
+        f'transform="rotate(-90 14 {_T + ph / 2:.1f})">{_e(y_label)}</text>'
+    )
+    return out
+
+
+def _legend(labels: Sequence[str], swatch: Any) -> list[str]:
+    out = []
+    for i, label in enumerate(labels):
+        y = _T + 8 + 16 * i
+        out.append(swatch(i, _W - _R + 12, y))
+        out.append(f'<text x="{_W - _R + 40}" y="{y + 4}">{_e(label)}</text>')
+    return out
+
+
+def line_chart_svg(
+    title: str,
+    x_label: str,
+    y_label: str,
+    series: Mapping[str, Sequence[tuple[float, float]]],
+) -> str:
+    """An inline SVG line chart; each series gets its own colour *and* dash pattern."""
+    points = [p for s in series.values() for p in s]
+    if not points:
+        return f"<p>{_e(title)}: no data.</p>"
+    x_min = min(x for x, _ in points)
+    x_max = max(x for x, _ in points)
+    y_max = max(max(y for _, y in points), 0.0) * 1.1 or 1.0
+    pw, ph = _W - _L - _R, _H - _T - _B
+    span = (x_max - x_min) or 1.0
+
+    def sx(x: float) -> float:
+        return _L + (x - x_min) / span * pw
+
+    def sy(y: float) -> float:
+        return _T + ph - max(y, 0.0) / y_max * ph
+
+    out = _frame(title, x_label, y_label, y_max)
+    for x in sorted({x for x, _ in points}):
+        out.append(
+            f'<text x="{sx(x):.1f}" y="{_T + ph + 14}" text-anchor="middle">{_e(_num(x))}</text>'
+        )
+    for i, (_, pts) in enumerate(series.items()):
+        stroke, dash = _STROKES[i % len(_STROKES)], _DASHES[i % len(_DASHES)]
+        path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in pts)
+        dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
+        out.append(
+            f'<polyline points="{path}" fill="none" stroke="{stroke}" stroke-width="2"{dash_attr}/>'
+        )
+        for x, y in pts:
+            out.append(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.5" fill="{stroke}"/>')
+
+    def swatch(i: int, x: float, y: float) -> str:
+        dash = _DASHES[i % len(_DASHES)]
+        dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
+        return (
+            f'<line x1="{x}" y1="{y}" x2="{x + 24}" y2="{y}" stroke="{_STROKES[i % len(_STROKES)]}" '
+            f'stroke-width="2"{dash_attr}/>'
+        )
+
+    out.extend(_legend(list(series), swatch))
+    out.append("</svg>")
+    return "".join(out)
+
+
+def bar_chart_svg(
+    title: str,
+    x_label: str,
+    y_label: str,
+    categories: Sequence[str],
+    stacks: Mapping[str, Sequence[float]],
+) -> str:
+    """An inline SVG stacked bar chart: one bar per category, one stack per series."""
+    if not categories or not stacks:
+        return f"<p>{_e(title)}: no data.</p>"
+    totals = [sum(s[i] for s in stacks.values()) for i in range(len(categories))]
+    y_max = max(totals) * 1.1 or 1.0
+    pw, ph = _W - _L - _R, _H - _T - _B
+    slot = pw / len(categories)
+    width = max(slot * 0.7, 1.0)
+    patterns = [
+        f'<pattern id="h{i}" width="6" height="6" patternUnits="userSpaceOnUse" '
+        f'patternTransform="rotate({(i * 45) % 180})"><rect width="6" height="6" '
+        f'fill="{_FILLS[i % len(_FILLS)]}"/><line x1="0" y1="0" x2="0" y2="6" '
+        f'stroke="#fff" stroke-width="{1 + i % 3}"/></pattern>'
+        for i in range(len(stacks))
+    ]
+    out = _frame(title, x_label, y_label, y_max)
+    out.insert(1, "<defs>" + "".join(patterns) + "</defs>")
+    for c, name in enumerate(categories):
+        x = _L + c * slot + (slot - width) / 2
+        base = 0.0
+        for i, values in enumerate(stacks.values()):
+            v = values[c]
+            if v <= 0:
+                continue
+            h = v / y_max * ph
+            y = _T + ph - (base / y_max * ph) - h
+            out.append(
+                f'<rect x="{x:.1f}" y="{y:.1f}" width="{width:.1f}" height="{h:.1f}" '
+                f'fill="url(#h{i})" stroke="#111" stroke-width="0.5"/>'
+            )
+            base += v
+        out.append(
+            f'<text x="{x + width / 2:.1f}" y="{_T + ph + 14}" text-anchor="middle">{_e(name)}</text>'
+        )
+
+    def swatch(i: int, x: float, y: float) -> str:
+        return f'<rect x="{x}" y="{y - 6}" width="24" height="12" fill="url(#h{i})" stroke="#111"/>'
+
+    out.extend(_legend(list(stacks), swatch))
+    out.append("</svg>")
+    return "".join(out)
+
+
+def _table(
+    headers: Sequence[str], rows: Iterable[Sequence[Any]], numeric: Iterable[int] = ()
+) -> str:
+    nums = set(numeric)
+    head = "".join(f"<th>{_e(h)}</th>" for h in headers)
+    body = []
+    for row in rows:
+        cells = []
+        for i, cell in enumerate(row):
+            if i in nums and isinstance(cell, int | float) and not isinstance(cell, bool):
+                cells.append(f'<td class="num">{_e(_num(cell))}</td>')
+            else:
+                cells.append(f"<td>{_e(cell)}</td>")
+        body.append("<tr>" + "".join(cells) + "</tr>")
+    if not body:
+        body.append(f'<tr><td colspan="{len(headers)}">none</td></tr>')
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+
+def _names(values: Sequence[str]) -> str:
+    return ", ".join(values) if values else "—"
+
+
+def _status(ok: bool, yes: str, no: str) -> str:
+    return f'<span class="ok">{_e(yes)}</span>' if ok else f'<span class="bad">{_e(no)}</span>'
+
+
+def render_html(report: Mapping[str, Any], *, verification: str | None = None) -> str:
+    """The report as one self-contained HTML page (``verification``: a summary line)."""
+    run = report["run"]
+    traffic = report["traffic"]
+    dp = report["differential_privacy"]
+    sa = report["secure_aggregation"]
+    parts: list[str] = [
+        '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">',
+        f"<title>Privacy audit: {_e(run['id'])} at {_e(report['org'])}</title>",
+        f"<style>{_CSS}</style></head><body>",
+        f"<h1>Privacy audit report — run {_e(run['id'])}</h1>",
+        f"<p>Organization <strong>{_e(report['org'])}</strong>, generated "
+        f"{_e(report['generated_at'])}, schema <code>{_e(report['schema'])}</code>.</p>",
+    ]
+    if verification is not None:
+        parts.append(
+            f"<p>Verification: {_status(verification.startswith('OK'), verification, verification)}</p>"
+        )
+    forbidden = traffic["forbidden_messages"]
+    parts.append(
+        "<p>Forbidden classes (raw data, labels, unmasked update) sent: "
+        + _status(forbidden == 0, "none", str(forbidden))
+        + ". Policy violations: "
+        + _status(run["violations_total"] == 0, "none", str(run["violations_total"]))
+        + f". Anomalies: {len(report['anomalies'])}.</p>"
+    )
+
+    parts.append("<h2>Participants and consent</h2>")
+    parts.append(
+        _table(
+            ["Org", "Decision", "Decided at", "Decided by", "Reason"],
+            (
+                [p["org"]]
+                + (
+                    ["no record", "", "", ""]
+                    if p["consent"] is None
+                    else [
+                        p["consent"]["decision"],
+                        p["consent"]["decided_at"],
+                        p["consent"]["decided_by"],
+                        p["consent"]["reason"],
+                    ]
+                )
+                for p in report["participants"]
+            ),
+        )
+    )
+
+    spec = run["spec"]
+    parts.append("<h2>Run specification and policies</h2>")
+    parts.append(
+        _table(
+            ["Task", "Rounds", "Participants", "Backend", "Threshold", "ε budget"],
+            [
+                [
+                    spec["task"],
+                    spec["rounds"],
+                    _names(spec["participants"]),
+                    spec["backend"],
+                    spec["threshold"],
+                    "none" if spec["epsilon"] is None else spec["epsilon"],
+                ]
+            ],
+            numeric=(1, 4),
+        )
+    )
+    parts.append(
+        _table(
+            ["Policy", "Requirements", "Violations"],
+            (
+                [
+                    p["name"],
+                    "; ".join(f"{k}={v}" for k, v in sorted(p["policy"].items()) if v is not None),
+                    "none"
+                    if not p["violations"]
+                    else "; ".join(f"{v['requirement']}: {v['message']}" for v in p["violations"]),
+                ]
+                for p in run["policies"]
+            ),
+        )
+    )
+
+    parts.append("<h2>Secure aggregation</h2>")
+    parts.append(
+        _table(
+            ["Backend", "n", "t", "Ring bits", "L2 clip"],
+            [[sa["backend"], sa["n"], sa["t"], sa["ring_bits"] or "—", sa["l2_clip"] or "—"]],
+            numeric=(1, 2, 3, 4),
+        )
+    )
+
+    parts.append("<h2>Differential privacy</h2>")
+    if dp is None:
+        parts.append("<p>This run adds no differential-privacy noise.</p>")
+    else:
+        parts.append(
+            _table(
+                ["Mechanism", "Noise multiplier", "L2 clip", "δ", "ε total", "ε budget"],
+                [
+                    [
+                        dp["mechanism"],
+                        ", ".join(_num(v) for v in dp["noise_multipliers"]) or "—",
+                        dp["l2_clip"],
+                        dp["delta"],
+                        dp["epsilon_total"],
+                        "none" if dp["epsilon_budget"] is None else dp["epsilon_budget"],
+                    ]
+                ],
+                numeric=(2, 3, 4, 5),
+            )
+        )
+        series: dict[str, list[tuple[float, float]]] = {
+            "ε of the round": [(r["round"], r["epsilon"]) for r in dp["rounds"]],
+            "ε cumulative": [(r["round"], r["epsilon_cumulative"]) for r in dp["rounds"]],
+        }
+        if dp["epsilon_budget"] is not None and dp["rounds"]:
+            series["ε budget"] = [(r["round"], dp["epsilon_budget"]) for r in dp["rounds"]]
+        parts.append(
+            "<figure>"
+            + line_chart_svg("ε over rounds", "round", f"ε at δ={dp['delta']:g}", series)
+            + f"<figcaption>ε(δ={_e(dp['delta'])}) per round and composed over rounds "
+            "(Rényi DP accountant).</figcaption></figure>"
+        )
+        parts.append(
+            _table(
+                ["Round", "ε of the round", "ε cumulative"],
+                ([r["round"], r["epsilon"], r["epsilon_cumulative"]] for r in dp["rounds"]),
+                numeric=(0, 1, 2),
+            )
+        )
+
+    parts.append("<h2>Rounds</h2>")
+    parts.append(
+        _table(
+            [
+                "Round",
+                "Participants",
+                "Survivors",
+                "Dropped",
+                "Recovered",
+                "Model hash",
+                "All peers agreed",
+                "Loss",
+                "Accuracy",
+            ],
+            (
+                [
+                    r["round"],
+                    _names(r["participants"]),
+                    _names(r["survivors"]),
+                    _names(r["dropped"]),
+                    _names(r["recovered"]),
+                    r["model_hash"][:16] + "…" if r["model_hash"] else "—",
+                    "yes" if r["model_hash_agreed"] else "NO: " + _names(r["disagreeing_peers"]),
+                    "—" if r["loss"] is None else r["loss"],
+                    "—" if r["accuracy"] is None else r["accuracy"],
+                ]
+                for r in report["rounds"]
+            ),
+            numeric=(0, 7, 8),
+        )
+    )
+    metrics: dict[str, list[tuple[float, float]]] = {}
+    for name in ("loss", "accuracy"):
+        pts = [(r["round"], r[name]) for r in report["rounds"] if r[name] is not None]
+        if pts:
+            metrics[name] = pts
+    if metrics:
+        parts.append(
+            "<figure>"
+            + line_chart_svg("Loss and accuracy per round", "round", "value", metrics)
+            + "<figcaption>Loss and accuracy of the global model after each round.</figcaption></figure>"
+        )
+
+    parts.append("<h2>What left the organization</h2>")
+    total = traffic["total"]
+    parts.append(
+        f"<p>{_e(_num(total['messages']))} messages, {_e(_num(total['bytes']))} bytes "
+        f"(log entries {_e(traffic['window']['first_index'])}–{_e(traffic['window']['last_index'])}; "
+        "bytes as sent on the wire).</p>"
+    )
+    parts.append(
+        _table(
+            ["Peer", "Messages", "Bytes"],
+            ([p["peer"], p["messages"], p["bytes"]] for p in traffic["per_peer"]),
+            numeric=(1, 2),
+        )
+    )
+    parts.append(
+        _table(
+            ["Privacy class", "Messages", "Bytes"],
+            ([c["class"], c["messages"], c["bytes"]] for c in traffic["per_class"]),
+            numeric=(1, 2),
+        )
+    )
+    labels = sorted({r["round"] for r in traffic["per_round"]}, key=lambda v: (v is None, v or 0))
+    classes = sorted({r["class"] for r in traffic["per_round"]})
+    cell = {(r["round"], r["class"]): r["bytes"] for r in traffic["per_round"]}
+    parts.append(
+        "<figure>"
+        + bar_chart_svg(
+            "Bytes sent per round by privacy class",
+            "round (— : outside the run's rounds)",
+            "bytes",
+            ["—" if r is None else str(r) for r in labels],
+            {c: [float(cell.get((r, c), 0)) for r in labels] for c in classes},
+        )
+        + "<figcaption>Bytes sent per round, stacked by privacy class.</figcaption></figure>"
+    )
+
+    parts.append("<h2>Checkpoint shards held for other organizations</h2>")
+    parts.append(
+        _table(
+            ["Owner", "Round", "Shard", "Bytes", "SHA-256"],
+            (
+                [s["owner"], s["round"], s["shard_index"], s["bytes"], s["sha256"]]
+                for s in report["shards_held"]
+            ),
+            numeric=(1, 2, 3),
+        )
+    )
+
+    parts.append("<h2>Anomalies</h2>")
+    parts.append(
+        _table(["Kind", "Detail"], ([a["kind"], a["detail"]] for a in report["anomalies"]))
+    )
+
+    records = report["log"]["records"]
+    heads = [r["head"] for r in records if r["type"] == "head"]
+    parts.append("<h2>Signed log</h2>")
+    parts.append(
+        _table(
+            ["Signed head index", "Run", "Round", "Time", "Head hash"],
+            ([h["index"], h["run"], h["round"], h["time"], h["head_hash"]] for h in heads),
+            numeric=(0, 2),
+        )
+    )
+    parts.append(
+        f"<p>Identity key (Ed25519): <code>{_e(report['log']['header']['public_key'])}</code>. "
+        f"Report signature: <code>{_e(report['signature']['value'])}</code>. Check this report "
+        "with <code>fedweave audit verify</code> on its JSON form.</p>"
+    )
+    parts.append("</body></html>\n")
+    return "".join(parts)

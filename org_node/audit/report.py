@@ -1,0 +1,536 @@
+"""The privacy audit report of one run: a versioned, signed JSON document.
+
+``docs/SECURITY.md``, "Privacy audit"; the schema is ``schema/report-v1.json`` (JSON
+Schema 2020-12, checked by :func:`validate_report`). A report holds, per section:
+
+* ``run`` — the run spec and every policy in force with its violations (none, or each);
+* ``participants`` — the orgs and their consent records;
+* ``secure_aggregation`` — backend and parameters (n, t, ring bits, clipping);
+* ``differential_privacy`` — mechanism, parameters and ε(δ) per round and in total,
+  composed by :class:`org_node.privacy.RdpAccountant` (Mironov 2017; Balle et al. 2020);
+* ``rounds`` — survivors, dropouts and recoveries, the model hash and whether every
+  peer agreed, loss and accuracy;
+* ``traffic`` — messages and bytes sent per peer, per privacy class and per round,
+  computed from the log records below (verification recomputes it);
+* ``shards_held`` — checkpoint shards this org holds for other orgs;
+* ``anomalies`` — policy violations, model-hash disagreements, refused messages, and
+  whatever the node reported;
+* ``log`` — the log header and the chain segment of the run (every entry from the
+  run's first message up to the run's last signed head, heads included), so that the
+  report is verifiable on its own.
+
+Signature: ``sections`` maps each section name to the SHA-256 of its canonical JSON; the
+org signs ``"fedweave/audit-report/v1\\0" || canonical({schema, org, generated_at,
+sections})`` with its identity key, so a change is pinned to its section.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from org_node.audit.classes import FORBIDDEN_CLASSES
+from org_node.audit.log import (
+    AuditError,
+    EgressEntry,
+    EgressLog,
+    Refusal,
+    SignedHead,
+    canonical,
+    format_time,
+)
+from org_node.policy import Policy, RunSpec, check_run_against_policy
+from org_node.privacy import GaussianRound, RdpAccountant, SkellamRound
+
+__all__ = [
+    "REPORT_DOMAIN",
+    "REPORT_SCHEMA_ID",
+    "SCHEMA_PATH",
+    "SECTIONS",
+    "ConsentRecord",
+    "DpFacts",
+    "ReportError",
+    "RoundFacts",
+    "RunFacts",
+    "SchemaError",
+    "SecAggFacts",
+    "ShardHeld",
+    "UnknownRun",
+    "build_report",
+    "heads_in",
+    "report_signing_bytes",
+    "report_to_bytes",
+    "run_segment",
+    "section_digests",
+    "traffic_of",
+    "validate_report",
+]
+
+REPORT_SCHEMA_ID = "fedweave/audit-report/v1"
+REPORT_DOMAIN = b"fedweave/audit-report/v1\x00"
+SCHEMA_PATH = Path(__file__).resolve().parent / "schema" / "report-v1.json"
+SECTIONS = (
+    "run",
+    "participants",
+    "secure_aggregation",
+    "differential_privacy",
+    "rounds",
+    "traffic",
+    "shards_held",
+    "anomalies",
+    "log",
+)
+
+
+class ReportError(AuditError):
+    """Facts that cannot go into a report (missing, inconsistent or invalid)."""
+
+
+class UnknownRun(ReportError, LookupError):
+    """The log holds no message of this run (the API answers 404)."""
+
+    def __init__(self, run: str) -> None:
+        super().__init__(f"no egress of run {run!r} in this org's log")
+        self.run = run
+
+
+class SchemaError(ReportError):
+    """A document that does not follow the report schema; ``path`` names the field."""
+
+    def __init__(self, path: str, detail: str) -> None:
+        super().__init__(f"{path}: {detail}")
+        self.path = path
+
+
+def _finite(value: float | None, what: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ReportError(f"{what} must be a finite number")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class ConsentRecord:
+    """One org's decision on the run: ``accepted`` or ``declined``, when and by whom."""
+
+    org: str
+    decision: str
+    decided_at: str
+    decided_by: str
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        if self.decision not in ("accepted", "declined"):
+            raise ReportError(
+                f"consent decision must be accepted or declined, not {self.decision!r}"
+            )
+
+
+@dataclass(frozen=True)
+class SecAggFacts:
+    """Backend (``masked`` or ``ckks``), participants n, threshold t, ring bits, L2 clip."""
+
+    backend: str
+    n: int
+    t: int
+    ring_bits: int | None
+    l2_clip: float | None
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("masked", "ckks"):
+            raise ReportError(f"backend must be masked or ckks, not {self.backend!r}")
+        if not 1 <= self.t <= self.n:
+            raise ReportError(f"threshold t={self.t} must be in [1, n={self.n}]")
+        if self.ring_bits is not None and not 8 <= self.ring_bits <= 64:
+            raise ReportError("ring_bits must be in [8, 64]")
+        _finite(self.l2_clip, "l2_clip")
+
+
+@dataclass(frozen=True)
+class DpFacts:
+    """Org-level DP of the run: one mechanism per round, ε reported at ``delta``."""
+
+    mechanisms: tuple[GaussianRound | SkellamRound, ...]
+    delta: float
+    l2_clip: float
+    epsilon_budget: float | None = None
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.delta < 1.0:
+            raise ReportError("delta must be in (0, 1)")
+        _finite(self.l2_clip, "l2_clip")
+        _finite(self.epsilon_budget, "epsilon_budget")
+
+
+@dataclass(frozen=True)
+class RoundFacts:
+    """What the node saw of one round (``model_hash`` hex; peers that agreed or not)."""
+
+    round: int
+    participants: tuple[str, ...]
+    survivors: tuple[str, ...]
+    dropped: tuple[str, ...] = ()
+    recovered: tuple[str, ...] = ()
+    model_hash: str = ""
+    agreeing_peers: tuple[str, ...] = ()
+    disagreeing_peers: tuple[str, ...] = ()
+    loss: float | None = None
+    accuracy: float | None = None
+
+    def __post_init__(self) -> None:
+        _finite(self.loss, "loss")
+        _finite(self.accuracy, "accuracy")
+        if not set(self.recovered) <= set(self.dropped):
+            raise ReportError(f"round {self.round}: recovered orgs must be among the dropped")
+
+
+@dataclass(frozen=True)
+class ShardHeld:
+    """A checkpoint shard this org holds for ``owner``."""
+
+    owner: str
+    round: int
+    shard_index: int
+    bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """Everything the report says beyond the log itself."""
+
+    run: str
+    spec: RunSpec
+    policies: Mapping[str, Policy]
+    consents: tuple[ConsentRecord, ...]
+    secure_aggregation: SecAggFacts
+    rounds: tuple[RoundFacts, ...]
+    dp: DpFacts | None = None
+    shards_held: tuple[ShardHeld, ...] = ()
+    anomalies: tuple[str, ...] = field(default=())
+
+
+# --------------------------------------------------------------------------- traffic
+
+
+def run_segment(records: Sequence[tuple[str, Any]], run: str) -> list[tuple[str, Any]]:
+    """The chain segment of ``run``: from its first entry to its last signed head.
+
+    ``records`` are ``("entry", EgressEntry)`` / ``("head", SignedHead)`` in log order.
+    Raises :class:`UnknownRun` when no entry belongs to ``run`` and
+    :class:`ReportError` when no head of ``run`` covers its last entry.
+    """
+    first = next((i for i, (t, v) in enumerate(records) if t == "entry" and v.run == run), None)
+    if first is None:
+        raise UnknownRun(run)
+    last_entry = max(i for i, (t, v) in enumerate(records) if t == "entry" and v.run == run)
+    end = max((i for i, (t, v) in enumerate(records) if t == "head" and v.run == run), default=-1)
+    if end < last_entry:
+        raise ReportError(f"no signed head of run {run!r} covers its last message yet")
+    return list(records[first : end + 1])
+
+
+def traffic_of(entries: Iterable[EgressEntry], run: str) -> dict[str, Any]:
+    """Messages and bytes per peer, per class and per round (``None``: not of ``run``)."""
+    rows = list(entries)
+    peers: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    classes: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    rounds: dict[tuple[int, str], list[int]] = defaultdict(lambda: [0, 0])
+    forbidden = 0
+    for e in rows:
+        for acc in (
+            peers[e.peer],
+            classes[e.privacy_class],
+            rounds[(e.round if e.run == run else -1, e.privacy_class)],
+        ):
+            acc[0] += 1
+            acc[1] += e.bytes
+        forbidden += e.privacy_class in {c.value for c in FORBIDDEN_CLASSES}
+    return {
+        "window": {
+            "first_index": rows[0].index if rows else -1,
+            "last_index": rows[-1].index if rows else -1,
+        },
+        "total": {"messages": len(rows), "bytes": sum(e.bytes for e in rows)},
+        "per_peer": [{"peer": p, "messages": m, "bytes": b} for p, (m, b) in sorted(peers.items())],
+        "per_class": [
+            {"class": c, "messages": m, "bytes": b} for c, (m, b) in sorted(classes.items())
+        ],
+        "per_round": [
+            {"round": None if r < 0 else r, "class": c, "messages": m, "bytes": b}
+            for (r, c), (m, b) in sorted(rounds.items())
+        ],
+        "forbidden_messages": forbidden,
+    }
+
+
+# --------------------------------------------------------------------------- sections
+
+
+def _policies(spec: RunSpec, policies: Mapping[str, Policy]) -> list[dict[str, Any]]:
+    out = []
+    for name, policy in sorted(policies.items()):
+        body = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(policy).items()}
+        violations = [asdict(v) for v in check_run_against_policy(spec, policy)]
+        out.append({"name": name, "policy": body, "violations": violations})
+    return out
+
+
+def _dp_section(dp: DpFacts | None) -> dict[str, Any] | None:
+    if dp is None:
+        return None
+    acct = RdpAccountant()
+    per_round = []
+    for index, mech in enumerate(dp.mechanisms):
+        acct.charge(mech)
+        per_round.append(
+            {
+                "round": index,
+                "epsilon": acct.round_epsilon(dp.delta),
+                "epsilon_cumulative": acct.epsilon(dp.delta),
+            }
+        )
+    mechs = {type(m).__name__ for m in dp.mechanisms}
+    noise = sorted({m.noise_multiplier for m in dp.mechanisms if isinstance(m, GaussianRound)})
+    return {
+        "mechanism": "gaussian"
+        if mechs == {"GaussianRound"}
+        else ("skellam" if mechs == {"SkellamRound"} else "mixed" if mechs else "none"),
+        "noise_multipliers": noise,
+        "l2_clip": dp.l2_clip,
+        "delta": dp.delta,
+        "epsilon_budget": dp.epsilon_budget,
+        "rounds": per_round,
+        "epsilon_total": acct.epsilon(dp.delta) if dp.mechanisms else 0.0,
+    }
+
+
+def _anomalies(
+    facts: RunFacts, policy_rows: list[dict[str, Any]], refusals: Iterable[Refusal]
+) -> list[dict[str, str]]:
+    out: list[dict[str, str]] = []
+    for row in policy_rows:
+        for v in row["violations"]:
+            out.append({"kind": "policy_violation", "detail": f"{row['name']}: {v['message']}"})
+    for r in facts.rounds:
+        if r.disagreeing_peers:
+            out.append(
+                {
+                    "kind": "model_hash_mismatch",
+                    "detail": f"round {r.round}: {', '.join(r.disagreeing_peers)} hold another model",
+                }
+            )
+        lost = sorted(set(r.dropped) - set(r.recovered))
+        if lost:
+            out.append(
+                {
+                    "kind": "unrecovered_dropout",
+                    "detail": f"round {r.round}: masks of {', '.join(lost)} not recovered",
+                }
+            )
+    for ref in refusals:
+        if ref.run == facts.run:
+            out.append(
+                {
+                    "kind": "refused_message",
+                    "detail": f"{ref.time} round {ref.round} to {ref.peer}: {ref.reason}",
+                }
+            )
+    out.extend({"kind": "reported", "detail": text} for text in facts.anomalies)
+    return out
+
+
+def section_digests(doc: Mapping[str, Any]) -> dict[str, str]:
+    """SHA-256 (hex) of the canonical JSON of each section of ``doc``."""
+    return {name: hashlib.sha256(canonical(doc[name])).hexdigest() for name in SECTIONS}
+
+
+def report_signing_bytes(doc: Mapping[str, Any], sections: Mapping[str, str]) -> bytes:
+    """What the org signs: the domain tag and the schema, org, time and section digests."""
+    body = {
+        "schema": doc["schema"],
+        "org": doc["org"],
+        "generated_at": doc["generated_at"],
+        "sections": dict(sections),
+    }
+    return REPORT_DOMAIN + canonical(body)
+
+
+def build_report(log: EgressLog, facts: RunFacts) -> dict[str, Any]:
+    """The signed report of ``facts.run`` from ``log`` (its org's identity signs it).
+
+    Raises :class:`UnknownRun` when the log holds nothing of the run, and
+    :class:`ReportError` when the run's last message is not yet under a signed head.
+    """
+    records: list[tuple[str, Any]] = []
+    heads = iter(log.heads)
+    pending = next(heads, None)
+    for entry in log.entries:
+        while pending is not None and pending.index < entry.index:
+            records.append(("head", pending))
+            pending = next(heads, None)
+        records.append(("entry", entry))
+    while pending is not None:
+        records.append(("head", pending))
+        pending = next(heads, None)
+    segment = run_segment(records, facts.run)
+    entries = [v for t, v in segment if t == "entry"]
+    policy_rows = _policies(facts.spec, facts.policies)
+    consents = {c.org: c for c in facts.consents}
+    unknown = sorted(set(consents) - set(facts.spec.participants))
+    if unknown:
+        raise ReportError(f"consent records of orgs outside the run: {', '.join(unknown)}")
+    doc: dict[str, Any] = {
+        "schema": REPORT_SCHEMA_ID,
+        "org": log.org,
+        "generated_at": format_time(log.clock()),
+        "run": {
+            "id": facts.run,
+            "spec": facts.spec.to_dict(),
+            "policies": policy_rows,
+            "violations_total": sum(len(r["violations"]) for r in policy_rows),
+        },
+        "participants": [
+            {
+                "org": org,
+                "consent": (
+                    None
+                    if org not in consents
+                    else {k: v for k, v in asdict(consents[org]).items() if k != "org"}
+                ),
+            }
+            for org in facts.spec.participants
+        ],
+        "secure_aggregation": asdict(facts.secure_aggregation),
+        "differential_privacy": _dp_section(facts.dp),
+        "rounds": [
+            {
+                **{k: list(v) if isinstance(v, tuple) else v for k, v in asdict(r).items()},
+                "model_hash_agreed": not r.disagreeing_peers,
+            }
+            for r in facts.rounds
+        ],
+        "traffic": traffic_of(entries, facts.run),
+        "shards_held": [asdict(s) for s in facts.shards_held],
+        "anomalies": _anomalies(facts, policy_rows, log.refusals),
+        "log": {
+            "header": dict(log.header),
+            "records": [
+                v.to_record() if t == "entry" else {"type": "head", "head": v.to_dict()}
+                for t, v in segment
+            ],
+        },
+    }
+    # round-trip through JSON so that the signed form is exactly what a reader sees
+    doc = json.loads(canonical(doc))
+    sections = section_digests(doc)
+    doc["signature"] = {
+        "algorithm": "ed25519",
+        "sections": sections,
+        "value": log.identity.sign(report_signing_bytes(doc, sections)).hex(),
+    }
+    validate_report(doc)
+    return doc
+
+
+def heads_in(records: Iterable[Mapping[str, Any]]) -> list[SignedHead]:
+    """The signed heads among a report's log records."""
+    return [SignedHead.from_dict(r["head"]) for r in records if r.get("type") == "head"]
+
+
+# --------------------------------------------------------------------------- schema
+
+
+@cache
+def _schema() -> dict[str, Any]:
+    loaded: dict[str, Any] = json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
+    return loaded
+
+
+_TYPES: dict[str, tuple[type, ...]] = {
+    "object": (dict,),
+    "array": (list,),
+    "string": (str,),
+    "integer": (int,),
+    "number": (int, float),
+    "boolean": (bool,),
+    "null": (type(None),),
+}
+
+
+def _check(value: Any, schema: Mapping[str, Any], path: str, root: Mapping[str, Any]) -> None:
+    if "$ref" in schema:
+        name = schema["$ref"].removeprefix("#/$defs/")
+        _check(value, root["$defs"][name], path, root)
+        return
+    if "type" in schema:
+        types = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+        ok = any(
+            isinstance(value, _TYPES[t])
+            and not (t in ("integer", "number") and isinstance(value, bool))
+            for t in types
+        )
+        if not ok:
+            raise SchemaError(path, f"expected {' or '.join(types)}")
+    if "const" in schema and value != schema["const"]:
+        raise SchemaError(path, f"must be {schema['const']!r}")
+    if "enum" in schema and value not in schema["enum"]:
+        raise SchemaError(path, f"must be one of {', '.join(map(str, schema['enum']))}")
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        if "minimum" in schema and value < schema["minimum"]:
+            raise SchemaError(path, f"must be >= {schema['minimum']}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise SchemaError(path, "must be finite")
+    if (
+        isinstance(value, str)
+        and "pattern" in schema
+        and not re.fullmatch(schema["pattern"], value)
+    ):
+        raise SchemaError(path, f"does not match {schema['pattern']}")
+    if isinstance(value, dict):
+        for key in schema.get("required", ()):
+            if key not in value:
+                raise SchemaError(path, f"missing {key!r}")
+        props = schema.get("properties", {})
+        if schema.get("additionalProperties") is False:
+            extra = sorted(set(value) - set(props))
+            if extra:
+                raise SchemaError(path, f"unexpected {', '.join(extra)}")
+        extra_schema = schema.get("additionalProperties")
+        for key, sub in value.items():
+            if key in props:
+                _check(sub, props[key], f"{path}.{key}", root)
+            elif isinstance(extra_schema, dict):
+                _check(sub, extra_schema, f"{path}.{key}", root)
+    if isinstance(value, list) and "items" in schema:
+        for i, item in enumerate(value):
+            _check(item, schema["items"], f"{path}[{i}]", root)
+
+
+def validate_report(doc: Any) -> None:
+    """Check ``doc`` against ``schema/report-v1.json``; :class:`SchemaError` names the field.
+
+    Implements the subset of JSON Schema the file uses: ``type``, ``const``, ``enum``,
+    ``minimum``, ``pattern``, ``required``, ``properties``, ``additionalProperties``,
+    ``items`` and local ``$ref``.
+    """
+    schema = _schema()
+    _check(doc, schema, "report", schema)
+
+
+def report_to_bytes(doc: Mapping[str, Any]) -> bytes:
+    """The file form of a report: sorted keys, two-space indent, UTF-8, final newline.
+
+    Verification refuses a file whose bytes differ from this form of its contents.
+    """
+    text = json.dumps(doc, sort_keys=True, indent=2, ensure_ascii=False, allow_nan=False)
+    return (text + "\n").encode("utf-8")
