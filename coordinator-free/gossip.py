@@ -13,6 +13,9 @@ SWIM §4.1): every ``period_s`` a member sends the records it is still spreading
 ``fanout`` random ALIVE members; each record is pushed in at most
 ``ceil(retransmit_mult * log2(n + 1))`` rounds by each member, least-pushed first. A
 record thus reaches every live member in O(log n) periods with high probability.
+A member that comes back (a healed partition, a restart, a refuted suspicion) is
+sent the whole store by about ``fanout`` members, since push rounds alone never
+reach a member that was away while a record's retransmissions were spent.
 
 Records are deduplicated by their digest, the SHA-256 of their signing bytes (which
 bind federation, origin, topic, key and record). Two different records signed by one
@@ -53,7 +56,7 @@ from typing import Any
 from coordinator_free.endpoint import Endpoint
 from coordinator_free.errors import CoordinatorFreeError, RefusalReason, Refused, TransportError
 from coordinator_free.identity import OrgIdentity, verify_signature
-from coordinator_free.membership import Membership
+from coordinator_free.membership import EventKind, Membership, MembershipEvent
 from coordinator_free.wire import Envelope
 
 __all__ = [
@@ -324,13 +327,15 @@ class Gossip:
         self._pending: dict[bytes, list[Any]] = {}  # digest -> [record, rounds pushed]
         self._subscribers: dict[str, list[asyncio.Queue[SignedRecord]]] = {}
         self._task: asyncio.Task[None] | None = None
+        self._catchup: asyncio.Task[None] | None = None
+        self._events: asyncio.Queue[MembershipEvent] | None = None
         self._running = False
         self._stopping = asyncio.Event()
         self.periods = 0
         """Push rounds run so far."""
         self.counters: Counter[str] = Counter()
         """accepted, duplicates, forged, malformed, equivocations, evicted, expired,
-        pushes, push_failures."""
+        pushes, push_failures, catchup_records."""
 
     @classmethod
     async def create(
@@ -363,17 +368,26 @@ class Gossip:
         endpoint.on(PUSH, self._on_push)
         self._running = True
         self._task = asyncio.create_task(self._run(), name=f"gossip:{self.me}")
+        self._events = membership.subscribe()
+        self._catchup = asyncio.create_task(self._follow(), name=f"gossip-catchup:{self.me}")
         return self
 
     async def stop(self) -> None:
         """Stop pushing and refuse incoming pushes."""
         self._running = False
         self._stopping.set()
-        if self._task is not None:
-            self._task.cancel()
+        if self._events is not None:
+            self.membership.unsubscribe(self._events)
+        for task in (self._task, self._catchup):
+            if task is None:
+                continue
+            # cancel again if a cancellation was swallowed (asyncio.wait_for, 3.11)
+            while not task.done():
+                task.cancel()
+                await asyncio.wait({task}, timeout=0.1)
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+                task.result()
+        self._task = self._catchup = None
 
     # ------------------------------------------------------------------ public API
 
@@ -562,6 +576,46 @@ class Gossip:
         payload = encode_records(batch)
         targets = self._rng.sample(peers, min(self.config.fanout, len(peers)))
         await asyncio.gather(*(self._push(p, payload) for p in targets))
+
+    async def _send_all(self, peer: str) -> None:
+        """Push every stored record (values and evidence) to ``peer``, in batches."""
+        stored = [
+            r for entries in self._topics.values() for e in entries.values() for r in e.records
+        ]
+        size = self.config.max_records_per_message
+        for i in range(0, len(stored), size):
+            batch = stored[i : i + size]
+            try:
+                await self.endpoint.send(
+                    peer,
+                    PUSH,
+                    encode_records(batch),
+                    stage=STAGE,
+                    timeout=self.config.push_timeout_s,
+                )
+            except TransportError:
+                self.counters["push_failures"] += 1
+                return
+            self.counters["catchup_records"] += len(batch)
+
+    async def _follow(self) -> None:
+        """Anti-entropy for members that come back (a healed partition, a restart).
+
+        Push rounds stop once a record's retransmit limit is spent, so a member that
+        was unreachable meanwhile would never get it (nor is a SUSPECT member a push
+        target). When the membership reports a JOIN (a member back from DEAD or LEFT)
+        or ALIVE (a refuted suspicion), each member that sees it sends the returning
+        member its whole store with probability ``fanout / live``, so about ``fanout``
+        members do so.
+        """
+        assert self._events is not None
+        while self._running:
+            event = await self._events.get()
+            if event.kind not in (EventKind.JOIN, EventKind.ALIVE) or event.org_id == self.me:
+                continue
+            live = max(1, len(self.membership.live(include_suspect=False)) - 1)
+            if self._rng.random() < min(1.0, self.config.fanout / live):
+                await self._send_all(event.org_id)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()

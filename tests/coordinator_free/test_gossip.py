@@ -229,6 +229,36 @@ def test_equivocation_is_kept_as_evidence_and_spread() -> None:
     run(body)
 
 
+def test_member_back_from_a_partition_catches_up() -> None:
+    async def body() -> None:
+        cluster = await SimCluster.start(
+            6, seed=17, swim=swim_config(PERIOD), gossip=gossip_config()
+        )
+        try:
+            away, rest = "org-005", [o for o in cluster.orgs if o != "org-005"]
+            cluster.network.partition(rest, [away])
+            origin = cluster.gossips["org-000"]
+            origin.publish("heads", "r7", b"chain-head")
+            start = origin.periods
+            # wait until the record is spread and every push round for it is spent
+            while any(cluster.gossips[o]._pending for o in rest) or not all(
+                cluster.gossips[o].get("heads", "r7") for o in rest
+            ):
+                assert origin.periods - start <= 100, "record not spread in 100 periods"
+                await asyncio.sleep(PERIOD / 5)
+            assert cluster.gossips[away].get("heads", "r7") == {}
+            cluster.network.heal()
+            start = origin.periods
+            while not cluster.gossips[away].get("heads", "r7"):
+                assert origin.periods - start <= 200, "record not caught up in 200 periods"
+                await asyncio.sleep(PERIOD / 5)
+            assert cluster.gossips[away].get("heads", "r7") == {"org-000": b"chain-head"}
+        finally:
+            await cluster.close()
+
+    run(body)
+
+
 def test_publish_is_idempotent_and_refuses_own_conflicts() -> None:
     async def body() -> None:
         cluster = await SimCluster.start(
