@@ -296,11 +296,15 @@ class ErasureCodec:
                 blocks: Sequence[memoryview | bytes] = views
             else:
                 blocks = self._decoder.decode(tuple(views), tuple(chosen))
-            bad = [
-                index
-                for index, check in zip(chosen, checks, strict=True)
-                if hashes is not None and check.result() != hashes[index]
-            ]
+            bad = (
+                [
+                    index
+                    for index, check in zip(chosen, checks, strict=True)
+                    if check.result() != hashes[index]
+                ]
+                if hashes is not None
+                else []
+            )
             if not bad:
                 return _join(blocks, size)
             corrupt.extend(bad)

@@ -298,8 +298,11 @@ class RecoveryBackup:
 
     def identity(self, passphrase: bytes | None = None) -> OrgIdentity:
         """The org's identity; raises :class:`BackupError` on a wrong passphrase."""
+        encrypted = b"ENCRYPTED" in self.key_pem
         try:
-            identity = OrgIdentity.from_pem(self.key_pem, self.certificate_pem, passphrase)
+            identity = OrgIdentity.from_pem(
+                self.key_pem, self.certificate_pem, passphrase if encrypted else None
+            )
         except IdentityError as exc:
             raise BackupError(f"cannot open the identity in the backup: {exc}") from None
         if identity.org_id != self.org_id:

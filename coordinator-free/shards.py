@@ -1137,6 +1137,7 @@ class GlobalHistoryStore:
         self.retention = retention
         self.timeout = timeout
         self.codec = ErasureCodec(self.params)
+        self._seen: set[int] = set()
 
     @property
     def me(self) -> str:
@@ -1173,12 +1174,16 @@ class GlobalHistoryStore:
         mine = {i: encoded.shards[i] for i in placement.shards_of(self.me)}
         if mine:
             self.store.put(manifest, mine)
+        self._seen.add(version)
         self._prune()
         return manifest
 
     def _prune(self) -> None:
-        versions = self.versions()
-        old = versions[: -self.retention]
+        """Drop held versions older than the ``retention`` newest ones seen."""
+        known = sorted(self._seen | set(self.versions()))
+        keep = set(known[-self.retention :])
+        self._seen &= keep
+        old = [v for v in self.versions() if v not in keep]
         if old:
             self.store.delete(GLOBAL_OWNER, GLOBAL_SET, old)
 
@@ -1259,6 +1264,7 @@ class GlobalHistoryStore:
             for stored in sets:
                 known.setdefault(stored.manifest.version, stored.manifest)
         repaired: list[int] = []
+        self._seen |= set(known)
         for version in sorted(known)[-self.retention :]:
             manifest = known[version]
             placement = self._placement(version, live)
