@@ -25,8 +25,9 @@ with a few refinements from HashiCorp memberlist:
   higher incarnation overrides a suspicion, death or departure, and a confirmation
   of death at an incarnation is final for that incarnation.
 * **Healing partitions and rejoining.** Every message carries the sender's own
-  incarnation (signed by the envelope), and a message to a member we hold SUSPECT or
-  DEAD leads with that belief so the member can refute at once. Every
+  incarnation (signed by the envelope), and a message to a member we hold SUSPECT,
+  DEAD or LEFT leads with that belief so the member can refute at once (a restarted
+  member starts at incarnation 0 and so learns which incarnation to exceed). Every
   ``dead_probe_periods`` periods a member pings one random DEAD member, so two
   sides of a healed partition (or a restarted member) find each other again.
 
@@ -565,10 +566,11 @@ class Membership:
 
     def _outgoing(self, peer: str) -> list[Update]:
         """Updates to piggy-back on a message to ``peer``: first our belief that it is
-        SUSPECT or DEAD (so it can refute at once), then the broadcast queue."""
+        SUSPECT, DEAD or LEFT (so it can refute at once, or rejoin after a restart), then
+        the broadcast queue."""
         out: list[Update] = []
         member = self._members.get(peer)
-        if member is not None and member.status in (MemberStatus.SUSPECT, MemberStatus.DEAD):
+        if member is not None and member.status is not MemberStatus.ALIVE:
             out.append(Update(peer, member.status, member.incarnation))
         room = self.config.piggyback_max - len(out)
         if self._left:

@@ -12,10 +12,12 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 import pytest
+from coordinator_free.endpoint import Endpoint
 from coordinator_free.errors import RefusalReason, Refused
 from coordinator_free.membership import (
     PING,
     EventKind,
+    Membership,
     MembershipEvent,
     MemberStatus,
     SwimConfig,
@@ -338,6 +340,29 @@ def test_restarted_member_rejoins_after_being_declared_dead() -> None:
             kinds = [e.kind for e in drain(events) if e.org_id == "org-004"]
             assert EventKind.DEAD in kinds
             assert kinds[-1] is EventKind.JOIN
+        finally:
+            await cluster.close()
+
+    run(body)
+
+
+def test_member_restarted_after_leaving_rejoins_with_a_higher_incarnation() -> None:
+    async def body() -> None:
+        cluster = await SimCluster.start(5, seed=9, swim=swim_config(PERIOD))
+        try:
+            await cluster.memberships["org-002"].leave()
+            cluster.stopped.add("org-002")
+            await within_periods(cluster, "org-000", 60, lambda: cluster.all_see("org-002", L))
+            # restart org-002: a fresh endpoint on its transport, a fresh membership
+            old = cluster.endpoints["org-002"]
+            await old.close()
+            endpoint = Endpoint(old.identity, old.federation, old.transport, old.guard.members)
+            fresh = await Membership.create(endpoint, cluster.orgs, swim_config(PERIOD))
+            await endpoint.start()
+            cluster.endpoints["org-002"], cluster.memberships["org-002"] = endpoint, fresh
+            cluster.stopped.discard("org-002")
+            await within_periods(cluster, "org-000", 100, cluster.converged)
+            assert fresh.incarnation >= 1
         finally:
             await cluster.close()
 
