@@ -234,7 +234,8 @@ class GossipConfig:
     max_topics: most topics kept.
     max_conflicts: most distinct records kept per (origin, topic, key) as evidence.
     ttl_s: seconds an entry is kept after it was first received.
-    push_timeout_s: timeout of one push request.
+    push_timeout_s: timeout of one push request (a round lasts at least as long as
+        its slowest push).
     """
 
     period_s: float = 0.5
@@ -246,7 +247,7 @@ class GossipConfig:
     max_topics: int = 1024
     max_conflicts: int = 4
     ttl_s: float = 3600.0
-    push_timeout_s: float = 2.0
+    push_timeout_s: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("period_s", "retransmit_mult", "ttl_s", "push_timeout_s"):
