@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request, Response
+from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from sqlalchemy import Engine
@@ -27,9 +27,25 @@ from org_node import __version__
 from org_node.db.engine import make_engine, migrate
 from org_node.services import NodeServices
 
-__all__ = ["create_app"]
+__all__ = ["ROUTERS", "create_app"]
 
 logger = logging.getLogger(__name__)
+
+ROUTERS: tuple[APIRouter, ...] = tuple(
+    module.router
+    for module in (
+        node_routes,
+        tokens,
+        datasets,
+        policies,
+        runs,
+        federation,
+        peers,
+        checkpoints,
+        audit,
+    )
+)
+"""Every router of the admin API, in inclusion order."""
 
 
 def create_app(

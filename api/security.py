@@ -130,34 +130,35 @@ class BodySizeLimit:
                     return
         seen = 0
         started = False
+        refused = False
 
         async def limited() -> Message:
-            nonlocal seen
+            nonlocal seen, refused
+            if refused:
+                return {"type": "http.disconnect"}
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
-                    raise _BodyTooLarge
+                    # Answer now; the app sees a disconnected client and its answer is dropped.
+                    refused = True
+                    if not started:
+                        await _too_large(send, 413, self._message())
+                    return {"type": "http.disconnect"}
             return message
 
-        async def tracking_send(message: Message) -> None:
+        async def guarded_send(message: Message) -> None:
             nonlocal started
+            if refused:
+                return
             if message["type"] == "http.response.start":
                 started = True
             await send(message)
 
-        try:
-            await self.app(scope, limited, tracking_send)
-        except _BodyTooLarge:
-            if not started:
-                await _too_large(send, 413, self._message())
+        await self.app(scope, limited, guarded_send)
 
     def _message(self) -> bytes:
         return b'{"detail":"request body larger than %d bytes"}' % self.max_bytes
-
-
-class _BodyTooLarge(Exception):
-    pass
 
 
 async def _too_large(send: Send, code: int, body: bytes) -> None:

@@ -3,6 +3,7 @@ token per role."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +21,7 @@ from sqlmodel import Session
 from api.app import create_app
 from api.security import AuthFailureLimiter
 from api.settings import Settings
-from org_node.db.engine import make_engine
+from org_node.db.engine import DB_FILENAME, make_engine, migrate
 from org_node.db.models import Role
 from org_node.db.repo import create_token
 from org_node.services import (
@@ -160,7 +161,13 @@ class Api:
         return {"Authorization": f"Bearer {self.tokens[role]}", **extra}
 
 
-def make_api(tmp_path: Path, url: str | None = None, **settings: Any) -> Iterator[Api]:
+def make_api(
+    tmp_path: Path, url: str | None = None, template: Path | None = None, **settings: Any
+) -> Iterator[Api]:
+    """An app on ``url`` (default: SQLite in ``tmp_path``, copied from ``template``)."""
+    if url is None and template is not None:
+        (tmp_path / "node").mkdir(exist_ok=True)
+        shutil.copyfile(template, tmp_path / "node" / DB_FILENAME)
     data_root = tmp_path / "datasets"
     data_root.mkdir(exist_ok=True)
     config = Settings(
@@ -186,9 +193,21 @@ def make_api(tmp_path: Path, url: str | None = None, **settings: Any) -> Iterato
     engine.dispose()
 
 
+@pytest.fixture(scope="session")
+def migrated_sqlite(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A SQLite file migrated once per session; each test gets a copy."""
+    path = tmp_path_factory.mktemp("template") / DB_FILENAME
+    engine = make_engine(f"sqlite:///{path}")
+    migrate(engine)
+    with engine.connect() as conn:
+        conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
+    engine.dispose()
+    return path
+
+
 @pytest.fixture
-def api(tmp_path: Path) -> Iterator[Api]:
-    yield from make_api(tmp_path)
+def api(tmp_path: Path, migrated_sqlite: Path) -> Iterator[Api]:
+    yield from make_api(tmp_path, template=migrated_sqlite)
 
 
 RUN_SPEC: dict[str, Any] = {

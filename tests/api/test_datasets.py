@@ -1,0 +1,111 @@
+"""``/v1/datasets``: registration under the roots only, content hashes, versioned updates."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+
+from api.paths import PathRefused, confine, content_hash
+from org_node.db.models import Role
+from tests.api.conftest import Api
+
+COLUMNS = {"age": "int", "label": "int"}
+
+
+def _register(
+    api: Api, path: str, name: str = "ds", role: Role = Role.OPERATOR
+) -> dict[str, object]:
+    r = api.client.post(
+        "/v1/datasets",
+        json={"name": name, "path": path, "columns": COLUMNS, "row_count": 2},
+        headers=api.h(role),
+    )
+    return {"status": r.status_code, **r.json()}
+
+
+def test_register_a_file_and_read_it_back(api: Api) -> None:
+    (api.data_root / "a.csv").write_bytes(b"age,label\n1,0\n")
+    got = _register(api, "a.csv")
+    assert got["status"] == 201
+    assert got["content_hash"] == hashlib.sha256(b"age,label\n1,0\n").hexdigest()
+    assert got["path"] == str((api.data_root / "a.csv").resolve())
+    one = api.client.get(f"/v1/datasets/{got['id']}", headers=api.h(Role.AUDITOR)).json()
+    assert one["columns"] == COLUMNS and one["version"] == 1
+    assert api.client.get("/v1/datasets", headers=api.h()).json()["count"] == 1
+
+
+def test_directory_hash_is_order_independent_and_content_sensitive(api: Api) -> None:
+    d = api.data_root / "dir"
+    (d / "sub").mkdir(parents=True)
+    (d / "x").write_bytes(b"1")
+    (d / "sub" / "y").write_bytes(b"2")
+    h1 = content_hash(confine("dir", [api.data_root]), [api.data_root])
+    (d / "sub" / "y").write_bytes(b"3")
+    h2 = content_hash(confine("dir", [api.data_root]), [api.data_root])
+    assert h1 != h2 and len(h1) == 64
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["../outside.csv", "/etc/passwd", "sub/../../outside.csv", "missing.csv", "link.csv", "a\x00b"],
+)
+def test_paths_outside_the_roots_are_refused(api: Api, path: str) -> None:
+    outside = api.data_root.parent / "outside.csv"
+    outside.write_text("secret")
+    (api.data_root / "sub").mkdir(exist_ok=True)
+    os.symlink(outside, api.data_root / "link.csv")
+    got = _register(api, path)
+    assert got["status"] == 422, got
+    assert api.client.get("/v1/datasets", headers=api.h()).json()["count"] == 0
+
+
+def test_symlink_inside_a_directory_may_not_escape(api: Api) -> None:
+    outside = api.data_root.parent / "secret.txt"
+    outside.write_text("s")
+    d = api.data_root / "d"
+    d.mkdir()
+    os.symlink(outside, d / "leak")
+    got = _register(api, "d")
+    assert got["status"] == 422 and "outside" in str(got["detail"])
+
+
+def test_confine_without_roots() -> None:
+    with pytest.raises(PathRefused, match="no dataset roots"):
+        confine("/tmp", [])
+
+
+def test_duplicate_name_and_versioned_update(api: Api) -> None:
+    f = api.data_root / "a.csv"
+    f.write_bytes(b"v1")
+    first = _register(api, "a.csv")
+    assert _register(api, "a.csv")["status"] == 409
+    f.write_bytes(b"v2")
+    url = f"/v1/datasets/{first['id']}"
+    r = api.client.patch(url, json={"version": 1, "row_count": 5, "rehash": True}, headers=api.h())
+    assert r.status_code == 200
+    assert r.json()["version"] == 2 and r.json()["row_count"] == 5
+    assert r.json()["content_hash"] == hashlib.sha256(b"v2").hexdigest()
+    stale = api.client.patch(url, json={"version": 1, "row_count": 7}, headers=api.h())
+    assert stale.status_code == 409 and "version is 2" in stale.json()["detail"]
+    assert api.client.get(url, headers=api.h()).json()["row_count"] == 5
+
+
+def test_unregister(api: Api) -> None:
+    (api.data_root / "a.csv").write_bytes(b"x")
+    got = _register(api, "a.csv")
+    url = f"/v1/datasets/{got['id']}"
+    assert api.client.delete(url, headers=api.h(Role.AUDITOR)).status_code == 403
+    assert api.client.delete(url, headers=api.h()).status_code == 204
+    assert api.client.get(url, headers=api.h()).status_code == 404
+    assert (api.data_root / "a.csv").exists()
+
+
+def test_idempotent_registration(api: Api) -> None:
+    (api.data_root / "a.csv").write_bytes(b"x")
+    body = {"name": "ds", "path": "a.csv", "columns": {}, "row_count": 1}
+    h = api.h(Role.ADMIN, **{"Idempotency-Key": "same"})
+    a = api.client.post("/v1/datasets", json=body, headers=h)
+    b = api.client.post("/v1/datasets", json=body, headers=h)
+    assert a.status_code == b.status_code == 201 and a.json() == b.json()
