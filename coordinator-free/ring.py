@@ -28,12 +28,19 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
-from coordinator_free.errors import RefusalReason, Refused, TransportError
+from coordinator_free.errors import (
+    PeerUnreachable,
+    RefusalReason,
+    Refused,
+    RequestTimeout,
+    TransportError,
+)
 from coordinator_free.wire import Envelope
 
 __all__ = [
     "KIND_ABORT",
     "KIND_CHUNK",
+    "KIND_PING",
     "RingBroken",
     "RingEndpoint",
     "RingReducer",
@@ -45,9 +52,13 @@ __all__ = [
 
 KIND_CHUNK = "agg.chunk"
 KIND_ABORT = "agg.abort"
+KIND_PING = "agg.ping"
 
 _PHASE_SCATTER = 1
 _PHASE_GATHER = 2
+_PHASE_CHAIN_REDUCE = 3
+_PHASE_CHAIN_BROADCAST = 4
+_PHASES = (_PHASE_SCATTER, _PHASE_GATHER, _PHASE_CHAIN_REDUCE, _PHASE_CHAIN_BROADCAST)
 # version, phase, bits, step, chunk index, element count, ring id (16 bytes)
 _HEADER = struct.Struct(">BBBIII16s")
 _VERSION = 1
@@ -164,6 +175,7 @@ class RingReducer:
         self._boxes: dict[tuple[str, int], _RoundBox] = {}
         endpoint.on(KIND_CHUNK, self._on_chunk)
         endpoint.on(KIND_ABORT, self._on_abort)
+        endpoint.on(KIND_PING, self._on_ping)
 
     # -- round bookkeeping -------------------------------------------------------
 
@@ -198,7 +210,7 @@ class RingReducer:
         if len(env.payload) < _HEADER.size:
             raise Refused(RefusalReason.MALFORMED, "chunk shorter than its header")
         version, phase, _bits, step, _index, _count, rid = _HEADER.unpack_from(env.payload)
-        if version != _VERSION or phase not in (_PHASE_SCATTER, _PHASE_GATHER):
+        if version != _VERSION or phase not in _PHASES:
             raise Refused(RefusalReason.MALFORMED, "unknown chunk version or phase")
         key: _Key = (env.run, env.round, rid, phase, step, env.sender)
         fut = box.chunks.get(key)
@@ -212,6 +224,11 @@ class RingReducer:
             box.chunks[key] = fut
         box.buffered += len(env.payload)
         fut.set_result(env.payload)
+        return _ACK
+
+    async def _on_ping(self, env: Envelope) -> bytes:
+        if (env.run, env.round) not in self._boxes:
+            raise Refused(RefusalReason.STALE, f"no open round {env.run!r}/{env.round}")
         return _ACK
 
     async def _on_abort(self, env: Envelope) -> bytes:
@@ -244,14 +261,21 @@ class RingReducer:
         timeout: float = 10.0,
         stats: RingStats | None = None,
         on_step: Callable[[str, int], Awaitable[None]] | None = None,
+        min_chunk: int = 1024,
     ) -> np.ndarray:
         """The ring sum of every member's ``vector``, mod ``2^b``; a fresh array.
 
         ``order`` is the ring (every member passes the same list, e.g. from
         :func:`ring_order`); ``timeout`` bounds each step's wait for the predecessor's
         chunk and each send. ``on_step(phase, step)`` is awaited before each step
-        (``phase`` is ``"scatter"`` or ``"gather"``): the simulator's fault-injection seam. Raises :class:`RingBroken` on a failure of this node's
-        neighbours or an abort from any member, after telling every member to abort.
+        (``phase`` is ``"scatter"`` or ``"gather"``): the simulator's fault-injection
+        seam. Raises :class:`RingBroken` on a failure of this node's neighbours or an
+        abort from any member, after telling every member to abort.
+
+        A vector shorter than ``n * min_chunk`` elements is latency-bound, not
+        bandwidth-bound: it is summed along the ring as a chain instead (reduce from
+        the first member to the last, then pass the total on), ``2 (n - 1)`` messages
+        in all rather than ``2 n (n - 1)``, and still at most two vectors sent per node.
         """
         me = self.endpoint.org_id
         if me not in order:
@@ -272,50 +296,67 @@ class RingReducer:
         pos = order.index(me)
         succ, pred = order[(pos + 1) % n], order[(pos - 1) % n]
         bounds = chunk_bounds(acc.shape[0], n)
+        use_chain = acc.shape[0] < n * min_chunk
         bits = acc.dtype.itemsize * 8
         wire_dtype = acc.dtype.newbyteorder("<")
 
-        async def send(phase: int, step: int, index: int) -> None:
-            lo, hi = bounds[index]
+        async def send(dest: str, phase: int, step: int, index: int, lo: int, hi: int) -> None:
             header = _HEADER.pack(_VERSION, phase, bits, step, index, hi - lo, rid)
             payload = header + acc[lo:hi].astype(wire_dtype, copy=False).tobytes()
             try:
                 reply = await self.endpoint.send(
-                    succ, KIND_CHUNK, payload, run=run, round=round, stage=stage, timeout=timeout
+                    dest, KIND_CHUNK, payload, run=run, round=round, stage=stage, timeout=timeout
                 )
             except TransportError as exc:
-                raise RingBroken(f"sending to {succ} failed: {exc}", succ) from exc
+                raise RingBroken(f"sending to {dest} failed: {exc}", dest) from exc
             stats.bytes_sent += len(payload)
             stats.messages_sent += 1
-            if phase == _PHASE_SCATTER:
+            if phase in (_PHASE_SCATTER, _PHASE_CHAIN_REDUCE):
                 stats.scatter_bytes += len(payload)
             else:
                 stats.gather_bytes += len(payload)
             if reply != _ACK:
-                raise RingBroken(f"{succ} refused a chunk", succ)
+                raise RingBroken(f"{dest} refused a chunk", dest)
 
-        async def receive(phase: int, step: int, index: int) -> np.ndarray:
-            key: _Key = (run, round, rid, phase, step, pred)
+        async def receive(
+            src: str, phase: int, step: int, index: int, lo: int, hi: int, wait: float
+        ) -> np.ndarray:
+            key: _Key = (run, round, rid, phase, step, src)
             fut = box.chunks.get(key)
             if fut is None:
                 fut = asyncio.get_running_loop().create_future()
                 box.chunks[key] = fut
-            waiter: asyncio.Future[Any] = asyncio.ensure_future(abort.wait())
-            waited: set[asyncio.Future[Any]] = {fut, waiter}
-            try:
-                done, _ = await asyncio.wait(
-                    waited, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-                )
-            finally:
-                waiter.cancel()
-            if fut not in done:
+            loop = asyncio.get_running_loop()
+            end = loop.time() + wait
+            while True:
+                waiter: asyncio.Future[Any] = asyncio.ensure_future(abort.wait())
+                waited: set[asyncio.Future[Any]] = {fut, waiter}
+                try:
+                    done, _ = await asyncio.wait(
+                        waited,
+                        timeout=min(timeout, max(0.0, end - loop.time())),
+                        return_when=asyncio.FIRST_COMPLETED,
+                    )
+                finally:
+                    waiter.cancel()
+                if fut in done:
+                    break
                 if abort.is_set():
                     raise RingBroken("a ring member aborted")
-                raise RingBroken(f"no chunk from {pred} within {timeout:g}s", pred)
+                if loop.time() >= end:
+                    raise RingBroken(f"no chunk from {src} within {wait:g}s", src)
+                # a long wait (the chain): make sure the sender is still there
+                try:
+                    await self.endpoint.send(
+                        src, KIND_PING, rid, run=run, round=round, stage=stage, timeout=timeout
+                    )
+                except (PeerUnreachable, RequestTimeout) as exc:
+                    raise RingBroken(f"{src} is gone: {exc}", src) from exc
+                except TransportError:
+                    pass  # it answered: alive, perhaps done with this round
             payload = fut.result()
             box.chunks.pop(key, None)
             box.buffered -= len(payload)
-            lo, hi = bounds[index]
             _version, _phase, got_bits, _step, got_index, count, _rid = _HEADER.unpack_from(payload)
             body = payload[_HEADER.size :]
             if (
@@ -324,14 +365,18 @@ class RingReducer:
                 or count != hi - lo
                 or len(body) != count * acc.dtype.itemsize
             ):
-                raise RingBroken(f"malformed chunk {index} from {pred}", pred)
+                raise RingBroken(f"malformed chunk {index} from {src}", src)
             return np.frombuffer(body, dtype=wire_dtype).astype(acc.dtype, copy=False)
 
         async def step_once(phase: int, step: int, send_index: int, recv_index: int) -> None:
             if on_step is not None:
                 await on_step("scatter" if phase == _PHASE_SCATTER else "gather", step)
-            sender = asyncio.ensure_future(send(phase, step, send_index))
-            receiver = asyncio.ensure_future(receive(phase, step, recv_index))
+            slo, shi = bounds[send_index]
+            rlo, rhi = bounds[recv_index]
+            sender = asyncio.ensure_future(send(succ, phase, step, send_index, slo, shi))
+            receiver = asyncio.ensure_future(
+                receive(pred, phase, step, recv_index, rlo, rhi, timeout)
+            )
             try:
                 done, _ = await asyncio.wait(
                     {sender, receiver}, return_when=asyncio.FIRST_EXCEPTION
@@ -344,17 +389,40 @@ class RingReducer:
             finally:
                 sender.cancel()
                 receiver.cancel()
-            lo, hi = bounds[recv_index]
             if phase == _PHASE_SCATTER:
-                np.add(acc[lo:hi], chunk, out=acc[lo:hi])
+                np.add(acc[rlo:rhi], chunk, out=acc[rlo:rhi])
             else:
-                acc[lo:hi] = chunk
+                acc[rlo:rhi] = chunk
+
+        async def chain() -> None:
+            # reduce along the chain order[0] -> ... -> order[n-1], then the total goes
+            # order[n-1] -> order[0] -> ... -> order[n-2]; a wait is bounded by one
+            # timeout per hop that must happen before it
+            length = acc.shape[0]
+            if on_step is not None:
+                await on_step("scatter", 0)
+            if pos > 0:
+                part = await receive(pred, _PHASE_CHAIN_REDUCE, 0, 0, 0, length, timeout * pos)
+                np.add(acc, part, out=acc)
+            if pos < n - 1:
+                await send(succ, _PHASE_CHAIN_REDUCE, 0, 0, 0, length)
+            if on_step is not None:
+                await on_step("gather", 0)
+            if pos < n - 1:
+                acc[:] = await receive(
+                    pred, _PHASE_CHAIN_BROADCAST, 0, 0, 0, length, timeout * (n + pos)
+                )
+            if pos < n - 2 or pos == n - 1:
+                await send(succ, _PHASE_CHAIN_BROADCAST, 0, 0, 0, length)
 
         try:
-            for s in range(n - 1):
-                await step_once(_PHASE_SCATTER, s, (pos - s) % n, (pos - s - 1) % n)
-            for s in range(n - 1):
-                await step_once(_PHASE_GATHER, s, (pos + 1 - s) % n, (pos - s) % n)
+            if use_chain:
+                await chain()
+            else:
+                for s in range(n - 1):
+                    await step_once(_PHASE_SCATTER, s, (pos - s) % n, (pos - s - 1) % n)
+                for s in range(n - 1):
+                    await step_once(_PHASE_GATHER, s, (pos + 1 - s) % n, (pos - s) % n)
         except RingBroken as exc:
             await self._broadcast_abort(
                 order, rid, exc.suspect, run=run, round=round, timeout=timeout

@@ -129,6 +129,8 @@ class RoundConfig:
     max_view_attempts: how many times one view agreement is retried.
     max_reduce_attempts: how many times the ring runs, the first time included.
     lookahead_rounds: how many rounds ahead of its last one a node buffers messages.
+    ring_min_chunk: vectors shorter than ``n * ring_min_chunk`` elements are summed
+        along the ring as a chain (few messages) rather than chunked (see ``ring``).
     """
 
     ready_timeout: float = 5.0
@@ -140,6 +142,7 @@ class RoundConfig:
     max_view_attempts: int = 3
     max_reduce_attempts: int = 3
     lookahead_rounds: int = 2
+    ring_min_chunk: int = 1024
 
     def __post_init__(self) -> None:
         for name in (
@@ -157,7 +160,12 @@ class RoundConfig:
             raise ValueError(f"RoundConfig.threshold must be None or >= 2, got {self.threshold!r}")
         if self.min_participants < 2:
             raise ValueError("RoundConfig.min_participants must be at least 2")
-        for name in ("max_view_attempts", "max_reduce_attempts", "lookahead_rounds"):
+        for name in (
+            "max_view_attempts",
+            "max_reduce_attempts",
+            "lookahead_rounds",
+            "ring_min_chunk",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"RoundConfig.{name} must be at least 1")
 
@@ -968,6 +976,7 @@ class RoundEngine:
                     timeout=cfg.step_timeout,
                     stats=counters.ring,
                     on_step=self._step_hook(run, rnd),
+                    min_chunk=cfg.ring_min_chunk,
                 )
             except RingBroken as exc:
                 logger.info("%s: ring attempt %d broke: %s", me, attempt, exc)

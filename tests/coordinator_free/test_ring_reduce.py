@@ -65,7 +65,7 @@ def test_ring_order_is_deterministic_and_round_dependent() -> None:
 
 
 async def _allreduce(
-    n: int, length: int, dtype: type[np.unsignedinteger], seed: int
+    n: int, length: int, dtype: type[np.unsignedinteger], seed: int, min_chunk: int = 1
 ) -> tuple[list[np.ndarray], np.ndarray, dict[str, RingStats], InMemoryNetwork]:
     network = InMemoryNetwork()
     orgs = [f"o{i}" for i in range(n)]
@@ -77,7 +77,9 @@ async def _allreduce(
     stats = {o: RingStats() for o in orgs}
     outs = await asyncio.gather(
         *(
-            reducers[o].allreduce(order, inputs[o], run="r", round=1, stats=stats[o], timeout=5)
+            reducers[o].allreduce(
+                order, inputs[o], run="r", round=1, stats=stats[o], timeout=5, min_chunk=min_chunk
+            )
             for o in orgs
         )
     )
@@ -94,11 +96,16 @@ async def _allreduce(
     n=st.integers(1, 6),
     length=st.integers(0, 40),
     wide=st.booleans(),
+    chain=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_allreduce_equals_modular_sum(n: int, length: int, wide: bool, seed: int) -> None:
+def test_allreduce_equals_modular_sum(
+    n: int, length: int, wide: bool, chain: bool, seed: int
+) -> None:
     dtype = np.uint64 if wide else np.uint32
-    outs, expected, _, _ = asyncio.run(_allreduce(n, length, dtype, seed))
+    outs, expected, _, _ = asyncio.run(
+        _allreduce(n, length, dtype, seed, min_chunk=10**6 if chain else 1)
+    )
     for out in outs:
         assert out.dtype == np.dtype(dtype)
         np.testing.assert_array_equal(out, expected)
@@ -116,20 +123,34 @@ def test_each_node_sends_about_two_payloads() -> None:
         assert network.bytes_sent[org] < 2.2 * payload
 
 
-def test_dead_successor_breaks_the_ring_for_everyone() -> None:
+def test_short_vectors_take_the_chain_with_few_messages() -> None:
+    n, length = 6, 50
+    outs, expected, stats, _ = asyncio.run(_allreduce(n, length, np.uint32, 3, min_chunk=1024))
+    for out in outs:
+        np.testing.assert_array_equal(out, expected)
+    # 2 (n - 1) messages in all; no node sends more than two vectors
+    assert sum(s.messages_sent for s in stats.values()) == 2 * (n - 1)
+    assert max(s.messages_sent for s in stats.values()) <= 2
+
+
+@pytest.mark.parametrize(
+    "min_chunk, phase, step", [(1, "scatter", 1), (1, "gather", 1), (10**6, "gather", 0)]
+)
+def test_dead_member_breaks_the_ring_for_everyone(min_chunk: int, phase: str, step: int) -> None:
+    orgs = [f"o{i}" for i in range(4)]
+    order = ring_order(orgs, 2)
+    victim = order[2]
+
     async def scenario() -> list[object]:
         network = InMemoryNetwork()
-        orgs = [f"o{i}" for i in range(4)]
         endpoints, reducers = await make_ring(orgs, network)
-        order = ring_order(orgs, 2)
-        victim = order[2]
 
         class Killed(Exception):
             pass
 
         def hook(org: str) -> Callable[[str, int], Awaitable[None]]:
-            async def on_step(phase: str, step: int) -> None:
-                if org == victim and phase == "scatter" and step == 1:
+            async def on_step(ph: str, st_: int) -> None:
+                if org == victim and (ph, st_) == (phase, step):
                     network.kill(victim)
                     raise Killed
 
@@ -138,7 +159,15 @@ def test_dead_successor_breaks_the_ring_for_everyone() -> None:
         vec = np.arange(100, dtype=np.uint32)
         results = await asyncio.gather(
             *(
-                reducers[o].allreduce(order, vec, run="r", round=2, timeout=1.0, on_step=hook(o))
+                reducers[o].allreduce(
+                    order,
+                    vec,
+                    run="r",
+                    round=2,
+                    timeout=1.0,
+                    on_step=hook(o),
+                    min_chunk=min_chunk,
+                )
                 for o in orgs
             ),
             return_exceptions=True,
@@ -149,8 +178,16 @@ def test_dead_successor_breaks_the_ring_for_everyone() -> None:
         return list(results)
 
     results = asyncio.run(scenario())
-    assert all(isinstance(r, RingBroken) for r in results), results
-    assert any(isinstance(r, RingBroken) and r.suspect is not None for r in results)
+    broken = [r for r in results if isinstance(r, RingBroken)]
+    assert broken and any(r.suspect is not None for r in broken), results
+    # a member past the failure may already hold the whole sum (the victim's input
+    # had travelled on): never a partial one
+    full = np.arange(100, dtype=np.uint32) * 4
+    for r in results:
+        assert isinstance(r, RingBroken) or np.array_equal(r, full)
+    # the aborts carry the blame: every survivor ends up knowing whom to leave out
+    blamed = set().union(*(r.suspects for r in broken))
+    assert blamed == {victim}
 
 
 def test_chunks_for_a_round_not_open_are_refused() -> None:

@@ -25,7 +25,10 @@ from hypothesis import strategies as st
 
 from secure_agg.codec import FixedPointCodec
 
-FAST = RoundConfig(ready_timeout=0.6, stage_timeout=4.0, step_timeout=2.0, send_timeout=4.0)
+# ring_min_chunk=1: even short test vectors take the chunked ring, step by step
+FAST = RoundConfig(
+    ready_timeout=0.6, stage_timeout=4.0, step_timeout=2.0, send_timeout=4.0, ring_min_chunk=1
+)
 
 
 def sim_config(peers: int) -> SimConfig:
@@ -74,6 +77,7 @@ def test_view_decoding_refuses_tampering() -> None:
         ("min_participants", 1),
         ("max_view_attempts", 0),
         ("max_reduce_attempts", 0),
+        ("ring_min_chunk", 0),
     ],
 )
 def test_round_config_refuses_invalid_values(field: str, value: float) -> None:

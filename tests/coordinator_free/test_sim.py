@@ -1,0 +1,177 @@
+"""The simulator: many in-process peers, faulty peers of every kind, partitions that heal."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+from coordinator_free.rounds import RoundConfig
+from coordinator_free.sim import (
+    Fault,
+    FaultSpec,
+    PartitionSpec,
+    RoundOutcome,
+    SimConfig,
+    Simulation,
+    main,
+    random_faults,
+    simulate,
+)
+
+QUICK = RoundConfig(
+    ready_timeout=0.6, stage_timeout=4.0, step_timeout=2.0, send_timeout=4.0, ring_min_chunk=1
+)
+
+
+def run_rounds(
+    config: SimConfig,
+    faults: list[FaultSpec],
+    rounds: int = 2,
+    partition: PartitionSpec | None = None,
+) -> list[RoundOutcome]:
+    return asyncio.run(simulate(config, rounds, faults, partition=partition))
+
+
+@pytest.mark.slow
+def test_fifty_peers_with_random_faults() -> None:
+    config = SimConfig(peers=50, length=16, seed=11)
+    orgs = [f"org-{i:02d}" for i in range(50)]
+    faults = random_faults(orgs, 4, seed=11)
+    assert {f.fault for f in faults} >= {Fault.KILL}
+    (out,) = run_rounds(config, faults, rounds=1)
+    assert out.problems() == []
+    res = next(iter(out.results.values()))
+    assert len(out.results) >= res.threshold == 26
+    assert not out.killed & set(res.survivors)
+    assert set(out.results) | set(out.failures) | out.killed == set(orgs)
+
+
+STAGE_OF = {
+    Fault.KILL: "reduce.scatter.1",
+    Fault.GARBAGE: "share",
+    Fault.REPLAY: "agree-reduce",
+    Fault.DELAY: "reduce",
+    Fault.WRONG_ROUND: "unmask",
+}
+
+
+@pytest.mark.parametrize("fault", list(Fault), ids=[f.value for f in Fault])
+def test_each_fault_kind_leaves_a_consistent_round_and_the_next_works(fault: Fault) -> None:
+    config = SimConfig(peers=6, length=40, seed=3, round_config=QUICK)
+    faulty = "org-2"
+    first, second = run_rounds(config, [FaultSpec(faulty, fault, STAGE_OF[fault], round=1)])
+    assert first.problems() == [] and second.problems() == []
+    honest = {f"org-{i}" for i in range(6)} - {faulty}
+    # every honest peer finishes the faulty round with the correct sum
+    assert honest <= set(first.results)
+    if fault is Fault.KILL:
+        assert faulty not in first.results and faulty not in second.results
+    elif fault is Fault.GARBAGE:
+        # its garbage share came first: the others never held its keys
+        assert faulty not in first.results["org-0"].survivors
+    else:
+        # refused replays, wrong-round messages and a short stall change nothing
+        assert first.results["org-0"].survivors == tuple(
+            o for o in first.results["org-0"].participants
+        )
+        assert len(first.results) == 6
+    assert honest <= set(second.results)
+
+
+def test_garbage_at_every_stage_is_refused_without_harm() -> None:
+    config = SimConfig(peers=5, length=40, seed=4, round_config=QUICK)
+    stages = ["ready", "agree-ready", "reduce.scatter.0", "reduce.gather.1", "unmask"]
+    faults = [FaultSpec("org-1", Fault.GARBAGE, s, round=1) for s in stages]
+    first, second = run_rounds(config, faults)
+    assert first.problems() == [] and second.problems() == []
+    assert {"org-0", "org-2", "org-3", "org-4"} <= set(first.results)
+    assert len(second.results) == 5
+
+
+def test_a_partition_that_heals_after_the_deadline() -> None:
+    config = SimConfig(peers=6, length=40, seed=5, round_config=QUICK)
+    majority = ("org-0", "org-1", "org-2", "org-3")
+    minority = ("org-4", "org-5")
+    partition = PartitionSpec(groups=(majority, minority), heal_after_s=2.0)
+    first, second = run_rounds(config, [], partition=partition)
+    assert first.problems() == [] and second.problems() == []
+    # t = 4 of 6: the majority sums its own inputs, the minority fails and says why
+    assert set(first.results) == set(majority)
+    assert set(first.results["org-0"].survivors) == set(majority)
+    assert set(first.failures) == set(minority)
+    assert all("fewer than" in reason for reason in first.failures.values())
+    # healed: everyone is back in the next round
+    assert len(second.results) == 6
+
+
+def test_a_partition_that_heals_before_the_deadline_costs_nothing() -> None:
+    rc = RoundConfig(
+        ready_timeout=2.0, stage_timeout=4.0, step_timeout=2.0, send_timeout=4.0, ring_min_chunk=1
+    )
+    config = SimConfig(peers=5, length=40, seed=6, round_config=rc)
+    partition = PartitionSpec(
+        groups=(("org-0", "org-1", "org-2"), ("org-3", "org-4")), heal_after_s=0.3
+    )
+    (out,) = run_rounds(config, [], rounds=1, partition=partition)
+    assert out.problems() == []
+    assert len(out.results) == 5
+    assert len(out.results["org-0"].survivors) == 5
+
+
+def test_chain_reduce_for_short_vectors_gives_the_same_sums() -> None:
+    config = SimConfig(peers=8, length=16, seed=8)  # default config: the chain path
+    faults = [FaultSpec("org-5", Fault.KILL, "reduce.gather.0", round=1)]
+    first, second = run_rounds(config, faults)
+    assert first.problems() == [] and second.problems() == []
+    assert len(first.results) == 7 and len(second.results) == 7
+
+
+def test_random_faults_are_seeded_and_on_distinct_orgs() -> None:
+    orgs = [f"o{i}" for i in range(20)]
+    a = random_faults(orgs, 6, rounds=(1, 2), seed=9)
+    assert a == random_faults(orgs, 6, rounds=(1, 2), seed=9)
+    assert a != random_faults(orgs, 6, rounds=(1, 2), seed=10)
+    assert len({f.org for f in a}) == 6
+    assert all(f.round in (1, 2) for f in a)
+    with pytest.raises(ValueError, match="distinct"):
+        random_faults(orgs, 21)
+
+
+def test_configuration_is_validated() -> None:
+    with pytest.raises(ValueError, match="peers"):
+        SimConfig(peers=1)
+    with pytest.raises(ValueError, match="bits"):
+        SimConfig(bits=16)
+    with pytest.raises(ValueError, match="not in the simulation"):
+        Simulation(SimConfig(peers=2), [FaultSpec("nobody", Fault.KILL)])
+    assert FaultSpec("o", "kill").fault is Fault.KILL  # type: ignore[arg-type]
+
+
+def test_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "sim.json"
+    code = main(
+        [
+            "--peers",
+            "5",
+            "--rounds",
+            "2",
+            "--faults",
+            "1",
+            "--kinds",
+            "kill",
+            "--length",
+            "32",
+            "--seed",
+            "2",
+            "--json",
+            str(out),
+        ]
+    )
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "fault: " in text and "round 2:" in text
+    rows = json.loads(out.read_text())
+    assert [r["round"] for r in rows] == [1, 2]
+    assert all(r["problems"] == [] for r in rows)
