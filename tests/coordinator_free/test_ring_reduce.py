@@ -184,7 +184,7 @@ def test_dead_member_breaks_the_ring_for_everyone(min_chunk: int, phase: str, st
     # had travelled on): never a partial one
     full = np.arange(100, dtype=np.uint32) * 4
     for r in results:
-        assert isinstance(r, RingBroken) or np.array_equal(r, full)
+        assert isinstance(r, RingBroken) or (isinstance(r, np.ndarray) and np.array_equal(r, full))
     # the aborts carry the blame: every survivor ends up knowing whom to leave out
     blamed = set().union(*(r.suspects for r in broken))
     assert blamed == {victim}
