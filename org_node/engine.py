@@ -1,0 +1,730 @@
+"""The run engine: one org's side of a federated run, round after round.
+
+``docs/ARCHITECTURE.md``, "A round", is what :meth:`RunEngine.run` does for each round
+``r`` of a run:
+
+1. **train** — the local job (:class:`LocalTrainer`; by default :class:`JobTrainer`,
+   i.e. :func:`org_node.training.run_local_job`) starts from the global model ``M[r]``
+   and hands back ``delta = local - global``, its weight (examples seen) and its step
+   count ``tau``;
+2. **check** — names, shapes and finiteness of the update against the global model
+   (:class:`UpdateRejected` names the offending field; a NaN update is never sent);
+3. **pack** — FedNova normalization (Wang et al., "Tackling the Objective
+   Inconsistency Problem in Heterogeneous Federated Optimization", NeurIPS 2020,
+   eq. 7): the org contributes ``w * delta / tau``, ``w * tau`` and ``w`` inside one
+   secure vector (:func:`org_node.strategies.pack_weighted`), so that orgs on a time
+   budget (fewer steps) do not bias the model and no org reveals its weight or steps;
+4. **protect** — without DP the vector is quantized by the shared
+   :class:`~secure_agg.codec.FixedPointCodec`; with DP (the run spec's ``epsilon``)
+   the :class:`~org_node.privacy.PrivacyBudget` is checked *before* the round (hard
+   stop, :class:`~org_node.privacy.BudgetExceeded`) and
+   :func:`~org_node.privacy.protect_update` clips it and adds this org's Skellam
+   noise share;
+5. **aggregate** — the ring vector goes to the leaderless
+   :class:`~coordinator_free.rounds.RoundEngine` (masked backend) and every survivor
+   gets the same sum; a failed attempt is retried under the next protocol round
+   number (``r * ATTEMPTS + attempt``), up to ``max_attempts``;
+6. **step** — the strategy runs on the decoded sum, identically on every node;
+7. **verify** — the new model's SHA-256 is exchanged with the survivors
+   (:meth:`RoundEngine.check_model_hash`): any difference stops the run;
+8. **persist** — the engine state (round, model, strategy state, DP accountant) is
+   written atomically to ``state_dir`` every round, and pushed as erasure-coded shards
+   (the ``checkpoint`` callback, :class:`~coordinator_free.shards.CheckpointReplicator`)
+   every ``checkpoint_every`` rounds. A node that restarts resumes from its last state
+   (:meth:`RunEngine.resume`), one that lost its disk from the recovered shards.
+
+Backends. The masked backend runs through the round engine. The CKKS backend
+(:mod:`secure_agg.ckks`) sums ciphertexts along a chain that ends at a per-round key
+holder; the round engine's ring adds ring arrays only, so CKKS runs are refused here
+with :class:`EngineError` naming the field ``backend`` rather than run differently.
+
+Harness-only debug export: with ``debug_export`` set (the node allows it only when its
+config says ``harness = true``), each round's *plaintext* packed vector is written to
+``DIR/<org>/<run>/round-<r>.npy`` so that a test harness can recompute plain FedAvg.
+Never on by default; never for a real deployment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+from coordinator_free.manifest import canonical_json
+from coordinator_free.rounds import RoundEngine, RoundFailed, RoundResult
+from coordinator_free.sealed import SealedError, atomic_write, pack_parts, unpack_parts
+
+from org_node.privacy import BudgetExceeded, PrivacyBudget, RdpAccountant, protect_update
+from org_node.privacy import skellam_round_for as _skellam_round_for
+from org_node.strategies import (
+    Strategy,
+    StrategyError,
+    make_strategy,
+    pack_weighted,
+    params_shapes,
+    state_from_bytes,
+    state_to_bytes,
+    unpack_weighted,
+)
+from org_node.training.exchange import LocalResult
+from secure_agg.codec import FixedPointCodec
+from secure_agg.dp import DistributedSkellam
+from secure_agg.errors import SecAggError
+
+__all__ = [
+    "ATTEMPTS",
+    "EngineConfig",
+    "EngineError",
+    "EngineState",
+    "JobTrainer",
+    "LocalTrainer",
+    "RoundReport",
+    "RunEngine",
+    "RunFailed",
+    "RunOutcome",
+    "RunPlan",
+    "TrainingConfig",
+    "UpdateRejected",
+    "check_update",
+    "model_from_bytes",
+    "model_hash",
+    "model_to_bytes",
+    "run_key",
+]
+
+logger = logging.getLogger(__name__)
+
+ATTEMPTS = 8
+"""Protocol rounds reserved per training round: attempt ``a`` of round ``r`` runs as
+protocol round ``r * ATTEMPTS + a``; ``max_attempts`` may not exceed it."""
+
+STATE_FILE = "engine-state.bin"
+
+
+class EngineError(Exception):
+    """A run the engine cannot carry out as configured; the message names the field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class UpdateRejected(EngineError):
+    """A local update that must not enter the secure sum (shape, names, NaN/Inf)."""
+
+
+class RunFailed(Exception):
+    """The run stopped: a round failed every attempt, or the model hashes differ."""
+
+
+def _check_keys(cls: type[Any], values: Mapping[str, Any], section: str) -> None:
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise EngineError(f"{section}.{unknown[0]}", "unknown key")
+
+
+def _number(section: str, name: str, value: Any, *, low: float, open_low: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise EngineError(f"{section}.{name}", f"expected a finite number, got {value!r}")
+    if value < low or (open_low and value == low):
+        raise EngineError(f"{section}.{name}", f"must be {'>' if open_low else '>='} {low}")
+
+
+def _integer(section: str, name: str, value: Any, *, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise EngineError(f"{section}.{name}", f"expected an integer >= {low}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How this node runs rounds (the ``[engine]`` table of the node config).
+
+    strategy / strategy_options: the federated strategy (``fedavg``, ``fedprox``,
+        ``fedadam``, ...) and its options; every participant must use the same.
+    weighting: ``examples`` (an org's weight is the examples it trained on) or
+        ``uniform`` (weight 1).
+    fednova: normalize each update by its step count (FedNova); off gives FedAvg's
+        plain weighted mean of the deltas.
+    ring_bits: width of the ring ``Z_2^b`` the secure sum runs in (32 or 64).
+    clip: per-coordinate clip of the fixed-point codec, in float units; must cover the
+        largest packed coordinate (``weight * tau`` with FedNova).
+    frac_bits: codec fraction bits; None picks the most that fit (24 under DP).
+    model_seed: seed of the round-0 model (the same on every node).
+    checkpoint_every: push erasure-coded state every this many rounds (0: never).
+    ready_timeout_s: how long a round waits for every participant's ``ready``.
+    model_hash_timeout_s: how long the model-hash check waits for the survivors.
+    max_attempts: attempts per round before the run fails (at most ``ATTEMPTS``).
+    l2_clip / noise_multiplier / delta: org-level DP (only for runs with an epsilon):
+        L2 bound of the packed vector, noise std of the sum over ``l2_clip``, and the
+        delta at which epsilon is accounted.
+    """
+
+    strategy: str = "fedavg"
+    strategy_options: Mapping[str, Any] = field(default_factory=dict)
+    weighting: str = "examples"
+    fednova: bool = True
+    ring_bits: int = 64
+    clip: float = 1.0e6
+    frac_bits: int | None = None
+    model_seed: int = 0
+    checkpoint_every: int = 1
+    ready_timeout_s: float = 30.0
+    model_hash_timeout_s: float = 30.0
+    max_attempts: int = 3
+    l2_clip: float = 1.0e4
+    noise_multiplier: float = 1.0
+    delta: float = 1e-5
+
+    def __post_init__(self) -> None:
+        s = "engine"
+        try:
+            make_strategy(self.strategy, self.strategy_options)
+        except StrategyError as exc:
+            raise EngineError(f"{s}.strategy", str(exc)) from None
+        if self.weighting not in ("examples", "uniform"):
+            raise EngineError(f"{s}.weighting", "expected 'examples' or 'uniform'")
+        if not isinstance(self.fednova, bool):
+            raise EngineError(f"{s}.fednova", "expected true or false")
+        if self.ring_bits not in (32, 64):
+            raise EngineError(f"{s}.ring_bits", "expected 32 or 64")
+        _number(s, "clip", self.clip, low=0, open_low=True)
+        if self.frac_bits is not None:
+            _integer(s, "frac_bits", self.frac_bits, low=0)
+        _integer(s, "model_seed", self.model_seed, low=0)
+        _integer(s, "checkpoint_every", self.checkpoint_every, low=0)
+        _number(s, "ready_timeout_s", self.ready_timeout_s, low=0, open_low=True)
+        _number(s, "model_hash_timeout_s", self.model_hash_timeout_s, low=0, open_low=True)
+        _integer(s, "max_attempts", self.max_attempts, low=1)
+        if self.max_attempts > ATTEMPTS:
+            raise EngineError(f"{s}.max_attempts", f"at most {ATTEMPTS}")
+        _number(s, "l2_clip", self.l2_clip, low=0, open_low=True)
+        _number(s, "noise_multiplier", self.noise_multiplier, low=0, open_low=False)
+        _number(s, "delta", self.delta, low=0, open_low=True)
+        if self.delta >= 1:
+            raise EngineError(f"{s}.delta", "must be < 1")
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> EngineConfig:
+        """Build from a TOML table; unknown keys are an error naming the key."""
+        _check_keys(cls, values, "engine")
+        return cls(**dict(values))
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """The local job's settings (the ``[training]`` table; :class:`LocalJobSpec` fields).
+
+    local_steps / time_budget_s: a step count, a time budget (a slow org), or both.
+    partition_index / num_partitions / partition_seed / dirichlet_alpha: which share of
+        a bundled task's data this org trains on (demos and tests).
+    """
+
+    local_steps: int | None = 10
+    time_budget_s: float | None = None
+    batch_size: int = 32
+    lr: float = 1e-3
+    optimizer: str = "adamw"
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    seed: int = 0
+    device: str = "cpu"
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    partition_index: int = 0
+    num_partitions: int = 1
+    partition_seed: int = 0
+    dirichlet_alpha: float | None = None
+    evaluate: bool = True
+
+    def __post_init__(self) -> None:
+        from org_node.training import LocalJobSpec, SpecError
+
+        try:
+            LocalJobSpec(task="tabular", **asdict(self))
+        except SpecError as exc:
+            raise EngineError(f"training.{exc.field}", str(exc)) from None
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> TrainingConfig:
+        _check_keys(cls, values, "training")
+        return cls(**dict(values))
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What this node runs: the federation-wide run key and the accepted run spec."""
+
+    run_key: str
+    task: str
+    rounds: int
+    participants: tuple[str, ...]
+    backend: str = "masked"
+    threshold: int = 2
+    epsilon: float | None = None
+
+    @classmethod
+    def from_spec(cls, name: str, spec: Mapping[str, Any]) -> RunPlan:
+        return cls(
+            run_key=run_key(name, spec),
+            task=str(spec["task"]),
+            rounds=int(spec["rounds"]),
+            participants=tuple(sorted(spec["participants"])),
+            backend=str(spec.get("backend", "masked")),
+            threshold=int(spec.get("threshold", 2)),
+            epsilon=None if spec.get("epsilon") is None else float(spec["epsilon"]),
+        )
+
+
+def run_key(name: str, spec: Mapping[str, Any]) -> str:
+    """The federation-wide id of a run: SHA-256 of its name and canonical spec (32 hex).
+
+    Each org records the run under its own local id; orgs that accepted the same name
+    and spec take part in the same rounds.
+    """
+    body = dict(spec)
+    body["participants"] = sorted(body.get("participants", ()))
+    if body.get("epsilon") is not None:
+        body["epsilon"] = repr(float(body["epsilon"]))
+    digest = hashlib.sha256(canonical_json({"name": name, "spec": body})).hexdigest()
+    return digest[:32]
+
+
+# --------------------------------------------------------------------------- the model
+
+
+Model = dict[str, np.ndarray]
+
+
+def model_hash(model: Mapping[str, np.ndarray]) -> bytes:
+    """SHA-256 over every tensor's name, dtype, shape and little-endian bytes, by name."""
+    h = hashlib.sha256(b"fedweave/model/v1\x00")
+    for name in sorted(model):
+        a = np.ascontiguousarray(model[name])
+        le = a.astype(a.dtype.newbyteorder("<"), copy=False)
+        header = json.dumps([name, le.dtype.str, list(a.shape)]).encode()
+        h.update(len(header).to_bytes(4, "big") + header + le.tobytes())
+    return h.digest()
+
+
+def model_to_bytes(model: Mapping[str, np.ndarray]) -> bytes:
+    """The model as an ``.npz`` archive (no pickle)."""
+    import io
+
+    buf = io.BytesIO()
+    savez: Any = np.savez
+    savez(buf, **{k: np.asarray(v) for k, v in model.items()})
+    return buf.getvalue()
+
+
+def model_from_bytes(data: bytes) -> Model:
+    import io
+
+    with np.load(io.BytesIO(data), allow_pickle=False) as z:
+        return {k: z[k].copy() for k in z.files}
+
+
+def check_update(update: Mapping[str, np.ndarray], model: Mapping[str, np.ndarray]) -> None:
+    """Refuse an update whose names or shapes differ from the model, or holding NaN/Inf."""
+    missing = sorted(set(model) - set(update))
+    if missing:
+        raise UpdateRejected(f"update.{missing[0]}", "missing from the update")
+    extra = sorted(set(update) - set(model))
+    if extra:
+        raise UpdateRejected(f"update.{extra[0]}", "not a parameter of the global model")
+    for name in sorted(model):
+        u = np.asarray(update[name])
+        if u.shape != np.shape(model[name]):
+            raise UpdateRejected(
+                f"update.{name}",
+                f"shape {u.shape} differs from the global model's {np.shape(model[name])}",
+            )
+        if not np.issubdtype(u.dtype, np.floating) or not np.isfinite(u).all():
+            raise UpdateRejected(f"update.{name}", "holds NaN or Inf (or is not a float array)")
+
+
+# --------------------------------------------------------------------------- the local job
+
+
+class LocalTrainer(Protocol):
+    """The local job: train from the global model, return the update (run in a thread)."""
+
+    def train(
+        self, global_state: Mapping[str, np.ndarray], round: int, options: Mapping[str, Any]
+    ) -> LocalResult: ...
+
+
+class JobTrainer:
+    """:func:`org_node.training.run_local_job` with this org's :class:`TrainingConfig`.
+
+    ``options`` (the strategy's ``local_config``: ``prox_mu``, DiLoCo's inner optimizer)
+    override the config; each round trains in its own directory under ``work_dir`` and
+    draws its batches from ``seed`` and the round.
+    """
+
+    def __init__(self, task: str, config: TrainingConfig, work_dir: Path) -> None:
+        self.task = task
+        self.config = config
+        self.work_dir = Path(work_dir)
+
+    def train(
+        self, global_state: Mapping[str, np.ndarray], round: int, options: Mapping[str, Any]
+    ) -> LocalResult:
+        from org_node.training import LocalJobSpec, run_local_job
+
+        values = asdict(self.config) | dict(options)
+        values["seed"] = int(values["seed"]) * 1_000_003 + round
+        spec = LocalJobSpec(task=self.task, **values)
+        return run_local_job(spec, dict(global_state), self.work_dir / f"round-{round:06d}")
+
+
+# --------------------------------------------------------------------------- state
+
+
+@dataclass
+class EngineState:
+    """What the engine persists: the next round, the model and the private state."""
+
+    run_key: str
+    round: int
+    model: Model
+    strategy: dict[str, Any]
+    accountant: dict[str, Any] | None = None
+    status: str = "running"
+
+    def to_bytes(self) -> bytes:
+        meta = {"run_key": self.run_key, "round": self.round, "status": self.status}
+        parts = {
+            "meta": json.dumps(meta, sort_keys=True).encode(),
+            "model": model_to_bytes(self.model),
+            "strategy": state_to_bytes(self.strategy),
+        }
+        if self.accountant is not None:
+            parts["accountant"] = json.dumps(self.accountant).encode()
+        return pack_parts(parts)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> EngineState:
+        try:
+            parts = unpack_parts(data)
+            meta = json.loads(parts["meta"])
+            return cls(
+                run_key=str(meta["run_key"]),
+                round=int(meta["round"]),
+                model=model_from_bytes(parts["model"]),
+                strategy=state_from_bytes(parts["strategy"]),
+                accountant=json.loads(parts["accountant"]) if "accountant" in parts else None,
+                status=str(meta.get("status", "running")),
+            )
+        except (SealedError, KeyError, ValueError, OSError, StrategyError) as exc:
+            raise EngineError("state", f"unreadable engine state: {exc}") from None
+
+
+@dataclass(frozen=True)
+class RoundReport:
+    """One completed round, as the node records it (metrics, events)."""
+
+    run_key: str
+    round: int
+    model_hash: str
+    survivors: tuple[str, ...]
+    dropped: tuple[str, ...]
+    attempts: int
+    local_steps: int
+    examples: int
+    metrics: dict[str, float]
+    epsilon_spent: float | None
+    bytes_sent: int
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    """How a run ended at this node: ``completed`` or ``budget_exhausted``."""
+
+    status: str
+    rounds_done: int
+    model_hash: str
+    reason: str = ""
+
+
+Checkpoint = Callable[[bytes, int], Awaitable[Any]]
+
+
+class RunEngine:
+    """One org's rounds of one run (see the module docstring)."""
+
+    def __init__(
+        self,
+        plan: RunPlan,
+        config: EngineConfig,
+        *,
+        rounds: RoundEngine,
+        trainer: LocalTrainer,
+        state_dir: Path,
+        checkpoint: Checkpoint | None = None,
+        on_round: Callable[[RoundReport], None] | None = None,
+        debug_export: Path | None = None,
+        initial_model: Model | None = None,
+        rng: np.random.Generator | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if plan.backend != "masked":
+            raise EngineError(
+                "backend",
+                f"{plan.backend!r} is not supported by the round engine (ring sums of masked "
+                "ring arrays); use 'masked'",
+            )
+        if rounds.org_id not in plan.participants:
+            raise EngineError("participants", f"{rounds.org_id!r} is not a participant")
+        self.plan = plan
+        self.config = config
+        self.rounds = rounds
+        self.trainer = trainer
+        self.state_dir = Path(state_dir)
+        self.checkpoint = checkpoint
+        self.on_round = on_round
+        self.debug_export = debug_export
+        self.rng = rng if rng is not None else np.random.default_rng()
+        self.clock = clock
+        self.strategy: Strategy = make_strategy(config.strategy, config.strategy_options)
+        n = len(plan.participants)
+        self.dp: DistributedSkellam | None = None
+        self.budget: PrivacyBudget | None = None
+        if plan.epsilon is not None:
+            if config.weighting != "uniform":
+                raise EngineError(
+                    "engine.weighting",
+                    "a run with DP needs 'uniform' weighting: the noisy sum of the weights "
+                    "cannot divide the update, the count of survivors does",
+                )
+            sigma = config.noise_multiplier * config.l2_clip
+            self.codec = FixedPointCodec(
+                bits=config.ring_bits,
+                clip=max(config.clip, config.l2_clip),
+                max_summands=n,
+                frac_bits=config.frac_bits if config.frac_bits is not None else 24,
+                noise_bound=20.0 * sigma / math.sqrt(n),
+            )
+            self.dp = DistributedSkellam(
+                config.l2_clip, config.noise_multiplier, n, self.codec.scale
+            )
+            self.budget = PrivacyBudget(plan.epsilon, config.delta)
+        else:
+            self.codec = FixedPointCodec(
+                bits=config.ring_bits, clip=config.clip, max_summands=n, frac_bits=config.frac_bits
+            )
+        if initial_model is None:
+            from org_node.tasks import initial_state
+
+            initial_model = initial_state(plan.task, config.model_seed)
+        self.state = EngineState(
+            plan.run_key,
+            0,
+            {k: np.asarray(v, dtype=np.float32) for k, v in initial_model.items()},
+            self.strategy.state_dict(),
+            self.budget.accountant.state_dict() if self.budget and self.budget.accountant else None,
+        )
+
+    # -- persistence ----------------------------------------------------------------
+
+    @property
+    def state_path(self) -> Path:
+        return self.state_dir / STATE_FILE
+
+    def save_state(self) -> bytes:
+        """Write the engine state atomically; returns its bytes."""
+        self.state.strategy = self.strategy.state_dict()
+        if self.budget is not None and self.budget.accountant is not None:
+            self.state.accountant = self.budget.accountant.state_dict()
+        data = self.state.to_bytes()
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write(self.state_path, data)
+        return data
+
+    def restore(self, data: bytes) -> None:
+        """Continue from a saved (or recovered) state of this run."""
+        state = EngineState.from_bytes(data)
+        if state.run_key != self.plan.run_key:
+            raise EngineError("state", f"state of run {state.run_key}, not {self.plan.run_key}")
+        check_update(state.model, self.state.model)
+        try:
+            self.strategy.load_state_dict(state.strategy)
+        except StrategyError as exc:
+            raise EngineError("state.strategy", str(exc)) from None
+        if self.budget is not None:
+            acct = RdpAccountant()
+            if state.accountant is not None:
+                acct.load_state_dict(state.accountant)
+            self.budget.accountant = acct
+        self.state = state
+
+    def resume(self) -> bool:
+        """Restore from ``state_dir`` if a state was saved there; whether one was."""
+        if not self.state_path.exists():
+            return False
+        self.restore(self.state_path.read_bytes())
+        return True
+
+    # -- one round ------------------------------------------------------------------
+
+    def _pack(self, result: LocalResult) -> np.ndarray:
+        weight = float(result.num_examples) if self.config.weighting == "examples" else 1.0
+        names = sorted(self.state.model)
+        update = [np.asarray(result.update[k], dtype=np.float64) for k in names]
+        if self.config.fednova:
+            tau = float(max(1, result.steps))
+            packed = pack_weighted([*(u / tau for u in update), np.array([tau])], weight)
+        else:
+            packed = pack_weighted(update, weight)
+        if not np.isfinite(packed).all():
+            raise UpdateRejected("update", "the packed update holds NaN or Inf")
+        if float(np.max(np.abs(packed))) > self.codec.clip:
+            raise UpdateRejected(
+                "update",
+                f"a packed coordinate exceeds engine.clip={self.codec.clip:g}; raise it",
+            )
+        return packed
+
+    def _protect(self, packed: np.ndarray) -> np.ndarray:
+        if self.dp is not None:
+            ring, _factor = protect_update(packed, codec=self.codec, dp=self.dp, rng=self.rng)
+            return ring
+        return self.codec.encode(packed, self.rng)
+
+    def _unpack(self, total: np.ndarray, survivors: int) -> tuple[list[np.ndarray], float]:
+        """``(sum of w * delta, sum of w)`` from the decoded sum.
+
+        Under DP the summed weight carries noise (it may even be negative), so the
+        public count of survivors divides instead (uniform weights, ``w = 1``).
+        """
+        names = sorted(self.state.model)
+        shapes = params_shapes([self.state.model[k] for k in names])
+        extra = [(1,)] if self.config.fednova else []
+        parts, weight = unpack_weighted(total, [*shapes, *extra])
+        if self.dp is not None:
+            weight = float(survivors)
+        if self.config.fednova:
+            tau_eff = max(float(parts[-1][0]) / weight, 0.0) if weight > 0 else 0.0
+            return [p * tau_eff for p in parts[:-1]], weight
+        return parts, weight
+
+    def _export(self, round: int, packed: np.ndarray) -> None:
+        if self.debug_export is None:
+            return
+        target = self.debug_export / self.rounds.org_id / self.plan.run_key
+        target.mkdir(parents=True, exist_ok=True)
+        np.save(target / f"round-{round:06d}.npy", packed)
+
+    async def _aggregate(self, round: int, vector: np.ndarray) -> tuple[RoundResult, int]:
+        last: RoundFailed | None = None
+        for attempt in range(self.config.max_attempts):
+            deadline = self.clock() + self.config.ready_timeout_s
+            try:
+                result = await self.rounds.run_round(
+                    self.plan.run_key, round * ATTEMPTS + attempt, vector, deadline=deadline
+                )
+                return result, attempt + 1
+            except RoundFailed as exc:
+                logger.warning("%s: round %d attempt %d failed: %s", self.org, round, attempt, exc)
+                last = exc
+        raise RunFailed(f"round {round} failed {self.config.max_attempts} times: {last}")
+
+    @property
+    def org(self) -> str:
+        return self.rounds.org_id
+
+    async def run_one_round(self) -> RoundReport:
+        """Train, protect, aggregate, step, verify and persist round ``state.round``."""
+        r = self.state.round
+        model = self.state.model
+        names = sorted(model)
+        mechanism = None
+        if self.budget is not None and self.dp is not None:
+            dim = sum(int(np.size(v)) for v in model.values()) + 1 + int(self.config.fednova)
+            mechanism = _skellam_round_for(self.dp, dim)
+            self.budget.check(mechanism)  # BudgetExceeded: hard stop before the round
+        result = await asyncio.to_thread(self.trainer.train, model, r, self.strategy.local_config())
+        check_update(result.update, model)
+        packed = self._pack(result)
+        self._export(r, packed)
+        try:
+            vector = self._protect(packed)
+        except SecAggError as exc:
+            raise UpdateRejected("update", str(exc)) from None
+        epsilon = None
+        if self.budget is not None and mechanism is not None:
+            epsilon = self.budget.spend(mechanism)  # released from here on
+        agg, attempts = await self._aggregate(r, vector)
+        total = self.codec.decode(np.asarray(agg.sum))
+        summed, weight = self._unpack(total, len(agg.survivors))
+        params = [model[k] for k in names]
+        new_params = self.strategy.step(params, summed, weight)
+        new_model = dict(zip(names, (np.asarray(p) for p in new_params), strict=True))
+        digest = model_hash(new_model)
+        protocol_round = r * ATTEMPTS + attempts - 1
+        await self.rounds.check_model_hash(
+            self.plan.run_key,
+            protocol_round,
+            digest,
+            agg.survivors,
+            timeout=self.config.model_hash_timeout_s,
+        )
+        self.state.model = new_model
+        self.state.round = r + 1
+        data = self.save_state()
+        every = self.config.checkpoint_every
+        if self.checkpoint is not None and every and (r + 1) % every == 0:
+            try:
+                await self.checkpoint(data, r + 1)
+            except Exception as exc:  # a lost checkpoint never stops training
+                logger.warning("%s: checkpoint of round %d failed: %s", self.org, r + 1, exc)
+        report = RoundReport(
+            run_key=self.plan.run_key,
+            round=r + 1,
+            model_hash=digest.hex(),
+            survivors=agg.survivors,
+            dropped=agg.dropped,
+            attempts=attempts,
+            local_steps=result.steps,
+            examples=result.num_examples,
+            metrics={k: float(v) for k, v in result.metrics.items() if math.isfinite(v)},
+            epsilon_spent=epsilon,
+            bytes_sent=agg.bytes_sent,
+        )
+        if self.on_round is not None:
+            self.on_round(report)
+        return report
+
+    async def run(self, *, paused: asyncio.Event | None = None) -> RunOutcome:
+        """Run the remaining rounds; waits between rounds while ``paused`` is set.
+
+        Returns ``completed`` or ``budget_exhausted``; raises :class:`RunFailed`,
+        :class:`UpdateRejected` or :class:`~coordinator_free.rounds.ModelHashMismatch`.
+        """
+        while self.state.round < self.plan.rounds:
+            while paused is not None and paused.is_set():
+                await asyncio.sleep(0.1)
+            try:
+                await self.run_one_round()
+            except BudgetExceeded as exc:
+                self.state.status = "budget_exhausted"
+                self.save_state()
+                return RunOutcome(
+                    "budget_exhausted",
+                    self.state.round,
+                    model_hash(self.state.model).hex(),
+                    str(exc),
+                )
+        self.state.status = "completed"
+        self.save_state()
+        return RunOutcome("completed", self.state.round, model_hash(self.state.model).hex())
