@@ -15,8 +15,9 @@ closed).
 
 Replies (``KIND.reply``) carry the request's digest and the handler's answer: a reply
 to a membership or gossip message carries membership updates and is classed
-``membership``; every other reply is an acknowledgement (``control``). The reply to
-an unknown kind is refused like the kind itself.
+``membership``, a reply to a shard request (``shard.get``) carries shards and is
+classed ``checkpoint_shard``; every other reply is an acknowledgement (``control``).
+The reply to an unknown kind is refused like the kind itself.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ _RULES: dict[str, PrivacyClass] = {
     # the ring reduce over masked vectors (coordinator_free.ring)
     "agg.chunk": PrivacyClass.MASKED_CHUNK,
     "agg.abort": PrivacyClass.CONTROL,
+    "agg.ping": PrivacyClass.CONTROL,
     "ring.": PrivacyClass.MASKED_CHUNK,
     # secure_agg message names carried directly
     "secagg.advertise": PrivacyClass.PUBLIC_KEY,
@@ -93,6 +95,9 @@ _RULES: dict[str, PrivacyClass] = {
     "labels.": PrivacyClass.LABELS,
     "update.": PrivacyClass.UNMASKED_UPDATE,
 }
+
+_REPLY_CARRIES = frozenset({PrivacyClass.MEMBERSHIP, PrivacyClass.CHECKPOINT_SHARD})
+"""Classes whose replies carry data of the same class (membership updates, shards)."""
 
 KIND_CLASSES: Mapping[str, PrivacyClass] = MappingProxyType(_RULES)
 """The mapping: a key ending in ``.`` is a prefix, any other key an exact kind or a
@@ -148,7 +153,7 @@ def classify(kind: str) -> PrivacyClass:
         base = _lookup(kind[: -len(REPLY_SUFFIX)])
         if base is None:
             raise UnclassifiedKind(kind)
-        return PrivacyClass.MEMBERSHIP if base is PrivacyClass.MEMBERSHIP else PrivacyClass.CONTROL
+        return base if base in _REPLY_CARRIES else PrivacyClass.CONTROL
     found = _lookup(kind)
     if found is None:
         raise UnclassifiedKind(kind)

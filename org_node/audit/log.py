@@ -37,7 +37,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
@@ -159,9 +159,12 @@ class EgressEntry:
     prev_hash: str
     entry_hash: str
 
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in ENTRY_FIELDS}
+
     def to_record(self) -> dict[str, Any]:
         """The file record (``type`` = ``entry``)."""
-        return {"type": "entry", **asdict(self)}
+        return {"type": "entry", **self.to_dict()}
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any], line: int = 0) -> EgressEntry:
@@ -178,7 +181,7 @@ class EgressEntry:
 
     def computed_hash(self) -> str:
         """The hash this entry's contents and ``prev_hash`` give."""
-        return entry_hash(self.prev_hash, asdict(self))
+        return entry_hash(self.prev_hash, self.to_dict())
 
 
 @dataclass(frozen=True)
@@ -198,7 +201,7 @@ class SignedHead:
 
     def signing_bytes(self) -> bytes:
         """Domain tag and the canonical JSON of every field but the signature."""
-        body = {k: v for k, v in asdict(self).items() if k != "signature"}
+        body = {k: getattr(self, k) for k in HEAD_FIELDS if k != "signature"}
         return HEAD_DOMAIN + canonical(body)
 
     def verify(self, public_key: bytes) -> bool:
@@ -210,7 +213,7 @@ class SignedHead:
         return verify_signature(public_key, self.signing_bytes(), signature)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {k: getattr(self, k) for k in HEAD_FIELDS}
 
     def to_bytes(self) -> bytes:
         """Canonical JSON, the gossip payload of kind ``audit.head``."""
@@ -226,6 +229,7 @@ class SignedHead:
             if not isinstance(record[name], str):
                 raise LogFormatError(line, f"head field {name!r} must be a string")
         _hex_field(record, "head_hash", line)
+        _hex_field(record, "signature", line, 128)
         return cls(**{k: record[k] for k in HEAD_FIELDS})
 
     @classmethod
@@ -278,14 +282,14 @@ def _int_field(record: Mapping[str, Any], name: str, line: int, low: int = 0) ->
         raise LogFormatError(line, f"field {name!r} must be an integer >= {low}")
 
 
-def _hex_field(record: Mapping[str, Any], name: str, line: int) -> None:
+_HEX = frozenset("0123456789abcdef")
+
+
+def _hex_field(record: Mapping[str, Any], name: str, line: int, size: int = 64) -> None:
+    """Lowercase hex of ``size`` digits: one spelling per value, so no byte can change."""
     value = record[name]
-    if not isinstance(value, str) or len(value) != 64:
-        raise LogFormatError(line, f"field {name!r} must be 64 hex digits")
-    try:
-        bytes.fromhex(value)
-    except ValueError:
-        raise LogFormatError(line, f"field {name!r} must be 64 hex digits") from None
+    if not isinstance(value, str) or len(value) != size or not set(value) <= _HEX:
+        raise LogFormatError(line, f"field {name!r} must be {size} lowercase hex digits")
 
 
 def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -346,13 +350,7 @@ def check_header(obj: Mapping[str, Any], line: int = 1) -> dict[str, Any]:
         raise LogFormatError(line, f"unknown log version {obj['version']!r}")
     if not isinstance(obj["org"], str) or not obj["org"]:
         raise LogFormatError(line, "header org must be a non-empty string")
-    key = obj["public_key"]
-    if not isinstance(key, str) or len(key) != 64:
-        raise LogFormatError(line, "header public_key must be 64 hex digits")
-    try:
-        bytes.fromhex(key)
-    except ValueError:
-        raise LogFormatError(line, "header public_key must be 64 hex digits") from None
+    _hex_field(obj, "public_key", line)
     if not isinstance(obj["created"], str):
         raise LogFormatError(line, "header created must be a string")
     return dict(obj)

@@ -17,9 +17,10 @@ report carries) the checks are, entry by entry in file order:
    chain at their index: a log rewritten or cut short after the head was gossiped
    disagrees with the peers' record.
 
-A report is also checked against its schema, its traffic figures are recomputed from
-its log records, each section's digest is compared, and the org's signature checked;
-its log segment must end under a signed head. The first failure is reported with the
+A report is also checked against its schema; its log segment must end under a signed
+head; each section's digest is compared (a change is named by its section) and the
+org's signature checked; and its traffic figures are recomputed from its log records.
+Heads of other orgs held in a log are checked when the orgs' keys are given. The first failure is reported with the
 entry (index and line, or record position) and the reason.
 """
 
@@ -222,9 +223,12 @@ def verify_records(
             elif kind == "head":
                 chain.head(value, where)
             else:
-                other = trusted_keys.get(value.org) if trusted_keys else None
-                if other is not None and not value.verify(other):
-                    raise _Broken(where, f"the held head of {value.org!r} is not signed by it")
+                if trusted_keys is not None:
+                    other = trusted_keys.get(value.org)
+                    if other is None:
+                        raise _Broken(where, f"holds a head of {value.org!r}, not a known org")
+                    if not value.verify(other):
+                        raise _Broken(where, f"the held head of {value.org!r} is not signed by it")
                 held += 1
         checked = _check_peer_heads(chain, peer_heads)
     except _Broken as exc:
@@ -306,6 +310,14 @@ def verify_report(
         first = next((v for _, t, v in parsed if t == "entry"), None)
         if first is None:
             raise _Broken("log.records", "the report carries no log entry")
+        window = doc["traffic"]["window"]
+        if first.index > window["first_index"]:
+            raise _Broken(
+                "log.records[0]",
+                f"entries {window['first_index']}..{first.index - 1} are missing from the "
+                "start of the segment",
+                first.index,
+            )
         start_prev = genesis_hash(header) if first.index == 0 else first.prev_hash
         chain = _Chain(org, key, start_prev, first.index)
         for where, kind, value in parsed:
@@ -319,10 +331,6 @@ def verify_report(
                 f"the segment ends at entry {chain.next - 1} with no signed head covering it "
                 "(entries removed from the end)",
             )
-        entries = [v for _, t, v in parsed if t == "entry"]
-        actual = traffic_of(entries, doc["run"]["id"])
-        if doc["traffic"] != actual:
-            raise _Broken("traffic", _first_difference("traffic", doc["traffic"], actual))
         digests = section_digests(doc)
         claimed = doc["signature"]["sections"]
         for name in SECTIONS:
@@ -333,6 +341,10 @@ def verify_report(
         signature = bytes.fromhex(doc["signature"]["value"])
         if not verify_signature(key, report_signing_bytes(doc, digests), signature):
             raise _Broken("signature", f"not a valid signature of {org!r} over the report")
+        entries = [v for _, t, v in parsed if t == "entry"]
+        actual = traffic_of(entries, doc["run"]["id"])
+        if doc["traffic"] != actual:
+            raise _Broken("traffic", _first_difference("traffic", doc["traffic"], actual))
         checked = _check_peer_heads(chain, peer_heads)
     except _Broken as exc:
         return VerifyResult(

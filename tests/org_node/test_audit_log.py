@@ -82,20 +82,21 @@ def envelope(
 # -- classes -------------------------------------------------------------------------------
 
 
+_FILE_SUFFIXES = (".json", ".key", ".crt", ".log", ".npz", ".toml", ".db", ".py", ".pem")
+
+
 def _kinds_used_in_coordinator_free() -> set[str]:
-    """Every message kind the coordinator-free layer registers or sends."""
+    """Every message kind the coordinator-free layer names: its dotted string constants
+    (file names aside) and every string literal passed to ``.on(`` or ``.send(``."""
     kinds: set[str] = set()
     for path in (REPO / "coordinator-free").glob("*.py"):
         text = path.read_text(encoding="utf-8")
-        constants = dict(re.findall(r'^([A-Z_]+)\s*=\s*"([a-z_]+\.[a-z_.]+)"', text, re.M))
-        for name in re.findall(r"\.on\(\s*([A-Z_]+)", text) + re.findall(
-            r"\.send\(\s*\w+,\s*([A-Z_]+)", text
-        ):
-            if name in constants:
-                kinds.add(constants[name])
-        for name, value in constants.items():
-            if name.startswith(("KIND_", "PING", "PUSH")):
+        for value in re.findall(r'^[A-Z_]+\s*=\s*"([a-z_]+\.[a-z_.]+)"', text, re.M):
+            if not value.endswith(_FILE_SUFFIXES):
                 kinds.add(value)
+        kinds.update(re.findall(r'\.on\(\s*"([^"]+)"', text))
+        kinds.update(re.findall(r'\.send\(\s*\w+,\s*"([^"]+)"', text))
+    kinds.discard(".reply")
     return kinds
 
 
@@ -105,7 +106,11 @@ def test_every_kind_used_in_coordinator_free_is_classified_and_allowed() -> None
     for kind in sorted(kinds):
         cls = classify(kind)
         assert cls not in FORBIDDEN_CLASSES, kind
-        assert classify(kind + ".reply") in (PrivacyClass.CONTROL, PrivacyClass.MEMBERSHIP)
+        assert classify(kind + ".reply") in (
+            PrivacyClass.CONTROL,
+            PrivacyClass.MEMBERSHIP,
+            PrivacyClass.CHECKPOINT_SHARD,
+        )
 
 
 @pytest.mark.parametrize(
@@ -123,6 +128,8 @@ def test_every_kind_used_in_coordinator_free_is_classified_and_allowed() -> None
         ("swim.ping_req", PrivacyClass.MEMBERSHIP),
         ("gossip.push.reply", PrivacyClass.MEMBERSHIP),
         ("agg.chunk.reply", PrivacyClass.CONTROL),
+        ("agg.ping", PrivacyClass.CONTROL),
+        ("shard.get.reply", PrivacyClass.CHECKPOINT_SHARD),
         ("shard.put", PrivacyClass.CHECKPOINT_SHARD),
         ("audit.head", PrivacyClass.AUDIT_HEAD),
         ("data.rows", PrivacyClass.RAW_DATA),
