@@ -1,7 +1,9 @@
 """Hybrid-parallel local training against plain DDP at the same world size.
 
 Run ``python -m bench.training_hybrid [--quick] [--device cpu|cuda] [--json PATH]``.
-Every configuration is a real local job of the char-level GPT task, started through
+Every configuration is a real local job of the char-level GPT task (``--quick``: the
+bundled d_model 64 model, 6 steps of 32 sequences; otherwise the d_model 256 variant
+``org_node.tasks.gpt:task_wide``, 10 steps of 64), started through
 :func:`org_node.training.run_local_job` (torchrun with one process per rank); the
 samples/s figure is the job's own, timed after its first step. Rows:
 
@@ -26,6 +28,7 @@ import argparse
 import sys
 import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +44,9 @@ __all__ = ["main"]
 TARGET = ">= 0.9"
 
 
-def _job(device: str, steps: int, batch: int, **degrees: int) -> dict[str, Any]:
+def _job(task: str, device: str, steps: int, batch: int, **degrees: int) -> dict[str, Any]:
     return {
-        "task": "gpt",
+        "task": task,
         "local_steps": steps,
         "batch_size": batch,
         "lr": 1e-3,
@@ -78,15 +81,24 @@ def _layouts(world: int) -> list[tuple[str, dict[str, int]]]:
     return [("dp=1,tp=2", {"tp": 2}), ("dp=1,pp=2", {"pp": 2})]
 
 
-def _compare(report: Report, device: str, world: int, steps: int, batch: int, note: str) -> None:
-    g = initial_state("gpt")
-    ddp = _run(_job(device, steps, batch, dp_replicate=world), g)
+@dataclass(frozen=True)
+class _Size:
+    task: str
+    label: str
+    steps: int
+    batch: int
+
+
+def _compare(report: Report, size: _Size, device: str, world: int, note: str) -> None:
+    g = initial_state(size.task)
+    ddp = _run(_job(size.task, device, size.steps, size.batch, dp_replicate=world), g)
     base = ddp.metrics["samples_per_s"]
-    report.add(f"ddp_samples_per_s[{device},W={world}]", base, "samples/s", note=note)
+    tag = f"{device},{size.label}"
+    report.add(f"ddp_samples_per_s[{tag},W={world}]", base, "samples/s", note=note)
     for label, degrees in _layouts(world):
-        result = _run(_job(device, steps, batch, **degrees), g)
+        result = _run(_job(size.task, device, size.steps, size.batch, **degrees), g)
         report.add(
-            f"hybrid_vs_ddp_throughput[{device},{label}]",
+            f"hybrid_vs_ddp_throughput[{tag},{label}]",
             result.metrics["samples_per_s"],
             "samples/s",
             base,
@@ -96,29 +108,33 @@ def _compare(report: Report, device: str, world: int, steps: int, batch: int, no
 
 
 def _body(report: Report, device: str) -> None:
-    steps, batch = (6, 32) if report.quick else (20, 64)
+    size = (
+        _Size("gpt", "gpt-d64", 6, 32)
+        if report.quick
+        else _Size("org_node.tasks.gpt:task_wide", "gpt-d256", 10, 64)
+    )
     if device == "cpu":
-        _compare(report, "cpu", 4, steps, batch, "gloo, 4 CPU ranks")
+        _compare(report, size, "cpu", 4, "gloo, 4 CPU ranks")
         return
     if not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device")
     gpus = torch.cuda.device_count()
     if gpus >= 2:
         world = 4 if gpus >= 4 else 2
-        _compare(report, "cuda", world, steps, batch, f"NCCL, {world} GPUs")
+        _compare(report, size, "cuda", world, f"NCCL, {world} GPUs")
         return
-    g = initial_state("gpt")
-    spec = _job("cuda", steps * 4, batch)
+    g = initial_state(size.task)
+    spec = _job(size.task, "cuda", size.steps * 4, size.batch)
     local = _run(spec, g, force_torchrun=False)
     nccl = _run(spec, g, force_torchrun=True)
     report.add(
-        "nccl_single_rank_samples_per_s[cuda,W=1]",
+        f"nccl_single_rank_samples_per_s[cuda,{size.label},W=1]",
         nccl.metrics["samples_per_s"],
         "samples/s",
         local.metrics["samples_per_s"],
         note="one GPU: torchrun + NCCL process group vs in-process; NCCL cannot share a GPU",
     )
-    _compare(report, "cpu", 4, steps, batch, "single-GPU host: hybrid vs DDP on 4 gloo CPU ranks")
+    _compare(report, size, "cpu", 4, "single-GPU host: hybrid vs DDP on 4 gloo CPU ranks")
 
 
 def main(argv: Sequence[str] | None = None) -> Report:

@@ -30,7 +30,17 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from org_node.tasks import Task, TaskData
 
-__all__ = ["VOCAB", "CharGPT", "GPTConfig", "build_data", "decode", "encode", "task"]
+__all__ = [
+    "VOCAB",
+    "WIDE",
+    "CharGPT",
+    "GPTConfig",
+    "build_data",
+    "decode",
+    "encode",
+    "task",
+    "task_wide",
+]
 
 VOCAB = "\n" + "".join(chr(c) for c in range(32, 127))
 _INDEX = {ch: i for i, ch in enumerate(VOCAB)}
@@ -213,10 +223,25 @@ def lm_metrics(outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]
 
 
 def task() -> Task:
+    """The default: 4 blocks, d_model 64, 4 heads, 32 characters of context."""
     return Task(
         name="gpt",
         build_model=build_model,
         build_data=build_data,
+        loss=lm_loss,
+        metrics=lm_metrics,
+    )
+
+
+WIDE = GPTConfig(n_layers=4, d_model=256, n_heads=8, block_size=64)
+
+
+def task_wide() -> Task:
+    """A wider variant (d_model 256, 8 heads, 64 characters) for throughput benchmarks."""
+    return Task(
+        name="gpt-wide",
+        build_model=lambda seed: build_model(seed, WIDE),
+        build_data=lambda: build_data(WIDE.block_size),
         loss=lm_loss,
         metrics=lm_metrics,
     )

@@ -8,15 +8,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from org_node.training import (
     JobFailedError,
+    LaunchConfig,
     LocalJobSpec,
     NonFiniteUpdateError,
     ShapeMismatchError,
     SpecError,
 )
 from org_node.training import exchange as ex
+from org_node.training.launch import torchrun_command
 
 
 def _update() -> dict[str, np.ndarray]:
@@ -142,3 +145,56 @@ def test_global_model_with_nan_is_not_written(tmp_path: Path) -> None:
     with pytest.raises(NonFiniteUpdateError, match="global model"):
         ex.write_inputs(tmp_path, LocalJobSpec(task="tabular"), bad)
     assert not (tmp_path / ex.GLOBAL_FILE).exists()
+
+
+def _flag(cmd: list[str], name: str) -> str:
+    return cmd[cmd.index(name) + 1]
+
+
+def test_single_host_command_uses_loopback_rendezvous(tmp_path: Path) -> None:
+    spec = LocalJobSpec(task="gpt", dp_shard=2, tp=2, batch_size=8)
+    cmd = torchrun_command(spec, tmp_path, LaunchConfig())
+    assert cmd[1:3] == ["-m", "torch.distributed.run"]
+    assert _flag(cmd, "--nproc-per-node") == "4" and _flag(cmd, "--nnodes") == "1"
+    host, port = _flag(cmd, "--rdzv-endpoint").split(":")
+    assert host == "127.0.0.1" and 0 < int(port) < 65536
+    assert _flag(cmd, "--local-addr") == "127.0.0.1"
+    assert cmd[cmd.index("-m", 3) + 1] == "org_node.training.job"
+    assert _flag(cmd, "--run-dir") == str(tmp_path)
+
+
+def test_multi_host_command_splits_the_world(tmp_path: Path) -> None:
+    spec = LocalJobSpec(task="gpt", dp_replicate=2, dp_shard=2, tp=2, batch_size=8)
+    config = LaunchConfig(nnodes=2, rdzv_endpoint="head.example:29400", rdzv_id="run7-r3")
+    cmd = torchrun_command(spec, tmp_path, config)
+    assert _flag(cmd, "--nnodes") == "2" and _flag(cmd, "--nproc-per-node") == "4"
+    assert _flag(cmd, "--rdzv-endpoint") == "head.example:29400"
+    assert _flag(cmd, "--rdzv-id") == "run7-r3"
+    assert "--local-addr" not in cmd
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [({"nnodes": 2}, "rdzv_endpoint"), ({"nnodes": 0}, "nnodes"), ({"timeout_s": 0}, "timeout_s")],
+)
+def test_bad_launch_config_names_the_field(kwargs: dict[str, int], field: str) -> None:
+    with pytest.raises(SpecError) as info:
+        LaunchConfig(**kwargs)  # type: ignore[arg-type]
+    assert info.value.field == field
+
+
+def test_world_must_split_over_hosts(tmp_path: Path) -> None:
+    spec = LocalJobSpec(task="gpt", dp_shard=3, batch_size=9)
+    with pytest.raises(SpecError) as info:
+        torchrun_command(spec, tmp_path, LaunchConfig(nnodes=2, rdzv_endpoint="h:1"))
+    assert info.value.field == "nnodes"
+
+
+def test_cuda_needs_a_gpu_per_rank(tmp_path: Path) -> None:
+    spec = LocalJobSpec(task="gpt", dp_shard=2, batch_size=8, device="cuda")
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has a GPU per rank")
+    with pytest.raises(SpecError) as info:
+        torchrun_command(spec, tmp_path, LaunchConfig())
+    assert info.value.field == "device"
+    assert "NCCL" in str(info.value)

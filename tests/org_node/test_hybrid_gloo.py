@@ -20,6 +20,7 @@ from org_node.tasks import initial_state
 from org_node.training import LaunchConfig, LocalJobSpec, LocalResult, run_local_job
 from org_node.training import exchange as ex
 from org_node.training.job import FAULT_KILL_AT_STEP_ENV
+from org_node.training.launch import free_port
 
 GPT_BASE = {
     "task": "gpt",
@@ -68,8 +69,12 @@ def test_dp_x_tp_matches_single_process(
 def test_pp_x_dp_matches_single_process(
     gpt_global: dict[str, np.ndarray], gpt_reference: LocalResult, tmp_path: Path
 ) -> None:
+    # The multi-host code path (an explicit c10d rendezvous endpoint), on one host.
+    launch = LaunchConfig(
+        rdzv_endpoint=f"127.0.0.1:{free_port()}", rdzv_id="pp-test", timeout_s=240
+    )
     spec = {**GPT_BASE, "pp": 2, "dp_shard": 2, "microbatches": 2}
-    result = run_local_job(spec, gpt_global, tmp_path, launch=LAUNCH)
+    result = run_local_job(spec, gpt_global, tmp_path, launch=launch)
     assert result.metrics["world_size"] == 4.0
     _assert_matches(result, gpt_reference)
     assert not list(tmp_path.glob(".stage-*"))
