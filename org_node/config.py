@@ -1,0 +1,315 @@
+"""The node's config file, ``DATA_DIR/fedweave.toml``: typed, strict, written by ``init``.
+
+One :class:`NodeConfig` holds one dataclass per TOML table::
+
+    [node]        org_id, display_name, federation
+    [network]     peer_host, peer_port, admin_host, admin_port, advertise_url, ...
+    [training]    the local job (org_node.engine.TrainingConfig)
+    [engine]      rounds, strategy, DP (org_node.engine.EngineConfig)
+    [checkpoint]  erasure code k, m, retention, shard quota
+    [debug]       harness (test harnesses only)
+
+Unknown tables or keys and invalid values are refused with :class:`ConfigError`, whose
+``field`` (and message) names the offending ``table.key``. :meth:`NodeConfig.to_toml`
+writes a file that :meth:`NodeConfig.load` reads back to an equal config.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+import tomllib
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from org_node.engine import EngineConfig, EngineError, TrainingConfig
+
+__all__ = [
+    "CONFIG_FILE",
+    "CheckpointSection",
+    "ConfigError",
+    "DebugSection",
+    "NetworkSection",
+    "NodeConfig",
+    "NodeSection",
+]
+
+CONFIG_FILE = "fedweave.toml"
+NONE = "none"
+"""How an unset optional value (None) is written in the file."""
+_ORG_ID_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+
+
+class ConfigError(ValueError):
+    """An unreadable config file, an unknown key, or an invalid value (``field`` names it)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}" if field else message)
+        self.field = field
+
+
+def _keys(cls: type[Any], values: Any, table: str) -> dict[str, Any]:
+    if not isinstance(values, Mapping):
+        raise ConfigError(table, "must be a table")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"{table}.{unknown[0]}", "unknown key")
+    return dict(values)
+
+
+def _port(table: str, name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
+        raise ConfigError(f"{table}.{name}", f"expected a port 1..65535, got {value!r}")
+
+
+def _host(table: str, name: str, value: Any) -> None:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{table}.{name}", "expected a host name or address")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is ``localhost`` or a loopback address."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class NodeSection:
+    """Who this node is.
+
+    org_id: the org's id (letters, digits, ``-``, ``_``, ``.``); the certificate's CN.
+    display_name: a human-readable name in the federation manifest.
+    federation: the federation id, set when a founding manifest is installed.
+    """
+
+    org_id: str
+    display_name: str = ""
+    federation: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.org_id, str) or not self.org_id:
+            raise ConfigError("node.org_id", "must be a non-empty string")
+        if self.org_id.startswith("_") or not set(self.org_id) <= _ORG_ID_CHARS:
+            raise ConfigError(
+                "node.org_id", "letters, digits, '-', '_' and '.' only, not starting with '_'"
+            )
+        if len(self.org_id) > 100:
+            raise ConfigError("node.org_id", "at most 100 characters")
+        for name in ("display_name", "federation"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(f"node.{name}", "must be a string")
+
+
+@dataclass(frozen=True)
+class NetworkSection:
+    """Where the node listens.
+
+    peer_host / peer_port: the peer port (mutual TLS, other orgs' nodes).
+    advertise_url: the peer URL other orgs reach (``https://host:port``); by default
+        ``https://peer_host:peer_port``.
+    admin_host / admin_port: the admin API (bearer tokens); loopback unless
+        ``allow_remote_admin``.
+    """
+
+    peer_host: str = "127.0.0.1"
+    peer_port: int = 8471
+    admin_host: str = "127.0.0.1"
+    admin_port: int = 8470
+    advertise_url: str = ""
+    allow_remote_admin: bool = False
+
+    def __post_init__(self) -> None:
+        _host("network", "peer_host", self.peer_host)
+        _host("network", "admin_host", self.admin_host)
+        _port("network", "peer_port", self.peer_port)
+        _port("network", "admin_port", self.admin_port)
+        if self.peer_port == self.admin_port:
+            raise ConfigError("network.admin_port", "must differ from network.peer_port")
+        if not isinstance(self.allow_remote_admin, bool):
+            raise ConfigError("network.allow_remote_admin", "expected true or false")
+        if not self.allow_remote_admin and not is_loopback(self.admin_host):
+            raise ConfigError(
+                "network.admin_host",
+                f"{self.admin_host!r} is not loopback; set allow_remote_admin = true to expose it",
+            )
+        if not isinstance(self.advertise_url, str):
+            raise ConfigError("network.advertise_url", "must be a string")
+        if self.advertise_url and not self.advertise_url.startswith("https://"):
+            raise ConfigError("network.advertise_url", "must start with https://")
+
+    @property
+    def peer_url(self) -> str:
+        """The peer URL published in this org's member record."""
+        if self.advertise_url:
+            return self.advertise_url
+        host = "127.0.0.1" if self.peer_host in ("0.0.0.0", "::") else self.peer_host
+        return f"https://{host}:{self.peer_port}"
+
+
+@dataclass(frozen=True)
+class CheckpointSection:
+    """Erasure-coded checkpoints of the private state and of the global-model history.
+
+    k / m: data and parity shards (any ``k`` of ``k + m`` rebuild a checkpoint).
+    retention: checkpoint versions kept on peers.
+    quota_mb: bytes (in MiB) this node holds for each other org.
+    """
+
+    k: int = 2
+    m: int = 1
+    retention: int = 2
+    quota_mb: int = 256
+
+    def __post_init__(self) -> None:
+        for name, low in (("k", 1), ("m", 0), ("retention", 1), ("quota_mb", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"checkpoint.{name}", f"expected an integer >= {low}")
+
+
+@dataclass(frozen=True)
+class DebugSection:
+    """Test-harness switches; never for a deployment.
+
+    harness: allows ``FEDWEAVE_HARNESS_DEBUG_EXPORT=DIR`` to write each round's
+        plaintext update to DIR (a harness recomputes plain FedAvg from them).
+    fast_membership: short SWIM periods for tests on one host.
+    """
+
+    harness: bool = False
+    fast_membership: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("harness", "fast_membership"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"debug.{name}", "expected true or false")
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """The whole config file (see the module docstring)."""
+
+    node: NodeSection
+    network: NetworkSection = field(default_factory=NetworkSection)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    debug: DebugSection = field(default_factory=DebugSection)
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> NodeConfig:
+        """Build from parsed TOML; every error names ``table.key``."""
+        tables = _keys(cls, values, "config")
+        if "node" not in tables:
+            raise ConfigError("node", "the [node] table is required")
+        sections: dict[str, Any] = {}
+        simple: dict[str, type[Any]] = {
+            "node": NodeSection,
+            "network": NetworkSection,
+            "checkpoint": CheckpointSection,
+            "debug": DebugSection,
+        }
+        try:
+            for name, cls_ in simple.items():
+                if name in tables:
+                    sections[name] = cls_(**_keys(cls_, tables[name], name))
+            if "training" in tables:
+                sections["training"] = TrainingConfig.from_mapping(_table(tables, "training"))
+            if "engine" in tables:
+                sections["engine"] = EngineConfig.from_mapping(_table(tables, "engine"))
+        except EngineError as exc:
+            raise ConfigError(exc.field, str(exc).removeprefix(f"{exc.field}: ")) from None
+        except TypeError as exc:
+            raise ConfigError("config", str(exc)) from None
+        return cls(**sections)
+
+    @classmethod
+    def loads(cls, text: str) -> NodeConfig:
+        try:
+            values = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError("", f"not valid TOML: {exc}") from None
+        return cls.from_mapping(values)
+
+    @classmethod
+    def load(cls, path: Path) -> NodeConfig:
+        """Read ``path`` (a ``fedweave.toml``)."""
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError("", f"cannot read the config file {path}: {exc.strerror}") from None
+        return cls.loads(text)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "node": asdict(self.node),
+            "network": asdict(self.network),
+            "training": asdict(self.training),
+            "engine": asdict(self.engine),
+            "checkpoint": asdict(self.checkpoint),
+            "debug": asdict(self.debug),
+        }
+
+    def to_toml(self) -> str:
+        """The config as TOML (``None`` values are left out: they are the defaults)."""
+        lines = ["# fedweave node configuration (see docs/OPERATIONS.md, 'Run a node')."]
+        defaults = NodeConfig(node=self.node).to_dict()
+        for table, values in self.to_dict().items():
+            lines.append("")
+            lines.append(f"[{table}]")
+            nested: list[tuple[str, Mapping[str, Any]]] = []
+            for key, value in values.items():
+                if value is None:
+                    if defaults[table].get(key) is not None:
+                        lines.append(f'{key} = "{NONE}"')
+                    continue
+                if isinstance(value, Mapping):
+                    nested.append((key, value))
+                    continue
+                lines.append(f"{key} = {_toml_value(value)}")
+            for key, value in nested:
+                lines.append(
+                    f"{key} = {{ {', '.join(f'{k} = {_toml_value(v)}' for k, v in value.items())} }}"
+                )
+        return "\n".join(lines) + "\n"
+
+    def save(self, path: Path) -> None:
+        from coordinator_free.sealed import atomic_write
+
+        atomic_write(Path(path), self.to_toml().encode("utf-8"), mode=0o600)
+
+    def replace(self, **sections: Any) -> NodeConfig:
+        """A copy with some sections replaced."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)} | sections
+        return NodeConfig(**values)
+
+
+def _table(tables: Mapping[str, Any], name: str) -> dict[str, Any]:
+    """A table's values; the string ``"none"`` stands for an unset optional value
+    (TOML has no null), e.g. ``local_steps = "none"`` to train on a time budget alone."""
+    value = tables[name]
+    if not isinstance(value, Mapping):
+        raise ConfigError(name, "must be a table")
+    return {k: None if v == NONE else v for k, v in value.items()}
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ConfigError("config", f"cannot write the non-finite number {value!r}")
+        return repr(value)
+    if isinstance(value, str):
+        escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+        return f'"{escaped}"'
+    raise ConfigError("config", f"cannot write a value of type {type(value).__name__}")
