@@ -1,0 +1,318 @@
+"""The report of a run: its sections, the schema, ε accounting, and the offline HTML page."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import re
+from html.parser import HTMLParser
+from pathlib import Path
+from typing import Any
+
+import pytest
+from coordinator_free.identity import OrgIdentity
+from coordinator_free.wire import Envelope
+
+from org_node.audit.html import bar_chart_svg, line_chart_svg, render_html
+from org_node.audit.log import EgressLog
+from org_node.audit.report import (
+    REPORT_SCHEMA_ID,
+    SCHEMA_PATH,
+    SECTIONS,
+    ConsentRecord,
+    DpFacts,
+    ReportError,
+    RoundFacts,
+    RunFacts,
+    SchemaError,
+    SecAggFacts,
+    ShardHeld,
+    UnknownRun,
+    build_report,
+    validate_report,
+)
+from org_node.policy import Policy, RunSpec
+from org_node.privacy import GaussianRound, RdpAccountant
+
+ORGS = ("a", "b", "c")
+
+
+def identity(org: str) -> OrgIdentity:
+    return OrgIdentity.generate(org, hashlib.sha256(org.encode()).digest())
+
+
+def send(log: EgressLog, peer: str, kind: str, payload: bytes, run: str, rnd: int) -> int:
+    env = Envelope("fed", run, rnd, "st", kind, log.org, peer, 1, 1.0e9, payload)
+    env = env.with_signature(log.identity.sign(env.signing_bytes()))
+    wire = env.to_wire()
+    log.record(env, wire)
+    return len(wire)
+
+
+def populated_log(tmp: Path) -> tuple[EgressLog, dict[str, int]]:
+    """Run r: two rounds to b and c, with membership traffic and another run interleaved."""
+    log = EgressLog(identity("a"), tmp / "a.log")
+    sent: dict[str, int] = {"b": 0, "c": 0}
+    send(log, "b", "round.ready", b"early", "other-run", 1)
+    log.sign_head("other-run", 1)
+    for rnd in (1, 2):
+        for peer in ("b", "c"):
+            sent[peer] += send(log, peer, "round.ready", b"k" * 40, "r", rnd)
+            sent[peer] += send(log, peer, "agg.chunk", b"m" * (100 * rnd), "r", rnd)
+        sent["b"] += send(log, "b", "swim.ping", b"p", "", 0)
+        log.sign_head("r", rnd)
+    return log, sent
+
+
+def facts(**changes: Any) -> RunFacts:
+    spec = RunSpec(task="tabular", rounds=2, participants=ORGS, threshold=2, epsilon=8.0)
+    values: dict[str, Any] = {
+        "run": "r",
+        "spec": spec,
+        "policies": {
+            "default": Policy(min_participants=2),
+            "strict": Policy(min_threshold=3, max_epsilon=4.0, allowed_peers=("a", "b")),
+        },
+        "consents": (
+            ConsentRecord("a", "accepted", "2026-01-01T00:00:00Z", "ops@a"),
+            ConsentRecord("b", "accepted", "2026-01-01T01:00:00Z", "ops@b", "<b>ok</b>"),
+        ),
+        "secure_aggregation": SecAggFacts("masked", 3, 2, 32, 1.0),
+        "dp": DpFacts((GaussianRound(1.1), GaussianRound(1.1)), delta=1e-5, l2_clip=1.0),
+        "rounds": (
+            RoundFacts(1, ORGS, ORGS, model_hash="ab" * 32, agreeing_peers=("b", "c"), loss=1.2),
+            RoundFacts(
+                2,
+                ORGS,
+                ("a", "b"),
+                ("c",),
+                ("c",),
+                "cd" * 32,
+                ("b",),
+                ("c",),
+                loss=0.7,
+                accuracy=0.81,
+            ),
+        ),
+        "shards_held": (ShardHeld("b", 2, 1, 4096, "ef" * 32),),
+        "anomalies": ('<script>alert("x")</script>',),
+    }
+    values.update(changes)
+    return RunFacts(**values)
+
+
+@pytest.fixture()
+def built(tmp_path: Path) -> tuple[dict[str, Any], dict[str, int]]:
+    log, sent = populated_log(tmp_path)
+    return build_report(log, facts()), sent
+
+
+def test_the_report_holds_every_section_and_validates(
+    built: tuple[dict[str, Any], dict[str, int]],
+) -> None:
+    report, _ = built
+    assert report["schema"] == REPORT_SCHEMA_ID and report["org"] == "a"
+    assert set(SECTIONS) <= set(report)
+    validate_report(report)
+    assert json.loads(SCHEMA_PATH.read_text())["$id"] == REPORT_SCHEMA_ID
+    assert [p["org"] for p in report["participants"]] == list(ORGS)
+    assert report["participants"][2]["consent"] is None
+    assert report["secure_aggregation"] == {
+        "backend": "masked",
+        "n": 3,
+        "t": 2,
+        "ring_bits": 32,
+        "l2_clip": 1.0,
+    }
+    assert report["shards_held"][0]["owner"] == "b"
+
+
+def test_traffic_is_the_run_segment_per_peer_class_and_round(
+    built: tuple[dict[str, Any], dict[str, int]],
+) -> None:
+    report, sent = built
+    traffic = report["traffic"]
+    # the segment starts at the run's first message: the other run's entry 0 is out
+    assert traffic["window"] == {"first_index": 1, "last_index": 10}
+    assert {p["peer"]: p["bytes"] for p in traffic["per_peer"]} == sent
+    assert traffic["total"]["messages"] == 10
+    rounds = {(r["round"], r["class"]): r["messages"] for r in traffic["per_round"]}
+    assert rounds[(1, "masked_vector_chunk")] == 2 and rounds[(2, "public_key")] == 2
+    assert rounds[(None, "membership")] == 2  # the run-less pings in the window
+    assert traffic["forbidden_messages"] == 0
+
+
+def test_policies_list_each_violation(built: tuple[dict[str, Any], dict[str, int]]) -> None:
+    report, _ = built
+    rows = {p["name"]: p for p in report["run"]["policies"]}
+    assert rows["default"]["violations"] == []
+    assert {v["requirement"] for v in rows["strict"]["violations"]} == {
+        "min_threshold",
+        "max_epsilon",
+        "allowed_peers",
+    }
+    assert report["run"]["violations_total"] == 3
+    kinds = [a["kind"] for a in report["anomalies"]]
+    assert kinds.count("policy_violation") == 3
+    assert "model_hash_mismatch" in kinds and "reported" in kinds
+
+
+def test_dp_section_composes_epsilon_with_the_rdp_accountant(
+    built: tuple[dict[str, Any], dict[str, int]],
+) -> None:
+    report, _ = built
+    dp = report["differential_privacy"]
+    acct = RdpAccountant()
+    acct.charge(GaussianRound(1.1))
+    one = acct.epsilon(1e-5)
+    acct.charge(GaussianRound(1.1))
+    assert dp["rounds"][0]["epsilon"] == pytest.approx(one)
+    assert dp["rounds"][1]["epsilon"] == pytest.approx(one)
+    assert dp["rounds"][1]["epsilon_cumulative"] == pytest.approx(acct.epsilon(1e-5))
+    assert dp["epsilon_total"] == dp["rounds"][-1]["epsilon_cumulative"]
+    assert one < dp["epsilon_total"] < 2 * one  # RDP composes better than linearly
+    assert dp["mechanism"] == "gaussian" and dp["noise_multipliers"] == [1.1]
+
+
+def test_rounds_show_dropouts_recoveries_and_model_agreement(
+    built: tuple[dict[str, Any], dict[str, int]],
+) -> None:
+    report, _ = built
+    first, second = report["rounds"]
+    assert first["model_hash_agreed"] and not second["model_hash_agreed"]
+    assert second["dropped"] == ["c"] and second["recovered"] == ["c"]
+    assert second["disagreeing_peers"] == ["c"]
+
+
+def test_an_unknown_run_is_refused_as_not_found(tmp_path: Path) -> None:
+    log, _ = populated_log(tmp_path)
+    with pytest.raises(UnknownRun) as info:
+        build_report(log, facts(run="nope"))
+    assert isinstance(info.value, LookupError) and info.value.run == "nope"
+
+
+def test_a_run_not_yet_under_a_signed_head_is_refused(tmp_path: Path) -> None:
+    log, _ = populated_log(tmp_path)
+    send(log, "b", "round.ready", b"k", "r", 3)
+    with pytest.raises(ReportError, match="no signed head"):
+        build_report(log, facts())
+    log.sign_head("r", 3)
+    assert build_report(log, facts())["traffic"]["total"]["messages"] == 11
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"consents": (ConsentRecord("z", "accepted", "t", "x"),)}, "outside the run"),
+    ],
+)
+def test_inconsistent_facts_are_refused(
+    tmp_path: Path, changes: dict[str, Any], message: str
+) -> None:
+    log, _ = populated_log(tmp_path)
+    with pytest.raises(ReportError, match=message):
+        build_report(log, facts(**changes))
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: ConsentRecord("a", "maybe", "t", "x"),
+        lambda: SecAggFacts("plain", 3, 2, 32, None),
+        lambda: SecAggFacts("masked", 3, 4, 32, None),
+        lambda: SecAggFacts("masked", 3, 2, 4, None),
+        lambda: DpFacts((), delta=0.0, l2_clip=1.0),
+        lambda: RoundFacts(1, ORGS, ORGS, loss=float("nan")),
+        lambda: RoundFacts(1, ORGS, ORGS, recovered=("a",)),
+    ],
+)
+def test_fact_dataclasses_refuse_invalid_values(build: Any) -> None:
+    with pytest.raises(ReportError):
+        build()
+
+
+def test_schema_names_the_offending_field(built: tuple[dict[str, Any], dict[str, int]]) -> None:
+    report, _ = built
+    for path, value, where in [
+        (("secure_aggregation", "backend"), "plain", "report.secure_aggregation.backend"),
+        (("rounds", 0, "round"), -1, "report.rounds[0].round"),
+        (("traffic", "per_peer", 0, "bytes"), "12", "report.traffic.per_peer[0].bytes"),
+        (("generated_at",), "yesterday", "report.generated_at"),
+    ]:
+        doc = copy.deepcopy(report)
+        node: Any = doc
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
+        with pytest.raises(SchemaError) as info:
+            validate_report(doc)
+        assert info.value.path == where
+    doc = copy.deepcopy(report)
+    doc["extra"] = 1
+    with pytest.raises(SchemaError, match="unexpected extra"):
+        validate_report(doc)
+    with pytest.raises(SchemaError, match="expected object"):
+        validate_report([])
+
+
+# -- HTML ----------------------------------------------------------------------------------
+
+
+class _Resources(HTMLParser):
+    """Collects every attribute that could make a browser fetch something."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.urls: list[str] = []
+        self.tags: set[str] = set()
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.tags.add(tag)
+        for name, value in attrs:
+            if name in ("src", "href", "xlink:href", "data", "srcset", "action") and value:
+                self.urls.append(value)
+
+
+def test_html_is_self_contained_and_escapes_everything(
+    built: tuple[dict[str, Any], dict[str, int]], tmp_path: Path
+) -> None:
+    report, _ = built
+    page = render_html(report, verification="OK: report of a")
+    path = tmp_path / "report.html"
+    path.write_text(page, encoding="utf-8")
+    text = path.read_text(encoding="utf-8")
+    assert "http://" not in text and "https://" not in text and "//cdn" not in text
+    parser = _Resources()
+    parser.feed(text)
+    assert all(u.startswith("url(#") or u.startswith("#") for u in parser.urls), parser.urls
+    assert not {"script", "link", "img", "iframe", "object"} & parser.tags
+    assert '<script>alert("x")</script>' not in text
+    assert "&lt;script&gt;alert(&quot;x&quot;)&lt;/script&gt;" in text
+    assert "&lt;b&gt;ok&lt;/b&gt;" in text
+    assert text.count("<svg") == 3  # ε, bytes by class, loss/accuracy
+    assert "@media print" in text
+    for label in ("ε over rounds", "Bytes sent per round by privacy class", "Loss and accuracy"):
+        assert label in text
+    assert re.search(r"<text[^>]*>round</text>", text)  # axis label
+
+
+def test_html_without_dp_or_metrics_still_renders(tmp_path: Path) -> None:
+    log, _ = populated_log(tmp_path)
+    report = build_report(
+        log,
+        facts(dp=None, rounds=(RoundFacts(1, ORGS, ORGS),), policies={}, anomalies=()),
+    )
+    page = render_html(report)
+    assert "adds no differential-privacy noise" in page
+    assert page.count("<svg") == 1
+
+
+def test_chart_helpers_handle_empty_data_and_scale_to_the_maximum() -> None:
+    assert "no data" in line_chart_svg("t", "x", "y", {})
+    assert "no data" in bar_chart_svg("t", "x", "y", [], {})
+    svg = bar_chart_svg("t", "round", "bytes", ["1", "2"], {"a": [10.0, 0.0], "b": [5.0, 20.0]})
+    bars = re.findall(r'<rect x="[^"]+" y="[^"]+" width="([^"]+)" height="([^"]+)" fill="url', svg)
+    heights = [float(h) for w, h in bars if w != "24"]  # the legend swatches are 24 wide
+    assert len(heights) == 3  # a zero value draws no bar
+    assert max(heights) == pytest.approx(heights[0] * 2, rel=0.01)
