@@ -1,0 +1,133 @@
+"""One org node of the multi-process round test over mutual TLS on 127.0.0.1.
+
+Run by ``test_rounds_tls_multiprocess.py`` as
+``python -m tests.coordinator_free._tls_node --dir D --org O --orgs A,B,C,D [--die-at STAGE]``.
+The directory holds every org's identity (``D/ORG/``), the trust bundle
+(``D/trust.pem``) and the members' public keys and certificate fingerprints
+(``D/members.json``). The node serves its peer port with uvicorn, writes ``D/ORG.port``,
+waits for every other port, runs round 1 with its input and writes ``D/ORG.json`` and
+``D/ORG.sum.npy``; it then keeps serving until ``D/done`` appears. With ``--die-at``
+it exits with status 17 (``os._exit``: no clean-up, like a crash) when its round engine
+enters that stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+import numpy as np
+import uvicorn
+from coordinator_free.endpoint import Endpoint
+from coordinator_free.identity import OrgIdentity
+from coordinator_free.rounds import RoundConfig, RoundEngine, endpoint_signer, secagg_sessions
+from coordinator_free.tls import PeerAddress, TlsTransport, uvicorn_ssl_options
+
+FEDERATION = "fed-tls-rounds"
+RUN = "tls-run"
+LENGTH = 20_000
+DIE_STATUS = 17
+CONFIG = RoundConfig(ready_timeout=30.0, stage_timeout=30.0, step_timeout=15.0, send_timeout=15.0)
+
+
+def node_input(org: str) -> np.ndarray:
+    """The org's input vector: uniform uint32 ring elements seeded by its name."""
+    seed = int.from_bytes(org.encode("utf-8"), "big") % (2**32)
+    return np.random.default_rng(seed).integers(0, 2**32, LENGTH, dtype=np.uint32)
+
+
+async def run_node(workdir: Path, me: str, orgs: list[str], die_at: str | None) -> None:
+    identity = OrgIdentity.load(workdir / me)
+    members = json.loads((workdir / "members.json").read_text())
+    keys = {o: bytes.fromhex(m["public_key"]) for o, m in members.items()}
+    addresses: dict[str, PeerAddress] = {}
+
+    transport = TlsTransport(identity, lambda: addresses)
+    endpoint = Endpoint(identity, FEDERATION, transport, lambda: keys)
+
+    async def hook(org: str, run: str, round: int, stage: str) -> None:
+        if stage == die_at:
+            os._exit(DIE_STATUS)
+
+    engine = RoundEngine(
+        endpoint, lambda: orgs, secagg_sessions(*endpoint_signer(endpoint)), CONFIG, hook=hook
+    )
+    await endpoint.start()
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            transport.asgi_app(),
+            lifespan="off",
+            ws="none",
+            log_level="warning",
+            timeout_graceful_shutdown=1,
+            **uvicorn_ssl_options(workdir / me, workdir / "trust.pem"),
+        )
+    )
+    serving = asyncio.ensure_future(server.serve(sockets=[sock]))
+    while not server.started:
+        if serving.done():
+            serving.result()
+        await asyncio.sleep(0.02)
+    port_file = workdir / f"{me}.port"
+    port_file.with_suffix(".tmp").write_text(str(sock.getsockname()[1]))
+    port_file.with_suffix(".tmp").replace(port_file)
+
+    deadline = time.monotonic() + 60
+    while len(addresses) < len(orgs):
+        for org in orgs:
+            path = workdir / f"{org}.port"
+            if org not in addresses and path.exists():
+                addresses[org] = PeerAddress(
+                    f"https://127.0.0.1:{int(path.read_text())}", members[org]["fingerprint"]
+                )
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{me}: peers did not come up")
+        await asyncio.sleep(0.05)
+
+    started = time.monotonic()
+    result = await engine.run_round(RUN, 1, node_input(me))
+    print(f"{me}: round took {time.monotonic() - started:.2f}s", flush=True)
+    np.save(workdir / f"{me}.sum.npy", result.sum)
+    summary = {
+        "org": me,
+        "participants": list(result.participants),
+        "survivors": list(result.survivors),
+        "dropped": list(result.dropped),
+        "ring_attempts": result.ring_attempts,
+        "bytes_sent": result.bytes_sent,
+        "stage_times": result.stage_times,
+    }
+    out = workdir / f"{me}.json"
+    out.with_suffix(".tmp").write_text(json.dumps(summary))
+    out.with_suffix(".tmp").replace(out)
+
+    # keep answering the others (a late view, a release) until the test is done
+    until = time.monotonic() + 60
+    while not (workdir / "done").exists() and time.monotonic() < until:
+        await asyncio.sleep(0.05)
+    await endpoint.close()
+    server.should_exit = True
+    await serving
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dir", type=Path, required=True)
+    parser.add_argument("--org", required=True)
+    parser.add_argument("--orgs", required=True)
+    parser.add_argument("--die-at", default=None)
+    args = parser.parse_args()
+    asyncio.run(run_node(args.dir, args.org, args.orgs.split(","), args.die_at))
+
+
+if __name__ == "__main__":
+    main()

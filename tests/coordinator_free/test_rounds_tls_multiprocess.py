@@ -1,0 +1,110 @@
+"""Four org processes run a secure round over mutual TLS on 127.0.0.1; one dies mid-reduce."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from coordinator_free.identity import OrgIdentity
+from coordinator_free.tls import write_trust_bundle
+
+from tests.coordinator_free._tls_node import DIE_STATUS, node_input
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+
+def test_survivors_of_a_node_killed_during_the_reduce_hold_the_sum_of_their_inputs(
+    tmp_path: Path,
+) -> None:
+    orgs = [f"org-{i}" for i in range(4)]
+    victim = "org-2"
+    survivors = [o for o in orgs if o != victim]
+    identities = {
+        o: OrgIdentity.generate(o, hashlib.sha256(f"tls-rounds/{o}".encode()).digest())
+        for o in orgs
+    }
+    for org, ident in identities.items():
+        ident.save(tmp_path / org)
+    write_trust_bundle(tmp_path / "trust.pem", [i.certificate_pem for i in identities.values()])
+    (tmp_path / "members.json").write_text(
+        json.dumps(
+            {
+                o: {"public_key": i.public_key.hex(), "fingerprint": i.fingerprint}
+                for o, i in identities.items()
+            }
+        )
+    )
+
+    logs = {o: (tmp_path / f"{o}.log").open("wb") for o in orgs}
+    procs = {
+        o: subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.coordinator_free._tls_node",
+                "--dir",
+                str(tmp_path),
+                "--org",
+                o,
+                "--orgs",
+                ",".join(orgs),
+                *(["--die-at", "reduce.scatter.1"] if o == victim else []),
+            ],
+            cwd=ROOT,
+            stdout=logs[o],
+            stderr=subprocess.STDOUT,
+        )
+        for o in orgs
+    }
+
+    def log(org: str) -> str:
+        return (tmp_path / f"{org}.log").read_text(errors="replace")[-3000:]
+
+    try:
+        deadline = time.monotonic() + 240
+        while not all((tmp_path / f"{o}.json").exists() for o in survivors):
+            for o in survivors:
+                code = procs[o].poll()
+                assert code is None or (tmp_path / f"{o}.json").exists(), (
+                    f"{o} exited with {code} before finishing:\n{log(o)}"
+                )
+            assert time.monotonic() < deadline, "the round did not finish:\n" + "\n".join(
+                f"--- {o}\n{log(o)}" for o in orgs
+            )
+            time.sleep(0.2)
+        (tmp_path / "done").touch()
+        for o in orgs:
+            procs[o].wait(timeout=60)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+        for f in logs.values():
+            f.close()
+
+    # the victim died inside the reduce, as planned
+    assert procs[victim].returncode == DIE_STATUS, log(victim)
+    expected = np.zeros_like(node_input(orgs[0]))
+    for org in survivors:
+        np.add(expected, node_input(org), out=expected)
+    everything = expected + node_input(victim)
+    for org in survivors:
+        assert procs[org].returncode == 0, log(org)
+        summary = json.loads((tmp_path / f"{org}.json").read_text())
+        assert {"ready", "share", "reduce", "unmask"} <= summary["stage_times"].keys()
+        assert sorted(summary["participants"]) == orgs
+        assert sorted(summary["survivors"]) == survivors
+        assert summary["dropped"] == [victim]
+        assert summary["ring_attempts"] == 2
+        total = np.load(tmp_path / f"{org}.sum.npy")
+        np.testing.assert_array_equal(total, expected)
+        assert not np.array_equal(total, everything)
