@@ -207,11 +207,24 @@ class EncodedSet:
         return merkle_root(self.hashes)
 
 
-class ErasureCodec:
-    """zfec Reed-Solomon with per-shard SHA-256, for one :class:`CodeParams`."""
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
-    def __init__(self, params: CodeParams) -> None:
+
+class ErasureCodec:
+    """zfec Reed-Solomon with per-shard SHA-256, for one :class:`CodeParams`.
+
+    ``parallel`` hashes shards on a thread pool, overlapping zfec; by default it is on
+    when this process may use at least four CPUs (on fewer, the threads only compete
+    with zfec for the same cores and a sequential pass is faster).
+    """
+
+    def __init__(self, params: CodeParams, *, parallel: bool | None = None) -> None:
         self.params = params
+        self.parallel = _cpus() >= 4 if parallel is None else parallel
         self._encoder = zfec.Encoder(params.k, params.n)
         self._decoder = zfec.Decoder(params.k, params.n)
 
@@ -237,7 +250,7 @@ class ErasureCodec:
         """Cut ``data`` into k data shards, compute m parity shards, hash all of them."""
         view = memoryview(data).cast("B")
         blocks = self._blocks(view)
-        parallel = len(view) >= _PARALLEL_MIN_BYTES
+        parallel = self.parallel and len(view) >= _PARALLEL_MIN_BYTES
         data_hashes = _hash_all(blocks, parallel)
         k, n = self.params.k, self.params.n
         parity: list[memoryview | bytes] = (
@@ -288,7 +301,7 @@ class ErasureCodec:
                 raise NotEnoughShards(k, len(chosen), missing, corrupt=corrupt)
             views = [available[i] for i in chosen]
             checks = (
-                _hash_all(views, len(views) * shard_size >= _PARALLEL_MIN_BYTES)
+                _hash_all(views, self.parallel and k * shard_size >= _PARALLEL_MIN_BYTES)
                 if hashes is not None
                 else []
             )
@@ -573,11 +586,13 @@ def decode_set(
     *,
     owner_public_key: bytes | None = None,
     codec: ErasureCodec | None = None,
+    verified: bool = False,
 ) -> bytes:
     """Verify (signature when a key is given, each shard's hash) and decode a set.
 
     Corrupt shards are set aside and others used; :class:`NotEnoughShards` names the
-    unusable indices and where the manifest placed them.
+    unusable indices and where the manifest placed them. ``verified`` skips the shard
+    hashes, for shards already checked one by one with :meth:`ShardSetManifest.check_shard`.
     """
     if owner_public_key is not None:
         manifest.verify(owner_public_key)
@@ -585,7 +600,7 @@ def decode_set(
     usable = {i: s for i, s in shards.items() if len(s) == manifest.shard_size}
     wrong_size = [i for i in shards if i not in usable]
     try:
-        data = codec.decode(usable, manifest.size, manifest.shard_hashes)
+        data = codec.decode(usable, manifest.size, None if verified else manifest.shard_hashes)
     except NotEnoughShards as exc:
         corrupt = sorted(set(exc.corrupt) | set(wrong_size))
         raise NotEnoughShards(
@@ -621,7 +636,9 @@ def encode_shards_message(
     return b"".join(parts)
 
 
-def decode_shards_message(data: bytes) -> tuple[ShardSetManifest, dict[int, memoryview]]:
+def decode_shards_message(
+    data: bytes | memoryview,
+) -> tuple[ShardSetManifest, dict[int, memoryview]]:
     """Parse :func:`encode_shards_message` output; raise :class:`ManifestInvalid`.
 
     Shard bytes are views into ``data`` (no copies); their hashes are not checked here.

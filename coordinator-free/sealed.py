@@ -178,7 +178,7 @@ def open_sealed(
     nonce = sealed[len(_MAGIC) + _CHECK_BYTES : _HEADER]
     try:
         return AESGCM(secret.key(owner)).decrypt(
-            nonce, sealed[_HEADER:], _aad(owner, set_id, version)
+            nonce, memoryview(sealed)[_HEADER:], _aad(owner, set_id, version)
         )
     except InvalidTag:
         raise SealedCorrupt(

@@ -487,9 +487,10 @@ class ShardService:
 # --------------------------------------------------------------------------- client calls
 
 
-def _unwrap(reply: bytes) -> bytes:
+def _unwrap(reply: bytes) -> memoryview:
+    """The body of an OK reply (a view, no copy); raise the holder's error otherwise."""
     if reply[:1] == _OK:
-        return reply[1:]
+        return memoryview(reply)[1:]
     try:
         obj = json.loads(reply[1:])
         code, message = str(obj["code"]), str(obj["message"])
@@ -510,7 +511,7 @@ async def put_shards(
     reply = await endpoint.send(
         peer, PUT, encode_shards_message(manifest, shards), stage=STAGE, timeout=timeout
     )
-    stored = json.loads(_unwrap(reply))["stored"]
+    stored = json.loads(bytes(_unwrap(reply)))["stored"]
     return [int(i) for i in stored]
 
 
@@ -550,7 +551,7 @@ async def list_shards(
         body["set_id"] = set_id
     reply = await endpoint.send(peer, LIST, _json(body), stage=STAGE, timeout=timeout)
     try:
-        entries = json.loads(_unwrap(reply))["sets"]
+        entries = json.loads(bytes(_unwrap(reply)))["sets"]
         return [
             StoredSet(
                 ShardSetManifest.from_json(e["manifest"]), tuple(int(i) for i in e["indices"])
@@ -577,7 +578,7 @@ async def delete_shards(
     if indices is not None:
         body["indices"] = list(indices)
     reply = await endpoint.send(peer, DELETE, _json(body), stage=STAGE, timeout=timeout)
-    return int(json.loads(_unwrap(reply))["deleted"])
+    return int(json.loads(bytes(_unwrap(reply)))["deleted"])
 
 
 def _describe(exc: BaseException) -> str:
@@ -1033,8 +1034,9 @@ def _sources(
             if stored.manifest.merkle_root != manifest.merkle_root:
                 continue
             for index in stored.indices:
-                if peer not in sources.get(index, [peer]):
-                    sources[index].append(peer)
+                holders = sources.get(index)
+                if holders is not None and peer not in holders:
+                    holders.append(peer)
     return sources
 
 
@@ -1099,7 +1101,8 @@ async def recover(
             reasons=reasons,
         )
     codec = ErasureCodec(manifest.params)
-    sealed = await asyncio.to_thread(decode_set, manifest, got, codec=codec)
+    # Every shard in ``got`` was checked against the manifest as it arrived.
+    sealed = await asyncio.to_thread(decode_set, manifest, got, codec=codec, verified=True)
     state = await asyncio.to_thread(open_sealed, secret, me, set_id, manifest.version, sealed)
     return RecoveredCheckpoint(manifest.version, state, manifest)
 
@@ -1166,7 +1169,11 @@ class GlobalHistoryStore:
         return sorted({s.manifest.version for s in self.store.list(GLOBAL_OWNER, GLOBAL_SET)})
 
     def add_version(self, version: int, model: bytes, model_sha256: str) -> ShardSetManifest:
-        """Code ``model`` (version ``version``), keep this node's shards, prune old ones."""
+        """Code ``model`` (version ``version``), keep this node's shards, prune old ones.
+
+        CPU-bound (hashing and coding the whole model): from a coroutine, run it with
+        ``asyncio.to_thread`` for large models.
+        """
         if hashlib.sha256(model).hexdigest() != model_sha256:
             raise ManifestInvalid(f"model bytes of version {version} do not match its hash")
         placement = self._placement(version, self.live())

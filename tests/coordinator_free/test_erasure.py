@@ -109,12 +109,18 @@ def test_shards_are_plain_zfec_shards() -> None:
     assert encoded.hashes == tuple(hashlib.sha256(bytes(s)).digest() for s in raw)
 
 
-def test_large_input_hashes_on_the_pool_match_inline_hashes() -> None:
+@pytest.mark.parametrize("parallel", [True, False])
+def test_large_input_hashes_on_the_pool_match_inline_hashes(parallel: bool) -> None:
     data = os.urandom((3 << 20) + 7)
-    encoded = ErasureCodec(CodeParams(4, 2)).encode(data)
+    codec = ErasureCodec(CodeParams(4, 2), parallel=parallel)
+    encoded = codec.encode(data)
     assert encoded.hashes == tuple(hashlib.sha256(bytes(s)).digest() for s in encoded.shards)
     shards = {i: encoded.shards[i] for i in (1, 2, 4, 5)}
-    assert ErasureCodec(CodeParams(4, 2)).decode(shards, len(data), encoded.hashes) == data
+    assert codec.decode(shards, len(data), encoded.hashes) == data
+    corrupt = dict(shards)
+    corrupt[4] = bytes(len(encoded.shards[4]))
+    corrupt[0] = encoded.shards[0]
+    assert codec.decode(corrupt, len(data), encoded.hashes) == data
 
 
 def _reference_mth(leaves: list[bytes]) -> bytes:
