@@ -64,6 +64,7 @@ from coordinator_free.erasure import (
 )
 from coordinator_free.errors import RefusalReason, Refused, TransportError
 from coordinator_free.manifest import canonical_json
+from coordinator_free.membership import EventKind
 from coordinator_free.placement import Placement, place, repair_plan, tolerated_losses
 from coordinator_free.sealed import RecoverySecret, atomic_write, open_sealed, seal
 from coordinator_free.wire import Envelope
@@ -107,6 +108,9 @@ GLOBAL_OWNER = "_global"
 """Owner id of the global-model history sets (org ids starting with ``_`` are reserved)."""
 GLOBAL_SET = "global"
 _OK, _ERR = b"\x00", b"\x01"
+_MESSAGE_SLACK = 64 << 10
+"""Room left in a message for the envelope and the manifest around the shard bytes."""
+_AUDIT_EVENTS = frozenset({EventKind.JOIN, EventKind.ALIVE})
 _MANIFEST_FILE = "manifest.json"
 
 
@@ -758,6 +762,14 @@ class CheckpointReplicator:
             peers = self._peers()
             if not peers:
                 raise CheckpointFailed("no live peer to hold checkpoint shards")
+            shard_bytes = ErasureCodec.shard_size_for(len(sealed), self.params.k)
+            per_holder = shard_bytes * -(-self.params.n // len(peers))
+            limit = self.endpoint.guard.max_size - _MESSAGE_SLACK
+            if per_holder > limit:
+                raise CheckpointFailed(
+                    f"{per_holder} bytes of shards per holder exceed the message limit "
+                    f"({limit}); raise k or the endpoint's max_size"
+                )
             placement = place(self._set_key(version), self.params.n, peers)
             manifest, encoded = await asyncio.to_thread(
                 encode_set,
@@ -837,7 +849,9 @@ class CheckpointReplicator:
                     Placement(self._set_key(manifest.version), tuple(holders)), candidates
                 )
                 holders = list(plan.after.holders)
-                indices = {i for i in retry if holders[i] not in failed}
+                # Every shard the plan moved (those of failed holders, and any spread
+                # off a doubly loaded holder) goes to its new holder.
+                indices = set(plan.moves)
             else:
                 indices = set()
             for index in retry:
@@ -950,17 +964,21 @@ class CheckpointReplicator:
     def watch(self, events: asyncio.Queue[Any], *, settle_s: float = 0.5) -> asyncio.Task[None]:
         """Repair after membership changes read from ``events`` (``Membership.subscribe()``).
 
-        Events arriving within ``settle_s`` of each other trigger a single repair.
+        Events arriving within ``settle_s`` of each other trigger a single repair; a
+        JOIN or ALIVE event (a member back, perhaps with an empty disk) makes it an
+        audit that also asks every holder which shards it still has.
         """
 
         async def loop() -> None:
             while True:
-                await events.get()
+                batch = [await events.get()]
                 await asyncio.sleep(settle_s)
                 while not events.empty():
-                    events.get_nowait()
+                    batch.append(events.get_nowait())
+                # A member coming back may have lost its disk: audit what it holds.
+                audit = any(getattr(e, "kind", None) in _AUDIT_EVENTS for e in batch)
                 try:
-                    await self.repair()
+                    await self.repair(audit=audit)
                 except (ShardError, TransportError) as exc:
                     logger.warning("%s: checkpoint repair failed: %s", self.me, exc)
 
@@ -1093,13 +1111,20 @@ async def recover(
                 reasons.setdefault(index, f"{holder}: {failures[holder]}")
     if len(got) < manifest.k:
         missing = [i for i in range(manifest.k + manifest.m) if i not in got]
-        raise NotEnoughShards(
+        error = NotEnoughShards(
             manifest.k,
             len(got),
             missing,
             holders={i: manifest.holders[i] for i in missing},
             reasons=reasons,
         )
+        older = sorted({v for v, _ in candidates if v < manifest.version})
+        if older:
+            error.add_note(
+                f"peers also hold older versions {older} of {set_id!r}; "
+                "recover(..., version=V) fetches one of them"
+            )
+        raise error
     codec = ErasureCodec(manifest.params)
     # Every shard in ``got`` was checked against the manifest as it arrived.
     sealed = await asyncio.to_thread(decode_set, manifest, got, codec=codec, verified=True)

@@ -92,6 +92,28 @@ def test_more_than_m_losses_name_missing_shards_and_holders(tmp_path: Path) -> N
     asyncio.run(main())
 
 
+def test_not_enough_shards_of_the_newest_version_points_to_older_ones(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with cluster(tmp_path, 6) as c:
+            states = await _checkpointed(c, "o0", versions=2)
+            node = await c.wipe("o0")
+            newest = next(
+                s.manifest
+                for n in c.nodes.values()
+                for s in n.store.list("o0")
+                if s.manifest.version == 2
+            )
+            for holder in newest.holders[:3]:  # three of five shards of version 2 vanish
+                c.nodes[holder].store.delete("o0", "state", [2])
+            with pytest.raises(NotEnoughShards) as info:
+                await recover(node.endpoint, node.secret, c.nodes)
+            assert "older versions [1]" in "".join(getattr(info.value, "__notes__", []))
+            got = await recover(node.endpoint, node.secret, c.nodes, version=1)
+            assert got.state == states[0]
+
+    asyncio.run(main())
+
+
 def test_a_corrupt_shard_is_detected_and_others_are_used(tmp_path: Path) -> None:
     async def main() -> None:
         async with cluster(tmp_path, 6) as c:

@@ -344,3 +344,36 @@ def test_global_sets_are_readable_by_members_but_not_writable(tmp_path: Path) ->
             assert isinstance(ShardSetManifest.from_json(got.to_json()), ShardSetManifest)
 
     asyncio.run(main())
+
+
+def test_watch_audits_a_member_that_comes_back_empty(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with cluster(tmp_path, 6) as c:
+            rep = c.replicator("o0", params=PARAMS)
+            manifest = await rep.checkpoint(b"j" * 3000, 1)
+            back = manifest.holders[3]
+            c.nodes[back].store.delete("o0", "state")  # it restarted with an empty disk
+            events: asyncio.Queue[MembershipEvent] = asyncio.Queue()
+            rep.watch(events, settle_s=0.01)
+            events.put_nowait(MembershipEvent(EventKind.JOIN, back, 1, 0.0))
+            for _ in range(300):
+                if c.nodes[back].store.list("o0"):
+                    break
+                await asyncio.sleep(0.01)
+            await rep.close()
+            assert c.nodes[back].store.get("o0", "state", 1)[1].keys() == {3}
+
+    asyncio.run(main())
+
+
+def test_checkpoint_refuses_shards_larger_than_a_message(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with cluster(tmp_path, 3) as c:
+            endpoint = c.nodes["o0"].endpoint
+            endpoint.guard.max_size = 200_000
+            rep = c.replicator("o0", params=CodeParams(1, 1))
+            with pytest.raises(CheckpointFailed, match="message limit"):
+                await rep.checkpoint(b"z" * 300_000, 1)
+            assert all(not n.store.list("o0") for n in c.nodes.values())
+
+    asyncio.run(main())
