@@ -35,6 +35,8 @@ from org_node.audit.report import (
     UnknownRun,
     build_report,
     report_to_bytes,
+    round_facts_from_engine,
+    save_report,
     validate_report,
 )
 from org_node.audit.verify import VerifyResult, verify_log, verify_path, verify_report
@@ -65,6 +67,8 @@ __all__ = [
     "read_log",
     "render_html",
     "report_to_bytes",
+    "round_facts_from_engine",
+    "save_report",
     "validate_report",
     "verify_log",
     "verify_path",

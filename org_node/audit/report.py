@@ -68,7 +68,9 @@ __all__ = [
     "heads_in",
     "report_signing_bytes",
     "report_to_bytes",
+    "round_facts_from_engine",
     "run_segment",
+    "save_report",
     "section_digests",
     "traffic_of",
     "validate_report",
@@ -534,3 +536,45 @@ def report_to_bytes(doc: Mapping[str, Any]) -> bytes:
     """
     text = json.dumps(doc, sort_keys=True, indent=2, ensure_ascii=False, allow_nan=False)
     return (text + "\n").encode("utf-8")
+
+
+def save_report(report: Mapping[str, Any], directory: Path | str) -> tuple[Path, Path]:
+    """Write ``<run>.audit.json`` (the verifiable form) and ``<run>.audit.html``.
+
+    Returns both paths. The run id is checked to be a plain file name first.
+    """
+    from org_node.audit.html import render_html
+
+    run = str(report["run"]["id"])
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", run):
+        raise ReportError(f"run id {run!r} is not usable as a file name")
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    json_path = out / f"{run}.audit.json"
+    html_path = out / f"{run}.audit.html"
+    json_path.write_bytes(report_to_bytes(report))
+    html_path.write_text(render_html(report), encoding="utf-8")
+    return json_path, html_path
+
+
+def round_facts_from_engine(report: Any, participants: Sequence[str]) -> RoundFacts:
+    """:class:`RoundFacts` from the run engine's ``RoundReport`` (:mod:`org_node.engine`).
+
+    A round the engine completed has unmasked the survivors' sum, which needs the
+    dropped orgs' mask keys rebuilt from their Shamir shares (Bonawitz et al. §4 round
+    4): every dropped org was recovered. The engine only completes a round when every
+    survivor's model hash matched this node's, so all survivors agreed.
+    """
+    metrics = dict(report.metrics)
+    survivors = tuple(report.survivors)
+    return RoundFacts(
+        round=int(report.round),
+        participants=tuple(participants),
+        survivors=survivors,
+        dropped=tuple(report.dropped),
+        recovered=tuple(report.dropped),
+        model_hash=str(report.model_hash),
+        agreeing_peers=survivors,
+        loss=metrics.get("loss"),
+        accuracy=metrics.get("accuracy"),
+    )

@@ -30,6 +30,8 @@ from org_node.audit.report import (
     ShardHeld,
     UnknownRun,
     build_report,
+    round_facts_from_engine,
+    save_report,
     validate_report,
 )
 from org_node.policy import Policy, RunSpec
@@ -316,3 +318,39 @@ def test_chart_helpers_handle_empty_data_and_scale_to_the_maximum() -> None:
     heights = [float(h) for w, h in bars if w != "24"]  # the legend swatches are 24 wide
     assert len(heights) == 3  # a zero value draws no bar
     assert max(heights) == pytest.approx(heights[0] * 2, rel=0.01)
+
+
+def test_save_report_writes_the_verifiable_json_and_the_page(
+    built: tuple[dict[str, Any], dict[str, int]], tmp_path: Path
+) -> None:
+    from org_node.audit.verify import verify_path
+
+    report, _ = built
+    json_path, html_path = save_report(report, tmp_path / "out")
+    assert json_path.name == "r.audit.json" and html_path.name == "r.audit.html"
+    assert verify_path(json_path).ok
+    assert html_path.read_text(encoding="utf-8").startswith("<!DOCTYPE html>")
+    bad = copy.deepcopy(report)
+    bad["run"]["id"] = "../escape"
+    with pytest.raises(ReportError, match="file name"):
+        save_report(bad, tmp_path)
+
+
+def test_round_facts_from_the_run_engine_report() -> None:
+    engine = pytest.importorskip("org_node.engine")
+    rr = engine.RoundReport(
+        run_key="k",
+        round=3,
+        model_hash="ab" * 32,
+        survivors=("a", "b"),
+        dropped=("c",),
+        attempts=1,
+        local_steps=10,
+        examples=100,
+        metrics={"loss": 0.5, "accuracy": 0.9},
+        epsilon_spent=None,
+        bytes_sent=10,
+    )
+    facts_ = round_facts_from_engine(rr, ORGS)
+    assert facts_.round == 3 and facts_.recovered == ("c",) and facts_.loss == 0.5
+    assert facts_.participants == ORGS and facts_.accuracy == 0.9
