@@ -58,7 +58,16 @@ _PHASE_SCATTER = 1
 _PHASE_GATHER = 2
 _PHASE_CHAIN_REDUCE = 3
 _PHASE_CHAIN_BROADCAST = 4
-_PHASES = (_PHASE_SCATTER, _PHASE_GATHER, _PHASE_CHAIN_REDUCE, _PHASE_CHAIN_BROADCAST)
+_PHASE_STAR_UP = 5
+_PHASE_STAR_DOWN = 6
+_PHASES = (
+    _PHASE_SCATTER,
+    _PHASE_GATHER,
+    _PHASE_CHAIN_REDUCE,
+    _PHASE_CHAIN_BROADCAST,
+    _PHASE_STAR_UP,
+    _PHASE_STAR_DOWN,
+)
 # version, phase, bits, step, chunk index, element count, ring id (16 bytes)
 _HEADER = struct.Struct(">BBBIII16s")
 _VERSION = 1
@@ -161,6 +170,129 @@ class _RoundBox:
     buffered: int = 0
 
 
+@dataclass
+class _Link:
+    """One node's sends and receives for one ring (or star) run."""
+
+    endpoint: RingEndpoint
+    run: str
+    round: int
+    stage: str
+    rid: bytes
+    box: _RoundBox
+    abort: asyncio.Event
+    timeout: float
+    stats: RingStats
+    dtype: np.dtype[Any]
+
+    @property
+    def wire_dtype(self) -> np.dtype[Any]:
+        return self.dtype.newbyteorder("<")
+
+    async def send(self, dest: str, phase: int, step: int, index: int, data: np.ndarray) -> None:
+        bits = self.dtype.itemsize * 8
+        header = _HEADER.pack(_VERSION, phase, bits, step, index, data.shape[0], self.rid)
+        payload = header + data.astype(self.wire_dtype, copy=False).tobytes()
+        try:
+            reply = await self.endpoint.send(
+                dest,
+                KIND_CHUNK,
+                payload,
+                run=self.run,
+                round=self.round,
+                stage=self.stage,
+                timeout=self.timeout,
+            )
+        except TransportError as exc:
+            raise RingBroken(f"sending to {dest} failed: {exc}", dest) from exc
+        self.stats.bytes_sent += len(payload)
+        self.stats.messages_sent += 1
+        if phase in (_PHASE_SCATTER, _PHASE_CHAIN_REDUCE, _PHASE_STAR_UP):
+            self.stats.scatter_bytes += len(payload)
+        else:
+            self.stats.gather_bytes += len(payload)
+        if reply != _ACK:
+            raise RingBroken(f"{dest} refused a chunk", dest)
+
+    async def receive(
+        self, src: str, phase: int, step: int, index: int, count: int, wait: float
+    ) -> np.ndarray:
+        """The chunk ``src`` sends for (phase, step); waits up to ``wait`` seconds.
+
+        While waiting longer than one ``timeout``, pings ``src`` each ``timeout``: a
+        sender that is gone is blamed at once rather than at the end of the wait.
+        """
+        key: _Key = (self.run, self.round, self.rid, phase, step, src)
+        box = self.box
+        fut = box.chunks.get(key)
+        if fut is None:
+            fut = asyncio.get_running_loop().create_future()
+            box.chunks[key] = fut
+        loop = asyncio.get_running_loop()
+        end = loop.time() + wait
+        while True:
+            waiter: asyncio.Future[Any] = asyncio.ensure_future(self.abort.wait())
+            waited: set[asyncio.Future[Any]] = {fut, waiter}
+            try:
+                done, _ = await asyncio.wait(
+                    waited,
+                    timeout=min(self.timeout, max(0.0, end - loop.time())),
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+            finally:
+                waiter.cancel()
+            if fut in done:
+                break
+            if self.abort.is_set():
+                raise RingBroken("a ring member aborted")
+            if loop.time() >= end:
+                raise RingBroken(f"no chunk from {src} within {wait:g}s", src)
+            try:
+                await self.endpoint.send(
+                    src,
+                    KIND_PING,
+                    self.rid,
+                    run=self.run,
+                    round=self.round,
+                    stage=self.stage,
+                    timeout=self.timeout,
+                )
+            except (PeerUnreachable, RequestTimeout) as exc:
+                raise RingBroken(f"{src} is gone: {exc}", src) from exc
+            except TransportError:
+                pass  # it answered: alive, perhaps done with this round
+        payload = fut.result()
+        box.chunks.pop(key, None)
+        box.buffered -= len(payload)
+        _version, _phase, got_bits, _step, got_index, got_count, _rid = _HEADER.unpack_from(payload)
+        body = payload[_HEADER.size :]
+        if (
+            got_bits != self.dtype.itemsize * 8
+            or got_index != index
+            or got_count != count
+            or len(body) != count * self.dtype.itemsize
+        ):
+            raise RingBroken(f"malformed chunk {index} from {src}", src)
+        return np.frombuffer(body, dtype=self.wire_dtype).astype(self.dtype, copy=False)
+
+    async def exchange(
+        self, sending: Awaitable[None], receiving: Awaitable[np.ndarray]
+    ) -> np.ndarray:
+        """Send and receive at once; the first failure of either ends both."""
+        sender = asyncio.ensure_future(sending)
+        receiver = asyncio.ensure_future(receiving)
+        try:
+            done, _ = await asyncio.wait({sender, receiver}, return_when=asyncio.FIRST_EXCEPTION)
+            for task in (sender, receiver):
+                if task in done and task.exception() is not None:
+                    await task  # re-raises
+            await sender
+            return await receiver
+        finally:
+            sender.cancel()
+            receiver.cancel()
+
+
 class RingReducer:
     """Ring all-reduce for one node: registers ``agg.chunk`` / ``agg.abort`` on its endpoint.
 
@@ -247,7 +379,42 @@ class RingReducer:
         box.aborts.setdefault(rid, asyncio.Event()).set()
         return _ACK
 
-    # -- the algorithm ---------------------------------------------------------------
+    # -- the algorithms ----------------------------------------------------------------
+
+    def _link(
+        self,
+        order: Sequence[str],
+        vector: np.ndarray,
+        *,
+        run: str,
+        round: int,
+        attempt: int,
+        stage: str,
+        timeout: float,
+        stats: RingStats | None,
+    ) -> _Link:
+        me = self.endpoint.org_id
+        if me not in order:
+            raise ValueError(f"{me} is not in the ring {list(order)}")
+        if len(set(order)) != len(order):
+            raise ValueError("ring members must be distinct")
+        if vector.ndim != 1 or vector.dtype not in (np.dtype(np.uint32), np.dtype(np.uint64)):
+            raise ValueError("the ring reduces 1-D uint32 or uint64 arrays")
+        self.open(run, round)
+        box = self._boxes[(run, round)]
+        rid = ring_id(order, attempt)
+        return _Link(
+            endpoint=self.endpoint,
+            run=run,
+            round=round,
+            stage=stage,
+            rid=rid,
+            box=box,
+            abort=box.aborts.setdefault(rid, asyncio.Event()),
+            timeout=timeout,
+            stats=stats if stats is not None else RingStats(),
+            dtype=vector.dtype,
+        )
 
     async def allreduce(
         self,
@@ -277,118 +444,33 @@ class RingReducer:
         the first member to the last, then pass the total on), ``2 (n - 1)`` messages
         in all rather than ``2 n (n - 1)``, and still at most two vectors sent per node.
         """
-        me = self.endpoint.org_id
-        if me not in order:
-            raise ValueError(f"{me} is not in the ring {list(order)}")
-        if len(set(order)) != len(order):
-            raise ValueError("ring members must be distinct")
-        if vector.ndim != 1 or vector.dtype not in (np.dtype(np.uint32), np.dtype(np.uint64)):
-            raise ValueError("the ring reduces 1-D uint32 or uint64 arrays")
-        stats = stats if stats is not None else RingStats()
+        link = self._link(
+            order,
+            vector,
+            run=run,
+            round=round,
+            attempt=attempt,
+            stage=stage,
+            timeout=timeout,
+            stats=stats,
+        )
         acc = np.array(vector, copy=True)
         n = len(order)
         if n == 1:
             return acc
-        self.open(run, round)
-        box = self._boxes[(run, round)]
-        rid = ring_id(order, attempt)
-        abort = box.aborts.setdefault(rid, asyncio.Event())
-        pos = order.index(me)
+        pos = order.index(self.endpoint.org_id)
         succ, pred = order[(pos + 1) % n], order[(pos - 1) % n]
         bounds = chunk_bounds(acc.shape[0], n)
-        use_chain = acc.shape[0] < n * min_chunk
-        bits = acc.dtype.itemsize * 8
-        wire_dtype = acc.dtype.newbyteorder("<")
-
-        async def send(dest: str, phase: int, step: int, index: int, lo: int, hi: int) -> None:
-            header = _HEADER.pack(_VERSION, phase, bits, step, index, hi - lo, rid)
-            payload = header + acc[lo:hi].astype(wire_dtype, copy=False).tobytes()
-            try:
-                reply = await self.endpoint.send(
-                    dest, KIND_CHUNK, payload, run=run, round=round, stage=stage, timeout=timeout
-                )
-            except TransportError as exc:
-                raise RingBroken(f"sending to {dest} failed: {exc}", dest) from exc
-            stats.bytes_sent += len(payload)
-            stats.messages_sent += 1
-            if phase in (_PHASE_SCATTER, _PHASE_CHAIN_REDUCE):
-                stats.scatter_bytes += len(payload)
-            else:
-                stats.gather_bytes += len(payload)
-            if reply != _ACK:
-                raise RingBroken(f"{dest} refused a chunk", dest)
-
-        async def receive(
-            src: str, phase: int, step: int, index: int, lo: int, hi: int, wait: float
-        ) -> np.ndarray:
-            key: _Key = (run, round, rid, phase, step, src)
-            fut = box.chunks.get(key)
-            if fut is None:
-                fut = asyncio.get_running_loop().create_future()
-                box.chunks[key] = fut
-            loop = asyncio.get_running_loop()
-            end = loop.time() + wait
-            while True:
-                waiter: asyncio.Future[Any] = asyncio.ensure_future(abort.wait())
-                waited: set[asyncio.Future[Any]] = {fut, waiter}
-                try:
-                    done, _ = await asyncio.wait(
-                        waited,
-                        timeout=min(timeout, max(0.0, end - loop.time())),
-                        return_when=asyncio.FIRST_COMPLETED,
-                    )
-                finally:
-                    waiter.cancel()
-                if fut in done:
-                    break
-                if abort.is_set():
-                    raise RingBroken("a ring member aborted")
-                if loop.time() >= end:
-                    raise RingBroken(f"no chunk from {src} within {wait:g}s", src)
-                # a long wait (the chain): make sure the sender is still there
-                try:
-                    await self.endpoint.send(
-                        src, KIND_PING, rid, run=run, round=round, stage=stage, timeout=timeout
-                    )
-                except (PeerUnreachable, RequestTimeout) as exc:
-                    raise RingBroken(f"{src} is gone: {exc}", src) from exc
-                except TransportError:
-                    pass  # it answered: alive, perhaps done with this round
-            payload = fut.result()
-            box.chunks.pop(key, None)
-            box.buffered -= len(payload)
-            _version, _phase, got_bits, _step, got_index, count, _rid = _HEADER.unpack_from(payload)
-            body = payload[_HEADER.size :]
-            if (
-                got_bits != bits
-                or got_index != index
-                or count != hi - lo
-                or len(body) != count * acc.dtype.itemsize
-            ):
-                raise RingBroken(f"malformed chunk {index} from {src}", src)
-            return np.frombuffer(body, dtype=wire_dtype).astype(acc.dtype, copy=False)
 
         async def step_once(phase: int, step: int, send_index: int, recv_index: int) -> None:
             if on_step is not None:
                 await on_step("scatter" if phase == _PHASE_SCATTER else "gather", step)
             slo, shi = bounds[send_index]
             rlo, rhi = bounds[recv_index]
-            sender = asyncio.ensure_future(send(succ, phase, step, send_index, slo, shi))
-            receiver = asyncio.ensure_future(
-                receive(pred, phase, step, recv_index, rlo, rhi, timeout)
+            chunk = await link.exchange(
+                link.send(succ, phase, step, send_index, acc[slo:shi]),
+                link.receive(pred, phase, step, recv_index, rhi - rlo, timeout),
             )
-            try:
-                done, _ = await asyncio.wait(
-                    {sender, receiver}, return_when=asyncio.FIRST_EXCEPTION
-                )
-                for task in (sender, receiver):
-                    if task in done and task.exception() is not None:
-                        await task  # re-raises
-                await sender
-                chunk = await receiver
-            finally:
-                sender.cancel()
-                receiver.cancel()
             if phase == _PHASE_SCATTER:
                 np.add(acc[rlo:rhi], chunk, out=acc[rlo:rhi])
             else:
@@ -397,26 +479,26 @@ class RingReducer:
         async def chain() -> None:
             # reduce along the chain order[0] -> ... -> order[n-1], then the total goes
             # order[n-1] -> order[0] -> ... -> order[n-2]; a wait is bounded by one
-            # timeout per hop that must happen before it
+            # timeout per hop that must happen before it (the sender is pinged meanwhile)
             length = acc.shape[0]
             if on_step is not None:
                 await on_step("scatter", 0)
             if pos > 0:
-                part = await receive(pred, _PHASE_CHAIN_REDUCE, 0, 0, 0, length, timeout * pos)
+                part = await link.receive(pred, _PHASE_CHAIN_REDUCE, 0, 0, length, timeout * pos)
                 np.add(acc, part, out=acc)
             if pos < n - 1:
-                await send(succ, _PHASE_CHAIN_REDUCE, 0, 0, 0, length)
+                await link.send(succ, _PHASE_CHAIN_REDUCE, 0, 0, acc)
             if on_step is not None:
                 await on_step("gather", 0)
             if pos < n - 1:
-                acc[:] = await receive(
-                    pred, _PHASE_CHAIN_BROADCAST, 0, 0, 0, length, timeout * (n + pos)
+                acc[:] = await link.receive(
+                    pred, _PHASE_CHAIN_BROADCAST, 0, 0, length, timeout * (n + pos)
                 )
             if pos < n - 2 or pos == n - 1:
-                await send(succ, _PHASE_CHAIN_BROADCAST, 0, 0, 0, length)
+                await link.send(succ, _PHASE_CHAIN_BROADCAST, 0, 0, acc)
 
         try:
-            if use_chain:
+            if acc.shape[0] < n * min_chunk:
                 await chain()
             else:
                 for s in range(n - 1):
@@ -424,12 +506,75 @@ class RingReducer:
                 for s in range(n - 1):
                     await step_once(_PHASE_GATHER, s, (pos + 1 - s) % n, (pos - s) % n)
         except RingBroken as exc:
-            await self._broadcast_abort(
-                order, rid, exc.suspect, run=run, round=round, timeout=timeout
-            )
-            known = frozenset(box.suspects.get(rid, set()) & set(order))
-            raise RingBroken(exc.reason, exc.suspect, known) from exc
+            raise await self._broken(order, link, exc) from exc
         return acc
+
+    async def star_allreduce(
+        self,
+        order: Sequence[str],
+        vector: np.ndarray,
+        *,
+        run: str,
+        round: int,
+        attempt: int = 0,
+        stage: str = "reduce",
+        timeout: float = 10.0,
+        stats: RingStats | None = None,
+        max_frame: int = 1 << 22,
+    ) -> np.ndarray:
+        """The same sum through one hub, ``order[0]``: the star baseline of the benchmarks.
+
+        Every member sends its vector to the hub (in frames of at most ``max_frame``
+        elements), the hub adds them and sends the total back to each: the hub sends
+        ``n - 1`` vectors where a ring member sends ``2 (n - 1) / n``.
+        """
+        link = self._link(
+            order,
+            vector,
+            run=run,
+            round=round,
+            attempt=attempt,
+            stage=stage,
+            timeout=timeout,
+            stats=stats,
+        )
+        acc = np.array(vector, copy=True)
+        n = len(order)
+        if n == 1:
+            return acc
+        hub, me = order[0], self.endpoint.org_id
+        frames = chunk_bounds(acc.shape[0], max(1, -(-acc.shape[0] // max_frame)))
+        wait = timeout * n
+        try:
+            if me == hub:
+
+                async def collect(member: str) -> None:
+                    for i, (lo, hi) in enumerate(frames):
+                        part = await link.receive(member, _PHASE_STAR_UP, i, i, hi - lo, wait)
+                        np.add(acc[lo:hi], part, out=acc[lo:hi])
+
+                async def deliver(member: str) -> None:
+                    for i, (lo, hi) in enumerate(frames):
+                        await link.send(member, _PHASE_STAR_DOWN, i, i, acc[lo:hi])
+
+                await asyncio.gather(*(collect(m) for m in order[1:]))
+                await asyncio.gather(*(deliver(m) for m in order[1:]))
+            else:
+                for i, (lo, hi) in enumerate(frames):
+                    await link.send(hub, _PHASE_STAR_UP, i, i, acc[lo:hi])
+                for i, (lo, hi) in enumerate(frames):
+                    acc[lo:hi] = await link.receive(hub, _PHASE_STAR_DOWN, i, i, hi - lo, wait)
+        except RingBroken as exc:
+            raise await self._broken(order, link, exc) from exc
+        return acc
+
+    async def _broken(self, order: Sequence[str], link: _Link, exc: RingBroken) -> RingBroken:
+        """Tell the members to abort; the error to raise, with every suspect known."""
+        await self._broadcast_abort(
+            order, link.rid, exc.suspect, run=link.run, round=link.round, timeout=link.timeout
+        )
+        known = frozenset(link.box.suspects.get(link.rid, set()) & set(order))
+        return RingBroken(exc.reason, exc.suspect, known)
 
     async def _broadcast_abort(
         self,

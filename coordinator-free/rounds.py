@@ -131,6 +131,8 @@ class RoundConfig:
     lookahead_rounds: how many rounds ahead of its last one a node buffers messages.
     ring_min_chunk: vectors shorter than ``n * ring_min_chunk`` elements are summed
         along the ring as a chain (few messages) rather than chunked (see ``ring``).
+    topology: ``"ring"``, or ``"star"`` (every masked vector through the first member
+        of the ring order: the baseline the overlay benchmark compares against).
     """
 
     ready_timeout: float = 5.0
@@ -143,6 +145,7 @@ class RoundConfig:
     max_reduce_attempts: int = 3
     lookahead_rounds: int = 2
     ring_min_chunk: int = 1024
+    topology: str = "ring"
 
     def __post_init__(self) -> None:
         for name in (
@@ -168,6 +171,11 @@ class RoundConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"RoundConfig.{name} must be at least 1")
+
+        if self.topology not in ("ring", "star"):
+            raise ValueError(
+                f"RoundConfig.topology must be 'ring' or 'star', got {self.topology!r}"
+            )
 
     def threshold_for(self, n_participants: int) -> int:
         """``t`` for a round with ``n_participants`` agreed participants."""
@@ -967,17 +975,28 @@ class RoundEngine:
             acc: np.ndarray | None = None
             suspects: frozenset[str] = frozenset()
             try:
-                acc = await self.ring.allreduce(
-                    order,
-                    masked,
-                    run=run,
-                    round=rnd,
-                    attempt=attempt,
-                    timeout=cfg.step_timeout,
-                    stats=counters.ring,
-                    on_step=self._step_hook(run, rnd),
-                    min_chunk=cfg.ring_min_chunk,
-                )
+                if cfg.topology == "star":
+                    acc = await self.ring.star_allreduce(
+                        order,
+                        masked,
+                        run=run,
+                        round=rnd,
+                        attempt=attempt,
+                        timeout=cfg.step_timeout,
+                        stats=counters.ring,
+                    )
+                else:
+                    acc = await self.ring.allreduce(
+                        order,
+                        masked,
+                        run=run,
+                        round=rnd,
+                        attempt=attempt,
+                        timeout=cfg.step_timeout,
+                        stats=counters.ring,
+                        on_step=self._step_hook(run, rnd),
+                        min_chunk=cfg.ring_min_chunk,
+                    )
             except RingBroken as exc:
                 logger.info("%s: ring attempt %d broke: %s", me, attempt, exc)
                 suspects = (exc.suspects | self.ring.suspects(run, rnd, order, attempt)) - {me}

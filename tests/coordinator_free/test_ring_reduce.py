@@ -222,3 +222,36 @@ def test_rejects_bad_arguments() -> None:
             await e.close()
 
     asyncio.run(scenario())
+
+
+def test_star_baseline_gives_the_same_sum_with_a_busy_hub() -> None:
+    async def scenario() -> tuple[list[np.ndarray], np.ndarray, dict[str, RingStats], str]:
+        network = InMemoryNetwork()
+        orgs = [f"o{i}" for i in range(5)]
+        endpoints, reducers = await make_ring(orgs, network)
+        rng = np.random.default_rng(4)
+        inputs = {o: rng.integers(0, 2**32, 1000, dtype=np.uint32) for o in orgs}
+        order = ring_order(orgs, 3)
+        stats = {o: RingStats() for o in orgs}
+        outs = await asyncio.gather(
+            *(
+                reducers[o].star_allreduce(
+                    order, inputs[o], run="r", round=3, stats=stats[o], max_frame=300
+                )
+                for o in orgs
+            )
+        )
+        expected = np.zeros(1000, np.uint32)
+        for v in inputs.values():
+            np.add(expected, v, out=expected)
+        for e in endpoints.values():
+            await e.close()
+        return list(outs), expected, stats, order[0]
+
+    outs, expected, stats, hub = asyncio.run(scenario())
+    for out in outs:
+        np.testing.assert_array_equal(out, expected)
+    # the hub sends the total to each of the 4 others, in 4 frames each
+    assert stats[hub].messages_sent == 4 * 4
+    assert stats[hub].bytes_sent >= 4 * 4000
+    assert all(s.bytes_sent < 4000 + 4 * 64 for o, s in stats.items() if o != hub)

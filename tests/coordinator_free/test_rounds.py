@@ -78,6 +78,7 @@ def test_view_decoding_refuses_tampering() -> None:
         ("max_view_attempts", 0),
         ("max_reduce_attempts", 0),
         ("ring_min_chunk", 0),
+        ("topology", "mesh"),
     ],
 )
 def test_round_config_refuses_invalid_values(field: str, value: float) -> None:
@@ -257,3 +258,21 @@ def test_engine_refuses_an_empty_run_name() -> None:
             await engine.run_round("", 1, np.zeros(4, np.uint32))
 
     asyncio.run(scenario())
+
+
+def test_the_star_topology_gives_the_same_sum_through_a_busy_hub() -> None:
+    star = RoundConfig(
+        ready_timeout=0.6, stage_timeout=4.0, step_timeout=2.0, send_timeout=4.0, topology="star"
+    )
+
+    async def scenario() -> RoundOutcome:
+        async with Simulation(SimConfig(peers=5, length=2000, seed=9, round_config=star)) as sim:
+            return await sim.round(1)
+
+    out = asyncio.run(scenario())
+    assert_consistent(out)
+    assert len(out.results) == 5
+    hub = next(iter(out.results.values())).participants[0]
+    ring_bytes = {o: r.ring_bytes_sent for o, r in out.results.items()}
+    assert ring_bytes[hub] >= 4 * 2000 * 4
+    assert max(b for o, b in ring_bytes.items() if o != hub) < 2000 * 4 + 256
