@@ -119,6 +119,9 @@ async def main(argv: list[str] | None = None) -> int:
             lifespan="off",
             ws="none",
             log_level="warning",
+            # Idle keep-alive TLS connections from peers would hold a graceful
+            # shutdown for asyncio's 30 s SSL shutdown timeout; bound it.
+            timeout_graceful_shutdown=2,
             **uvicorn_ssl_options(data / "identity", data / "trust.pem"),
         )
     )
