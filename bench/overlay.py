@@ -1,0 +1,411 @@
+"""Overlay figures: ring traffic, the star baseline, a secure round against a plain ring.
+
+Run::
+
+    python -m bench.overlay [--quick] [--json PATH]
+
+Rows (byte counts come from the transports' counters: the in-memory network's
+``bytes_sent`` per org, and over TLS a counting wrapper around each process's
+:class:`~coordinator_free.tls.TlsTransport`, both counting every request and reply an
+org sends, envelopes and signatures included):
+
+- ``ring_bytes_per_payload[...]``: bytes the busiest node sends during one ring
+  all-reduce ÷ the payload's bytes (``4 × params``). Target ``<= 2.2`` (the ring's
+  ``2 (n - 1) / n`` plus framing).
+- ``star_over_ring_busiest_bytes[...]``: the same secure round star-shaped through one
+  node (``RoundConfig(topology="star")``) ÷ the ring round, busiest node's bytes.
+  Target ``>= n / 2.5``.
+- ``round_vs_plain_ring[...]``: wall seconds of a whole secure round (ready, key
+  shares, masking, ring, unmasking) ÷ a plaintext ring all-reduce of the same payload
+  over the same transport. Target ``<= 1.5``.
+- ``detect_seconds[n]`` and ``msgs_per_node_per_period[n]``: SWIM failure detection
+  and message rate, from :mod:`bench.overlay_membership`.
+
+Settings. Simulated peers run in this process on the in-memory network; the TLS rows
+run 4 org processes on 127.0.0.1 (``python -m bench.overlay node ...``). Full:
+simulated n in {16, 64, 256} with 1M params for the ring traffic, n = 16 with 25M,
+secure rounds at n in {16, 64} with 1M, TLS with 1M and 25M params; membership at
+n in {16, 64, 256}. (A secure round of 256 in-process peers, or 25M params for more
+than 16 of them, does not fit one machine's CPU or memory.) Quick: small sizes,
+under a minute.
+
+All simulated peers share one CPU here, so a secure round's masking work (each peer
+expands ``n`` masks) is counted ``n`` times over against a ring whose message handling
+is too; the TLS rows, one process per org, are the deployment-like figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import logging
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from coordinator_free.endpoint import Endpoint
+from coordinator_free.identity import OrgIdentity
+from coordinator_free.ring import ring_order
+from coordinator_free.rounds import RoundConfig, RoundEngine, endpoint_signer, secagg_sessions
+from coordinator_free.sim import SimConfig, Simulation
+from coordinator_free.transport import RawHandler, Transport
+
+from bench.common import Report, run_main
+
+__all__ = ["CountingTransport", "main"]
+
+MILLION = 1_000_000
+FEDERATION = "bench-overlay"
+
+
+class CountingTransport:
+    """A transport wrapper counting what its org sends: requests and replies.
+
+    The same accounting as :class:`~coordinator_free.memory.InMemoryNetwork`'s
+    ``bytes_sent`` (a reply is counted for the org that answers).
+    """
+
+    def __init__(self, inner: Transport) -> None:
+        self.inner = inner
+        self.org_id = inner.org_id
+        self.bytes_sent = 0
+        self.messages_sent = 0
+
+    async def start(self, handler: RawHandler) -> None:
+        async def counted(data: bytes) -> bytes:
+            reply = await handler(data)
+            self.bytes_sent += len(reply)
+            self.messages_sent += 1
+            return reply
+
+        await self.inner.start(counted)
+
+    async def request(self, peer: str, data: bytes, *, timeout: float) -> bytes:
+        self.bytes_sent += len(data)
+        self.messages_sent += 1
+        return await self.inner.request(peer, data, timeout=timeout)
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+def _round_config(n: int, topology: str = "ring") -> RoundConfig:
+    return RoundConfig(
+        ready_timeout=30.0,
+        stage_timeout=60.0 + n,
+        step_timeout=60.0 + n,
+        send_timeout=60.0 + n,
+        topology=topology,
+    )
+
+
+# -- simulated peers ----------------------------------------------------------------------
+
+
+async def _sim_figures(n: int, params: int, *, secure: bool) -> dict[str, float]:
+    """Busiest bytes and seconds of a plain ring, and of secure rounds (ring, star)."""
+    out: dict[str, float] = {}
+    for topology in ("ring", "star") if secure else ("ring",):
+        config = SimConfig(peers=n, length=params, seed=1, round_config=_round_config(n, topology))
+        async with Simulation(config) as sim:
+            inputs = sim.inputs(1)
+            if topology == "ring":
+                order = ring_order(sim.orgs, 0)
+                before = dict(sim.network.bytes_sent)
+                t0 = time.perf_counter()
+                await asyncio.gather(
+                    *(
+                        sim.engines[o].ring.allreduce(
+                            order, inputs[o], run="plain", round=0, timeout=60.0 + n
+                        )
+                        for o in sim.orgs
+                    )
+                )
+                out["plain_s"] = time.perf_counter() - t0
+                out["plain_busiest"] = _busiest(sim.network.bytes_sent, before)
+                for engine in sim.engines.values():
+                    engine.ring.close("plain", 0)
+            if secure:
+                before = dict(sim.network.bytes_sent)
+                outcome = await sim.round(1, inputs=inputs)
+                if outcome.problems() or len(outcome.results) != n:
+                    raise RuntimeError(f"secure round failed: {outcome.summary()}")
+                out[f"{topology}_s"] = outcome.seconds
+                out[f"{topology}_busiest"] = _busiest(sim.network.bytes_sent, before)
+    return out
+
+
+def _busiest(after: dict[str, int] | Any, before: dict[str, int]) -> float:
+    return float(max(after[o] - before.get(o, 0) for o in after))
+
+
+# -- processes over mutual TLS --------------------------------------------------------
+
+
+def _node_input(org: str, params: int) -> np.ndarray:
+    seed = int.from_bytes(hashlib.sha256(org.encode()).digest()[:4], "big")
+    return np.random.default_rng(seed).integers(0, 2**32, params, dtype=np.uint32)
+
+
+async def _node(workdir: Path, me: str, orgs: list[str], params: int) -> None:
+    """One org process: plain ring, secure ring round, secure star round; write figures."""
+    import uvicorn
+    from coordinator_free.tls import PeerAddress, TlsTransport, uvicorn_ssl_options
+
+    identity = OrgIdentity.load(workdir / me)
+    members = json.loads((workdir / "members.json").read_text())
+    keys = {o: bytes.fromhex(m["public_key"]) for o, m in members.items()}
+    addresses: dict[str, PeerAddress] = {}
+    transport = CountingTransport(TlsTransport(identity, lambda: addresses))
+    endpoint = Endpoint(identity, FEDERATION, transport, lambda: keys)
+    sessions = secagg_sessions(*endpoint_signer(endpoint))
+    n = len(orgs)
+    ring_engine = RoundEngine(endpoint, lambda: orgs, sessions, _round_config(n))
+    await endpoint.start()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    tls_app = transport.inner.asgi_app()  # type: ignore[attr-defined]
+    server = uvicorn.Server(
+        uvicorn.Config(
+            tls_app,
+            lifespan="off",
+            ws="none",
+            log_level="warning",
+            timeout_graceful_shutdown=1,
+            **uvicorn_ssl_options(workdir / me, workdir / "trust.pem"),
+        )
+    )
+    serving = asyncio.ensure_future(server.serve(sockets=[sock]))
+    while not server.started:
+        if serving.done():
+            serving.result()
+        await asyncio.sleep(0.02)
+    (workdir / f"{me}.port.tmp").write_text(str(sock.getsockname()[1]))
+    (workdir / f"{me}.port.tmp").replace(workdir / f"{me}.port")
+    while len(addresses) < n:
+        for org in orgs:
+            path = workdir / f"{org}.port"
+            if org not in addresses and path.exists():
+                addresses[org] = PeerAddress(
+                    f"https://127.0.0.1:{int(path.read_text())}", members[org]["fingerprint"]
+                )
+        await asyncio.sleep(0.05)
+
+    x = _node_input(me, params)
+    figures: dict[str, float] = {}
+
+    async def measure(name: str, work: Callable[[], Awaitable[object]]) -> None:
+        b0, t0 = transport.bytes_sent, time.time()
+        await work()
+        figures[f"{name}_start"] = t0
+        figures[f"{name}_end"] = time.time()
+        figures[f"{name}_bytes"] = transport.bytes_sent - b0
+
+    order = ring_order(orgs, 0)
+    await measure(
+        "plain",
+        lambda: ring_engine.ring.allreduce(order, x, run="plain", round=0, timeout=120.0),
+    )
+    await measure("ring", lambda: ring_engine.run_round("bench", 1, x))
+    # the star round: the same engine's messages, star topology for the masked vectors
+    ring_engine.config = _round_config(n, "star")
+    await measure("star", lambda: ring_engine.run_round("bench", 2, x))
+    out = workdir / f"{me}.json"
+    (workdir / f"{me}.json.tmp").write_text(json.dumps(figures))
+    (workdir / f"{me}.json.tmp").replace(out)
+    until = time.monotonic() + 120
+    while not (workdir / "done").exists() and time.monotonic() < until:
+        await asyncio.sleep(0.05)
+    await endpoint.close()
+    server.should_exit = True
+    await serving
+
+
+def _tls_figures(params: int, n: int = 4) -> dict[str, float]:
+    """Run ``n`` org processes over mutual TLS; the figures of the three reductions."""
+    from coordinator_free.tls import write_trust_bundle
+
+    orgs = [f"org-{i}" for i in range(n)]
+    root = Path(__file__).resolve().parent.parent
+    with tempfile.TemporaryDirectory(prefix="fedweave-bench-") as tmp:
+        workdir = Path(tmp)
+        identities = {
+            o: OrgIdentity.generate(o, hashlib.sha256(f"bench/{o}".encode()).digest()) for o in orgs
+        }
+        for org, ident in identities.items():
+            ident.save(workdir / org)
+        write_trust_bundle(workdir / "trust.pem", [i.certificate_pem for i in identities.values()])
+        (workdir / "members.json").write_text(
+            json.dumps(
+                {
+                    o: {"public_key": i.public_key.hex(), "fingerprint": i.fingerprint}
+                    for o, i in identities.items()
+                }
+            )
+        )
+        logs = {o: (workdir / f"{o}.log").open("wb") for o in orgs}
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "bench.overlay",
+                    "node",
+                    "--dir",
+                    str(workdir),
+                    "--org",
+                    o,
+                    "--orgs",
+                    ",".join(orgs),
+                    "--params",
+                    str(params),
+                ],
+                cwd=root,
+                stdout=logs[o],
+                stderr=subprocess.STDOUT,
+            )
+            for o in orgs
+        ]
+        try:
+            deadline = time.monotonic() + 600
+            while not all((workdir / f"{o}.json").exists() for o in orgs):
+                failed = [p for p in procs if p.poll() not in (None, 0)]
+                if failed or time.monotonic() > deadline:
+                    text = "\n".join(
+                        (workdir / f"{o}.log").read_text(errors="replace")[-2000:] for o in orgs
+                    )
+                    raise RuntimeError(f"TLS nodes failed or timed out:\n{text}")
+                time.sleep(0.2)
+            (workdir / "done").touch()
+            for p in procs:
+                p.wait(timeout=60)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait(timeout=30)
+            for f in logs.values():
+                f.close()
+        per = {o: json.loads((workdir / f"{o}.json").read_text()) for o in orgs}
+    out: dict[str, float] = {}
+    for name in ("plain", "ring", "star"):
+        out[f"{name}_s"] = max(f[f"{name}_end"] for f in per.values()) - min(
+            f[f"{name}_start"] for f in per.values()
+        )
+        out[f"{name}_busiest"] = max(f[f"{name}_bytes"] for f in per.values())
+    return out
+
+
+# -- the report ---------------------------------------------------------------------------
+
+
+def _label(params: int) -> str:
+    return f"{params // MILLION}M" if params % MILLION == 0 else f"{params // 1000}k"
+
+
+def _add_rows(report: Report, where: str, n: int, params: int, fig: dict[str, float]) -> None:
+    payload = 4 * params
+    tag = f"{where},n={n},params={_label(params)}"
+    report.add(
+        f"ring_bytes_per_payload[{tag}]",
+        fig["plain_busiest"] / payload,
+        "x",
+        target="<= 2.2",
+        note=f"ring all-reduce, busiest node; 2(n-1)/n = {2 * (n - 1) / n:.3f}",
+    )
+    if "ring_s" not in fig:
+        return
+    report.add(
+        f"star_over_ring_busiest_bytes[{tag}]",
+        fig["star_busiest"],
+        "B",
+        baseline=fig["ring_busiest"],
+        target=f">= {n / 2.5:.2f}",
+        note="secure round through one hub ÷ the same round along the ring, busiest node",
+    )
+    report.add(
+        f"round_vs_plain_ring[{tag}]",
+        fig["ring_s"],
+        "s",
+        baseline=fig["plain_s"],
+        target="<= 1.5",
+        note="whole secure round ÷ plaintext ring all-reduce, same payload and transport",
+    )
+
+
+def _body(report: Report) -> None:
+    from bench.overlay_membership import default_period, measure_detection, measure_message_rate
+
+    if report.quick:
+        ring_only = [(4, 65_536), (16, 65_536)]
+        secure = [(8, 262_144)]
+        tls = [262_144]
+        members = [16]
+    else:
+        ring_only = [(256, MILLION), (16, 25 * MILLION)]
+        secure = [(16, MILLION), (64, MILLION)]
+        tls = [MILLION, 25 * MILLION]
+        members = [16, 64, 256]
+    for n, params in secure:
+        _add_rows(report, "sim", n, params, asyncio.run(_sim_figures(n, params, secure=True)))
+    for n, params in ring_only:
+        _add_rows(report, "sim", n, params, asyncio.run(_sim_figures(n, params, secure=False)))
+    for params in tls:
+        _add_rows(report, "tls", 4, params, _tls_figures(params))
+    for n in members:
+        period = default_period(n)
+        seconds = measure_detection(n, seed=1)
+        report.add(
+            f"detect_seconds[n={n}]",
+            seconds,
+            "s",
+            note=f"crash until every live member holds it DEAD; SWIM period {period}s "
+            f"({seconds / period:.1f} periods)",
+        )
+        rate = measure_message_rate(n, periods=5 if report.quick else 10, seed=1)
+        report.add(
+            f"msgs_per_node_per_period[n={n}]",
+            rate,
+            "msgs",
+            target="<= 6",
+            note="SWIM requests and replies per member per period, steady state",
+        )
+
+
+def _node_main(argv: Sequence[str]) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.overlay node")
+    parser.add_argument("--dir", type=Path, required=True)
+    parser.add_argument("--org", required=True)
+    parser.add_argument("--orgs", required=True)
+    parser.add_argument("--params", type=int, required=True)
+    args = parser.parse_args(argv)
+    logging.getLogger("coordinator_free").setLevel(logging.ERROR)
+    asyncio.run(_node(args.dir, args.org, args.orgs.split(","), args.params))
+
+
+def main(argv: Sequence[str] | None = None) -> Report | None:
+    """``python -m bench.overlay [--quick] [--json PATH]`` (``node ...``: one TLS org)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["node"]:
+        _node_main(args[1:])
+        return None
+    logging.getLogger("coordinator_free").setLevel(logging.ERROR)
+    return run_main(
+        "overlay",
+        _body,
+        args,
+        description="ring traffic, star baseline, secure round vs plain ring, membership",
+    )
+
+
+if __name__ == "__main__":
+    main()
