@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import shutil
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,8 +70,6 @@ class Cluster:
         (from its backup) and an empty data dir replaces it."""
         old = self.nodes.pop(org)
         await old.endpoint.close()
-        import shutil
-
         shutil.rmtree(old.store.root)
         node = await self.add(org)
         return node

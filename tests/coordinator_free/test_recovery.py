@@ -10,13 +10,15 @@ from pathlib import Path
 
 import pytest
 from coordinator_free.endpoint import Endpoint
-from coordinator_free.erasure import CodeParams, NotEnoughShards, encode_set
+from coordinator_free.erasure import CodeParams, ManifestInvalid, NotEnoughShards, encode_set
 from coordinator_free.sealed import RecoveryBackup, RecoverySecret, WrongRecoverySecret
 from coordinator_free.shards import (
     GLOBAL_OWNER,
     GLOBAL_SET,
+    CheckpointReplicator,
     GlobalHistoryStore,
     NoCheckpoint,
+    NotOwner,
     put_shards,
     recover,
 )
@@ -199,8 +201,6 @@ def test_recovery_from_the_backup_file_then_repair(tmp_path: Path) -> None:
             got = await recover(endpoint, loaded.secret, c.nodes)
             assert got.state == state
             # It takes the set over and repairs it when a holder dies.
-            from coordinator_free.shards import CheckpointReplicator
-
             rep = CheckpointReplicator(endpoint, loaded.secret, c.live, params=PARAMS)
             rep.adopt(got.manifest)
             c.kill(got.manifest.holders[4])
@@ -329,8 +329,6 @@ def test_put_of_a_global_set_from_a_member_is_refused(tmp_path: Path) -> None:
                 created_at=0,
                 content_sha256=hashlib.sha256(model).hexdigest(),
             )
-            from coordinator_free.shards import NotOwner
-
             with pytest.raises(NotOwner):
                 await put_shards(c.nodes["o0"].endpoint, "o1", manifest, {0: encoded.shards[0]})
             assert c.nodes["o1"].store.list(GLOBAL_OWNER) == []
@@ -342,8 +340,6 @@ def test_add_version_refuses_bytes_that_do_not_match_the_hash(tmp_path: Path) ->
     async def main() -> None:
         async with cluster(tmp_path, 3) as c:
             (store,) = list(_history(c, CodeParams(2, 1)).values())[:1]
-            from coordinator_free.erasure import ManifestInvalid
-
             with pytest.raises(ManifestInvalid):
                 store.add_version(1, b"model", "00" * 32)
 

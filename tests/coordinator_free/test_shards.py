@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import stat
 from pathlib import Path
 
 import pytest
 from coordinator_free.endpoint import Endpoint
-from coordinator_free.erasure import CodeParams, CorruptShard, ShardSetManifest, encode_set
+from coordinator_free.erasure import (
+    CodeParams,
+    CorruptShard,
+    ShardSetManifest,
+    decode_set,
+    encode_set,
+)
 from coordinator_free.errors import RefusalReason, Refused
 from coordinator_free.membership import EventKind, MembershipEvent
 from coordinator_free.sealed import open_sealed
@@ -220,8 +227,6 @@ def test_checkpoint_places_distinct_holders_peers_cannot_read(tmp_path: Path) ->
                 i: c.nodes[h].store.get("o0", "state", 3)[1][i]
                 for i, h in enumerate(manifest.holders)
             }
-            from coordinator_free.erasure import decode_set
-
             sealed = decode_set(manifest, shards)
             assert open_sealed(c.nodes["o0"].secret, "o0", "state", 3, sealed) == state
 
@@ -325,8 +330,6 @@ def test_global_sets_are_readable_by_members_but_not_writable(tmp_path: Path) ->
     async def main() -> None:
         async with cluster(tmp_path, 3) as c:
             model = b"model" * 100
-            import hashlib
-
             manifest, encoded = encode_set(
                 model,
                 params=CodeParams(2, 1),
