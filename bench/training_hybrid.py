@@ -125,6 +125,7 @@ def _body(report: Report, device: str) -> None:
         return
     g = initial_state(size.task)
     spec = _job(size.task, "cuda", size.steps * 4, size.batch)
+    _run(spec, g, force_torchrun=False)  # warm the GPU (clocks, kernels) before timing
     local = _run(spec, g, force_torchrun=False)
     nccl = _run(spec, g, force_torchrun=True)
     report.add(
