@@ -400,14 +400,21 @@ class DatabaseStore:
     heads live in the file mirror. Each entry is committed in its own transaction.
     """
 
+    LIMITS = (("run", 32), ("stage", 64), ("peer", 100), ("kind", 64))
+    """Column widths of ``audit_event``; a longer value is refused before any write."""
+
     def __init__(self, engine: Any) -> None:
         self.engine = engine
 
     def append_entry(self, entry: EgressEntry) -> None:
+        """Insert and commit one row; raises (and the message is not sent) on failure."""
         from sqlmodel import Session
 
         from org_node.db.repo import append_audit_event
 
+        for name, limit in self.LIMITS:
+            if len(getattr(entry, name)) > limit:
+                raise AuditError(f"{name} {getattr(entry, name)!r} is longer than {limit}")
         with Session(self.engine) as session:
             append_audit_event(
                 session,
@@ -578,10 +585,12 @@ class EgressLog:
                 "prev_hash": self.head_hash,
             }
             entry = EgressEntry(**body, entry_hash=entry_hash(self.head_hash, body))
-            self._write(entry.to_record(), sync=False)
-            self.entries.append(entry)
+            # the database copy first: if it fails, the message is not sent and the
+            # chain does not record it either
             if self.store is not None:
                 self.store.append_entry(entry)
+            self._write(entry.to_record(), sync=False)
+            self.entries.append(entry)
             return entry
 
     def sign_head(self, run: str = "", round: int = 0) -> SignedHead:

@@ -330,6 +330,10 @@ def test_database_store_copies_each_entry(tmp_path: Path) -> None:
     entry = log.record(env, wire)
     with Session(engine) as session:
         rows = session.exec(select(models.AuditEvent)).all()
+    long_run, wire2 = envelope(a, "b", "agg.chunk", b"m", run="r" * 33)
+    with pytest.raises(AuditError, match="longer than 32"):
+        log.record(long_run, wire2)
+    assert len(log.entries) == 1 and len(read_log(tmp_path / "a.log").entries()) == 1
     (row,) = [r for r in rows if r.kind == "agg.chunk"]
     assert (row.run, row.round, row.peer, row.bytes, row.sha256, row.privacy_class) == (
         "run-1",
