@@ -33,6 +33,7 @@ __all__ = [
     "DebugSection",
     "NetworkSection",
     "NodeConfig",
+    "NodePaths",
     "NodeSection",
 ]
 
@@ -313,3 +314,54 @@ def _toml_value(value: Any) -> str:
         escaped = value.replace("\\", "\\\\").replace('"', '\\"')
         return f'"{escaped}"'
     raise ConfigError("config", f"cannot write a value of type {type(value).__name__}")
+
+
+@dataclass(frozen=True)
+class NodePaths:
+    """Where a node keeps its files under its data directory."""
+
+    root: Path
+
+    @property
+    def config(self) -> Path:
+        return self.root / CONFIG_FILE
+
+    @property
+    def identity_dir(self) -> Path:
+        """``identity.key`` (0600), ``identity.crt``, ``recovery.secret`` (0600)."""
+        return self.root / "identity"
+
+    @property
+    def secret(self) -> Path:
+        return self.identity_dir / "recovery.secret"
+
+    @property
+    def member(self) -> Path:
+        """This org's member record, to share with the founding orgs."""
+        return self.root / "member.json"
+
+    @property
+    def chain(self) -> Path:
+        """The verified federation manifest chain."""
+        return self.root / "federation" / "chain.json"
+
+    @property
+    def trust_bundle(self) -> Path:
+        return self.root / "federation" / "trust.pem"
+
+    @property
+    def egress_log(self) -> Path:
+        return self.root / "audit" / "egress.jsonl"
+
+    @property
+    def shards(self) -> Path:
+        """Shards this node holds for other orgs."""
+        return self.root / "shards"
+
+    @property
+    def runs(self) -> Path:
+        return self.root / "runs"
+
+    def run_dir(self, run_key: str) -> Path:
+        """A run's engine state and local-job work directory."""
+        return self.runs / run_key

@@ -272,10 +272,15 @@ class RunPlan:
     backend: str = "masked"
     threshold: int = 2
     epsilon: float | None = None
+    name: str = ""
+    spec: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
     @classmethod
     def from_spec(cls, name: str, spec: Mapping[str, Any]) -> RunPlan:
+        """The plan of the run ``name`` with the (accepted) run spec ``spec``."""
         return cls(
+            name=name,
+            spec=dict(spec),
             run_key=run_key(name, spec),
             task=str(spec["task"]),
             rounds=int(spec["rounds"]),
@@ -292,7 +297,7 @@ def run_key(name: str, spec: Mapping[str, Any]) -> str:
     Each org records the run under its own local id; orgs that accepted the same name
     and spec take part in the same rounds.
     """
-    body = dict(spec)
+    body: dict[str, Any] = {"backend": "masked", "threshold": 2, "epsilon": None} | dict(spec)
     body["participants"] = sorted(body.get("participants", ()))
     if body.get("epsilon") is not None:
         body["epsilon"] = repr(float(body["epsilon"]))
@@ -401,9 +406,16 @@ class EngineState:
     strategy: dict[str, Any]
     accountant: dict[str, Any] | None = None
     status: str = "running"
+    plan: dict[str, Any] = field(default_factory=dict)
+    """``{"name": ..., "spec": ...}``: enough to rebuild the run after a wiped disk."""
 
     def to_bytes(self) -> bytes:
-        meta = {"run_key": self.run_key, "round": self.round, "status": self.status}
+        meta = {
+            "run_key": self.run_key,
+            "round": self.round,
+            "status": self.status,
+            "plan": self.plan,
+        }
         parts = {
             "meta": json.dumps(meta, sort_keys=True).encode(),
             "model": model_to_bytes(self.model),
@@ -425,6 +437,7 @@ class EngineState:
                 strategy=state_from_bytes(parts["strategy"]),
                 accountant=json.loads(parts["accountant"]) if "accountant" in parts else None,
                 status=str(meta.get("status", "running")),
+                plan=dict(meta.get("plan", {})),
             )
         except (SealedError, KeyError, ValueError, OSError, StrategyError) as exc:
             raise EngineError("state", f"unreadable engine state: {exc}") from None
@@ -533,6 +546,7 @@ class RunEngine:
             {k: np.asarray(v, dtype=np.float32) for k, v in initial_model.items()},
             self.strategy.state_dict(),
             self.budget.accountant.state_dict() if self.budget and self.budget.accountant else None,
+            plan={"name": plan.name, "spec": dict(plan.spec)},
         )
 
     # -- persistence ----------------------------------------------------------------

@@ -1,0 +1,240 @@
+"""Three org nodes in one process: init'ed data dirs, a founded federation, the admin API
+driving a run over an in-memory network, then a wiped node recovering its state."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from coordinator_free.endpoint import Endpoint
+from coordinator_free.membership import SwimConfig
+from coordinator_free.memory import InMemoryNetwork
+
+from api.app import create_app
+from api.settings import Settings
+from org_node.engine import EngineState, RunPlan, model_hash
+from org_node.initialize import (
+    InitError,
+    found_manifest,
+    initialize,
+    install_manifest,
+    prepare_recovery,
+    sign_manifest,
+)
+from org_node.node import OrgNode, load_secret, read_chain, recover_state
+from org_node.services import NodeServices
+from org_node.training.exchange import LocalResult
+
+ORGS = ("org-a", "org-b", "org-c")
+MODEL_SHAPES = {"w": (3, 2), "b": (2,)}
+
+
+class TinyTrainer:
+    """A deterministic local job: each org moves every weight by its own constant."""
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+    def train(
+        self, global_state: Mapping[str, np.ndarray], round: int, options: Mapping[str, Any]
+    ) -> LocalResult:
+        update = {k: np.full(np.shape(v), self.value, np.float32) for k, v in global_state.items()}
+        return LocalResult(update, 8, 2, {"train_loss": 0.5})
+
+
+def tiny_task() -> Any:
+    """A task for the run spec: a two-tensor linear model (loads without data)."""
+    import torch
+
+    from org_node.tasks import Task, TaskData
+
+    def build(seed: int) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        return torch.nn.Linear(3, 2)
+
+    def data() -> TaskData:
+        x = torch.zeros(4, 3)
+        y = torch.zeros(4, dtype=torch.long)
+        return TaskData(x, y, x, y)
+
+    return Task("tiny", build, data, torch.nn.functional.cross_entropy, lambda o, t: {})
+
+
+def make_federation(tmp_path: Path) -> dict[str, Path]:
+    dirs = {o: tmp_path / o for o in ORGS}
+    for i, (org, d) in enumerate(dirs.items()):
+        initialize(d, org, peer_port=9100 + 2 * i, admin_port=9101 + 2 * i)
+    unsigned = tmp_path / "manifest.json"
+    found_manifest("fed-test", [d / "member.json" for d in dirs.values()], unsigned, created_at=1)
+    for d in dirs.values():
+        sign_manifest(d, unsigned)
+    for d in dirs.values():
+        install_manifest(d, unsigned)
+    return dirs
+
+
+async def start_nodes(
+    dirs: Mapping[str, Path], network: InMemoryNetwork, orgs: tuple[str, ...] = ORGS
+) -> dict[str, OrgNode]:
+    nodes = {}
+    for i, org in enumerate(orgs):
+        node = OrgNode.open(
+            dirs[org],
+            transport=network.transport(org),
+            trainer_factory=lambda plan, work, i=i: TinyTrainer(0.1 * (i + 1)),
+            swim=SwimConfig(period_s=0.2, ping_timeout_s=0.08),
+        )
+        await node.start()
+        nodes[org] = node
+    return nodes
+
+
+def test_init_refuses_a_non_empty_dir_and_a_manifest_without_every_founder(tmp_path: Path) -> None:
+    initialize(tmp_path / "a", "org-a", peer_port=9000, admin_port=9001)
+    with pytest.raises(InitError, match="not empty"):
+        initialize(tmp_path / "a", "org-a", peer_port=9000, admin_port=9001)
+    initialize(tmp_path / "b", "org-b", peer_port=9002, admin_port=9003)
+    out = tmp_path / "m.json"
+    found_manifest("f", [tmp_path / "a" / "member.json", tmp_path / "b" / "member.json"], out)
+    sign_manifest(tmp_path / "a", out)
+    with pytest.raises(InitError, match=r"did not sign"):
+        install_manifest(tmp_path / "a", out)
+
+
+def test_three_nodes_run_through_the_admin_api_and_a_wiped_node_recovers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+    import types
+
+    module = types.ModuleType("fw_tiny_task")
+    module.task = tiny_task  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "fw_tiny_task", module)
+    dirs = make_federation(tmp_path)
+    tokens = {}
+    for org in ORGS:
+        # init showed the admin token once; make a fresh one for the test clients
+        from sqlmodel import Session
+
+        from org_node.db.engine import default_database_url, make_engine
+        from org_node.db.models import Role
+        from org_node.db.repo import create_token
+
+        with Session(make_engine(default_database_url(dirs[org]))) as s:
+            _, tokens[org] = create_token(s, "test", Role.ADMIN)
+            s.commit()
+    spec = {"task": "fw_tiny_task:task", "rounds": 2, "participants": list(ORGS), "threshold": 2}
+
+    async def scenario() -> tuple[dict[str, Any], dict[str, OrgNode], bytes, bytes]:
+        network = InMemoryNetwork()
+        nodes = await start_nodes(dirs, network)
+        clients = {}
+        for org, node in nodes.items():
+            assert isinstance(node, NodeServices)
+            app = create_app(Settings(data_dir=dirs[org]), node, engine=node.db)
+            clients[org] = httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app),
+                base_url="http://admin",
+                headers={"Authorization": f"Bearer {tokens[org]}"},
+            )
+        results: dict[str, Any] = {}
+        try:
+            run_ids = {}
+            for org, c in clients.items():
+                r = await c.post("/v1/runs", json={"name": "demo", "spec": spec})
+                assert r.status_code == 201, r.text
+                run_ids[org] = r.json()["id"]
+                r = await c.post(f"/v1/runs/{run_ids[org]}/accept", json={})
+                assert r.status_code == 200, r.text
+            for org, c in clients.items():
+                r = await c.post(f"/v1/runs/{run_ids[org]}/start", json={})
+                assert r.status_code == 200, r.text
+            for _ in range(300):
+                states = {}
+                for org, c in clients.items():
+                    states[org] = (await c.get(f"/v1/runs/{run_ids[org]}")).json()["state"]
+                if set(states.values()) == {"completed"}:
+                    break
+                await asyncio.sleep(0.05)
+            results["states"] = states
+            results["metrics"] = (
+                await clients["org-a"].get(f"/v1/runs/{run_ids['org-a']}/metrics")
+            ).json()
+            results["run"] = (await clients["org-b"].get(f"/v1/runs/{run_ids['org-b']}")).json()
+            results["hashes"] = {
+                org: n._active.engine.state.model for org, n in nodes.items() if n._active
+            }
+            results["checkpoints"] = await asyncio.to_thread(nodes["org-c"].checkpoints)
+            state_c = (
+                nodes["org-c"]._active.engine.state_path.read_bytes()  # type: ignore[union-attr]
+            )
+            # org-c loses its disk: a new data dir from its backup and the chain
+            fresh = tmp_path / "org-c-new"
+            backup = dirs["org-c"] / "org-c-recovery-backup.json"
+            paths, token = prepare_recovery(
+                fresh, backup, dirs["org-a"] / "federation" / "chain.json"
+            )
+            assert token.startswith("fw_")
+            await nodes["org-c"].stop()
+            recovering = OrgNode.open(fresh, transport=None)
+            endpoint = Endpoint(
+                recovering.org_identity,
+                "fed-test",
+                _Revived(network, "org-c"),
+                lambda: read_chain(paths.chain)[-1].public_keys(),
+            )
+            path = await recover_state(
+                endpoint, load_secret(paths.secret), list(ORGS), paths, timeout=10
+            )
+            recovered = path.read_bytes()
+        finally:
+            for c in clients.values():
+                await c.aclose()
+            for org, node in nodes.items():
+                if org != "org-c":
+                    await node.stop()
+        return results, nodes, recovered, state_c
+
+    results, _nodes, recovered, held = asyncio.run(scenario())
+    assert results["states"] == {o: "completed" for o in ORGS}
+    models = list(results["hashes"].values())
+    assert len(models) == 3
+    for m in models[1:]:
+        for k in m:
+            np.testing.assert_array_equal(m[k], models[0][k])
+    assert results["run"]["current_round"] == 2
+    names = {(m["round"], m["name"]) for m in results["metrics"]["data"]}
+    assert {(1, "survivors"), (2, "survivors"), (2, "train_loss")} <= names
+    assert [c.round for c in results["checkpoints"]] == [1, 2]
+    got, had = EngineState.from_bytes(recovered), EngineState.from_bytes(held)
+    assert (got.round, got.status, had.status) == (2, "running", "completed")
+    assert model_hash(got.model) == model_hash(had.model)
+    assert got.plan == {"name": "demo", "spec": had.plan["spec"]}
+    key = RunPlan.from_spec("demo", spec).run_key
+    assert (tmp_path / "org-c-new" / "runs" / key / "engine-state.bin").exists()
+    log = (dirs["org-a"] / "audit" / "egress.jsonl").read_text()
+    assert '"round.ready"' in log and '"shard.put"' in log
+
+
+class _Revived:
+    """org-c's transport on the same network after its old node closed."""
+
+    def __init__(self, network: InMemoryNetwork, org: str) -> None:
+        from coordinator_free.memory import InMemoryTransport
+
+        self.inner = InMemoryTransport(network, org)
+        self.org_id = org
+
+    async def start(self, handler: Any) -> None:
+        await self.inner.start(handler)
+
+    async def request(self, peer: str, data: bytes, *, timeout: float) -> bytes:
+        return await self.inner.request(peer, data, timeout=timeout)
+
+    async def close(self) -> None:
+        await self.inner.close()
