@@ -20,6 +20,7 @@ __all__ = [
     "READERS",
     "WRITERS",
     "ErrorMessage",
+    "InvalidRequest",
     "conflict",
     "not_found",
 ]
@@ -36,19 +37,26 @@ class ErrorMessage(BaseModel):
     detail: str
 
 
-ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorMessage, "description": text}
-    for code, text in (
-        (400, "Malformed request"),
-        (401, "Missing or invalid credentials"),
-        (403, "The token's role may not do this"),
-        (404, "No such resource"),
-        (409, "Conflict with the resource's current state or version"),
-        (413, "Request body too large"),
-        (422, "Invalid request"),
-        (429, "Too many failed authentication attempts"),
-    )
+class InvalidRequest(BaseModel):
+    """422: a readable message, or FastAPI's list of field errors (each names the field
+    in ``loc`` and says what is wrong in ``msg``)."""
+
+    detail: str | list[dict[str, Any]]
+
+
+_ERROR_TEXT: dict[int, str] = {
+    400: "Malformed request",
+    401: "Missing or invalid credentials",
+    403: "The token's role may not do this",
+    404: "No such resource",
+    409: "Conflict with the resource's current state or version",
+    413: "Request body too large",
+    429: "Too many failed authentication attempts",
 }
+ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorMessage, "description": text} for code, text in _ERROR_TEXT.items()
+}
+ERRORS[422] = {"model": InvalidRequest, "description": "Invalid request"}
 """Documented on every protected route (422 is FastAPI's validation error or ours)."""
 
 

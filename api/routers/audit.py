@@ -8,10 +8,10 @@ to the audit log module and extend this report.
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, HTTPException, Query, status
 from pydantic import BaseModel
 from sqlmodel import col, func, select
 
@@ -30,6 +30,29 @@ router = APIRouter(
 )
 
 _Name = Annotated[str | None, Query(min_length=1, max_length=100)]
+_Time = Annotated[
+    str | None,
+    Query(
+        min_length=10,
+        max_length=64,
+        json_schema_extra={"format": "date-time"},
+        description="RFC 3339 date-time; without an offset it is taken as UTC.",
+    ),
+]
+
+
+def _instant(value: str | None, name: str) -> datetime | None:
+    """Parse an RFC 3339 timestamp strictly (no bare numbers); 422 otherwise."""
+    if value is None:
+        return None
+    try:
+        parsed = datetime.fromisoformat(value.upper())
+    except ValueError:
+        raise HTTPException(
+            status_code=status.HTTP_422_UNPROCESSABLE_CONTENT,
+            detail=f"{name} is not an RFC 3339 date-time",
+        ) from None
+    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
 
 
 class AuditReport(BaseModel):
@@ -70,11 +93,11 @@ def list_events(
     run: _Name = None,
     peer: _Name = None,
     kind: _Name = None,
-    since: datetime | None = None,
-    until: datetime | None = None,
+    since: _Time = None,
+    until: _Time = None,
 ) -> AuditEventsPublic:
     """Audit events in log order, filtered by run, peer, kind and time."""
-    cond = _filters(run, peer, kind, since, until)
+    cond = _filters(run, peer, kind, _instant(since, "since"), _instant(until, "until"))
     count = session.exec(select(func.count()).select_from(AuditEvent).where(*cond)).one()
     rows = session.exec(
         select(AuditEvent)
@@ -91,11 +114,11 @@ def report(
     session: SessionDep,
     run: _Name = None,
     peer: _Name = None,
-    since: datetime | None = None,
-    until: datetime | None = None,
+    since: _Time = None,
+    until: _Time = None,
 ) -> AuditReport:
     """Totals over the filtered events, and a verification of the whole chain."""
-    cond = _filters(run, peer, None, since, until)
+    cond = _filters(run, peer, None, _instant(since, "since"), _instant(until, "until"))
     events, total = session.exec(
         select(func.count(), func.coalesce(func.sum(AuditEvent.bytes), 0)).where(*cond)
     ).one()
