@@ -202,3 +202,33 @@ def test_a_report_with_an_unknown_or_changed_section_is_named(tmp_path: Path) ->
     assert result.summary == (
         "FAIL: report of a: rounds: the section was changed after the report was signed"
     )
+
+
+def test_the_audit_cli_verifies_and_writes_reports(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from org_node.audit.cli import audit_app, write_run_report
+
+    log = small_log(tmp_path / "a.log")
+    runner = CliRunner()
+    ok = runner.invoke(audit_app, ["verify", str(tmp_path / "a.log")])
+    assert ok.exit_code == 0 and ok.output.startswith("OK: log of a")
+    pinned = runner.invoke(
+        audit_app,
+        ["verify", str(tmp_path / "a.log"), "--key", f"a={identity('z').public_key.hex()}"],
+    )
+    assert pinned.exit_code == 1 and "pinned key" in pinned.output
+    bad = runner.invoke(audit_app, ["verify", str(tmp_path / "a.log"), "--key", "a=zz"])
+    assert bad.exit_code == 2
+    facts = RunFacts(
+        run="r",
+        spec=RunSpec(task="t", rounds=1, participants=("a", "b"), threshold=2),
+        policies={},
+        consents=(),
+        secure_aggregation=SecAggFacts("masked", 2, 2, 32, None),
+        rounds=(RoundFacts(1, ("a", "b"), ("a", "b")),),
+    )
+    assert write_run_report(log, facts, tmp_path / "out") == 0
+    assert verify_path(tmp_path / "out" / "r.audit.json").ok
+    unknown = RunFacts(**{**facts.__dict__, "run": "nope"})
+    assert write_run_report(log, unknown, tmp_path / "out") == 1
