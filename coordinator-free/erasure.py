@@ -179,16 +179,38 @@ def _pool() -> ThreadPoolExecutor:
         return _POOL
 
 
-def _hash_all(buffers: Sequence[memoryview | bytes], parallel: bool) -> list[Future[bytes]]:
-    futures: list[Future[bytes]] = []
-    for buffer in buffers:
-        if parallel:
-            futures.append(_pool().submit(sha256_digest, buffer))
+class _Hashers:
+    """Incremental SHA-256 of several shards, fed one stripe of each at a time.
+
+    With ``parallel``, the updates for one stripe run on the pool (hashlib releases the
+    GIL) while the caller computes the next stripe with zfec (which releases it too);
+    the next :meth:`feed` waits for them first, so each hash sees its stripes in order.
+    """
+
+    def __init__(self, count: int, parallel: bool) -> None:
+        self._hashes = [hashlib.sha256() for _ in range(count)]
+        self._parallel = parallel
+        self._pending: list[Future[None]] = []
+
+    def _wait(self) -> None:
+        for future in self._pending:
+            future.result()
+        self._pending = []
+
+    def feed(self, pieces: Sequence[memoryview | bytes]) -> None:
+        self._wait()
+        if self._parallel:
+            pool = _pool()
+            self._pending = [
+                pool.submit(h.update, p) for h, p in zip(self._hashes, pieces, strict=True)
+            ]
         else:
-            done: Future[bytes] = Future()
-            done.set_result(sha256_digest(buffer))
-            futures.append(done)
-    return futures
+            for h, p in zip(self._hashes, pieces, strict=True):
+                h.update(p)
+
+    def digests(self) -> list[bytes]:
+        self._wait()
+        return [h.digest() for h in self._hashes]
 
 
 @dataclass(frozen=True)
@@ -217,13 +239,24 @@ def _cpus() -> int:
 class ErasureCodec:
     """zfec Reed-Solomon with per-shard SHA-256, for one :class:`CodeParams`.
 
-    ``parallel`` hashes shards on a thread pool, overlapping zfec; by default it is on
-    when this process may use at least four CPUs (on fewer, the threads only compete
-    with zfec for the same cores and a sequential pass is faster).
+    Shards are coded and hashed in stripes of ``stripe_bytes`` per shard, so the bytes
+    zfec just read or wrote are hashed while they are still in the CPU cache.
+    ``parallel`` hashes each stripe on a thread pool while zfec codes the next one; by
+    default it is on when this process may use at least four CPUs (on fewer, the
+    threads only compete with zfec for the same cores and one pass is faster).
     """
 
-    def __init__(self, params: CodeParams, *, parallel: bool | None = None) -> None:
+    def __init__(
+        self,
+        params: CodeParams,
+        *,
+        parallel: bool | None = None,
+        stripe_bytes: int = 256 << 10,
+    ) -> None:
+        if stripe_bytes < 1:
+            raise ValueError("stripe_bytes must be positive")
         self.params = params
+        self.stripe_bytes = stripe_bytes
         self.parallel = _cpus() >= 4 if parallel is None else parallel
         self._encoder = zfec.Encoder(params.k, params.n)
         self._decoder = zfec.Decoder(params.k, params.n)
@@ -233,37 +266,43 @@ class ErasureCodec:
         """Bytes per shard for an object of ``size`` bytes (at least 1)."""
         return max(1, -(-size // k))
 
-    def _blocks(self, data: memoryview) -> tuple[memoryview | bytes, ...]:
+    def _blocks(self, data: memoryview) -> tuple[memoryview, ...]:
         """The k data shards: views into ``data``, only the last one copied and padded."""
         k = self.params.k
         shard = self.shard_size_for(len(data), k)
-        blocks: list[memoryview | bytes] = []
+        blocks: list[memoryview] = []
         for i in range(k):
             piece = data[i * shard : (i + 1) * shard]
             if len(piece) < shard:
-                blocks.append(bytes(piece) + bytes(shard - len(piece)))
-            else:
-                blocks.append(piece)
+                piece = memoryview(bytes(piece) + bytes(shard - len(piece)))
+            blocks.append(piece)
         return tuple(blocks)
+
+    def _stripes(self, shard_size: int) -> range:
+        return range(0, shard_size, self.stripe_bytes)
 
     def encode(self, data: bytes | bytearray | memoryview) -> EncodedSet:
         """Cut ``data`` into k data shards, compute m parity shards, hash all of them."""
         view = memoryview(data).cast("B")
         blocks = self._blocks(view)
-        parallel = self.parallel and len(view) >= _PARALLEL_MIN_BYTES
-        data_hashes = _hash_all(blocks, parallel)
         k, n = self.params.k, self.params.n
-        parity: list[memoryview | bytes] = (
-            list(self._encoder.encode(blocks, tuple(range(k, n)))) if n > k else []
-        )
-        parity_hashes = _hash_all(parity, parallel)
-        hashes = tuple(f.result() for f in data_hashes + parity_hashes)
+        shard_size = len(blocks[0])
+        hashers = _Hashers(n, self.parallel and len(view) >= _PARALLEL_MIN_BYTES)
+        wanted = tuple(range(k, n))
+        parts: list[list[bytes]] = [[] for _ in wanted]
+        for start in self._stripes(shard_size):
+            pieces = tuple(b[start : start + self.stripe_bytes] for b in blocks)
+            parity = self._encoder.encode(pieces, wanted) if wanted else []
+            for stripes, piece in zip(parts, parity, strict=True):
+                stripes.append(piece)
+            hashers.feed((*pieces, *parity))
+        joined = tuple(p[0] if len(p) == 1 else b"".join(p) for p in parts)
         return EncodedSet(
             params=self.params,
             size=len(view),
-            shard_size=len(blocks[0]),
-            shards=blocks + tuple(parity),
-            hashes=hashes,
+            shard_size=shard_size,
+            shards=blocks + joined,
+            hashes=tuple(hashers.digests()),
         )
 
     def decode(
@@ -300,26 +339,34 @@ class ErasureCodec:
                 missing = [i for i in range(n) if i not in available or i in corrupt]
                 raise NotEnoughShards(k, len(chosen), missing, corrupt=corrupt)
             views = [available[i] for i in chosen]
-            checks = (
-                _hash_all(views, self.parallel and k * shard_size >= _PARALLEL_MIN_BYTES)
-                if hashes is not None
-                else []
-            )
+            parallel = self.parallel and k * shard_size >= _PARALLEL_MIN_BYTES
+            hashers = _Hashers(k, parallel)
             if chosen == list(range(k)):
-                blocks: Sequence[memoryview | bytes] = views
+                pieces: list[memoryview | bytes] = list(views)
+                if hashes is not None:
+                    hashers.feed(views)
             else:
-                blocks = self._decoder.decode(tuple(views), tuple(chosen))
+                per_block: list[list[memoryview | bytes]] = [[] for _ in range(k)]
+                for start in self._stripes(shard_size):
+                    stripe = tuple(v[start : start + self.stripe_bytes] for v in views)
+                    if hashes is not None:
+                        hashers.feed(stripe)
+                    # zfec reorders the sequence it is given in place: hash it first.
+                    decoded = self._decoder.decode(stripe, tuple(chosen))
+                    for block, piece in zip(per_block, decoded, strict=True):
+                        block.append(piece)
+                pieces = [piece for block in per_block for piece in block]
             bad = (
                 [
                     index
-                    for index, check in zip(chosen, checks, strict=True)
-                    if check.result() != hashes[index]
+                    for index, digest in zip(chosen, hashers.digests(), strict=True)
+                    if digest != hashes[index]
                 ]
                 if hashes is not None
                 else []
             )
             if not bad:
-                return _join(blocks, size)
+                return _join(pieces, size)
             corrupt.extend(bad)
             order = [i for i in order if i not in bad]
 

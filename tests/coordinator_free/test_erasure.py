@@ -289,3 +289,24 @@ def test_fixed_vectors() -> None:
         manifest = ShardSetManifest.from_json(json.dumps(case["manifest"]))
         manifest.verify(identity("org-a").public_key)
         assert manifest.merkle_root.hex() == case["merkle_root"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    params=params_strategy,
+    data=st.binary(min_size=0, max_size=500),
+    stripe=st.integers(1, 64),
+    parallel=st.booleans(),
+    pick=st.randoms(),
+)
+def test_striped_coding_equals_whole_shard_coding(
+    params: CodeParams, data: bytes, stripe: int, parallel: bool, pick: Any
+) -> None:
+    whole = ErasureCodec(params, stripe_bytes=1 << 30, parallel=False).encode(data)
+    striped = ErasureCodec(params, stripe_bytes=stripe, parallel=parallel)
+    encoded = striped.encode(data)
+    assert [bytes(s) for s in encoded.shards] == [bytes(s) for s in whole.shards]
+    assert encoded.hashes == whole.hashes
+    subset = pick.sample(range(params.n), params.k)
+    shards = {i: encoded.shards[i] for i in subset}
+    assert striped.decode(shards, len(data), encoded.hashes) == data
