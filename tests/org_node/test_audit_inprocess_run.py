@@ -29,6 +29,7 @@ from org_node.audit import (
     ConsentRecord,
     EgressLog,
     ForbiddenClass,
+    PrivacyClass,
     RoundFacts,
     RunFacts,
     SecAggFacts,
@@ -282,3 +283,37 @@ def test_the_hook_fails_closed_so_nothing_is_sent(tmp_path: Path) -> None:
     assert net.messages_sent[ORGS[0]] == 0 and net.bytes_sent[ORGS[0]] == 0
     assert log.entries == [] and len(log.refusals) == 4
     assert verify_log(tmp_path / "a.log").ok
+
+
+def test_a_reply_the_hook_refuses_is_not_sent() -> None:
+    from coordinator_free.errors import RemoteError
+
+    seen: list[str] = []
+
+    def refuse_replies(env: Envelope, wire: bytes) -> None:
+        seen.append(env.kind)
+        if env.kind.endswith(".reply"):
+            raise ForbiddenClass(env.kind, PrivacyClass.UNMASKED_UPDATE)
+
+    async def main() -> InMemoryNetwork:
+        net = InMemoryNetwork()
+        ids = {o: _identity(o) for o in ORGS[:2]}
+        keys = {o: i.public_key for o, i in ids.items()}
+        a = Endpoint(ids[ORGS[0]], "fed", net.transport(ORGS[0]), lambda: keys)
+        b = Endpoint(
+            ids[ORGS[1]], "fed", net.transport(ORGS[1]), lambda: keys, on_egress=refuse_replies
+        )
+
+        async def answer(env: Envelope) -> bytes:
+            return b"the answer"
+
+        b.on("round.ready", answer)
+        await a.start()
+        await b.start()
+        with pytest.raises(RemoteError):
+            await a.send(ORGS[1], "round.ready", b"k")
+        return net
+
+    net = asyncio.run(main())
+    assert seen == ["round.ready.reply"]
+    assert net.messages_sent[ORGS[1]] == 0 and net.messages_sent[ORGS[0]] == 1
