@@ -385,3 +385,55 @@ def test_entry_hash_binds_every_field(prev: bytes, run: str, kind: str, bytes_: 
     assert h != entry_hash(prev.hex(), {**body, "bytes": bytes_ + 1})
     assert h != entry_hash(prev.hex(), {**body, "run": run + "x"})
     assert h != entry_hash(bytes(b ^ 1 for b in prev).hex(), body)
+
+
+_ALLOWED = [
+    "round.ready",
+    "round.share",
+    "agg.chunk",
+    "swim.ping",
+    "gossip.push.reply",
+    "shard.put",
+]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    messages=st.lists(
+        st.tuples(
+            st.sampled_from(_ALLOWED),
+            st.sampled_from(["b", "c", "d"]),
+            st.binary(max_size=64),
+            st.booleans(),
+        ),
+        min_size=1,
+        max_size=12,
+    ),
+    victim=st.integers(0, 11),
+)
+def test_any_log_verifies_and_any_rewritten_entry_is_caught(
+    tmp_path_factory: pytest.TempPathFactory,
+    messages: list[tuple[str, str, bytes, bool]],
+    victim: int,
+) -> None:
+    path = tmp_path_factory.mktemp("prop") / "a.log"
+    a = identity("a")
+    log = EgressLog(a, path, fsync_every=8)
+    for seq, (kind, peer, payload, head) in enumerate(messages):
+        env, wire = envelope(a, peer, kind, payload, seq=seq)
+        log.record(env, wire)
+        if head:
+            log.sign_head("run-1", seq)
+    log.close()
+    result = verify_log(path)
+    assert result.ok and result.entries == len(messages), result.summary
+    assert result.heads == sum(m[3] for m in messages)
+    lines = path.read_bytes().split(b"\n")
+    entry_lines = [i for i, line in enumerate(lines) if b'"type":"entry"' in line]
+    pos = entry_lines[victim % len(entry_lines)]
+    record = json.loads(lines[pos])
+    record["bytes"] += 1
+    lines[pos] = canonical(record)
+    path.write_bytes(b"\n".join(lines))
+    broken = verify_log(path)
+    assert not broken.ok and broken.index == record["index"]
