@@ -1,10 +1,26 @@
 """The `fedweave` command line.
 
 fedweave --version
-fedweave --help
+fedweave init --org-id ORG --data-dir DIR --peer-port P --admin-port A
+fedweave federation found --federation FED --member A/member.json --member B/member.json --out m.json
+fedweave federation sign --data-dir DIR m.json        (each founder, in turn)
+fedweave federation install --data-dir DIR m.json     (each founder)
+fedweave run --data-dir DIR
+fedweave status --data-dir DIR
+fedweave recover --data-dir NEW_DIR --backup ORG-recovery-backup.json --manifest chain.json
+
+Every error is one readable line on stderr and a non-zero exit status.
 """
 
 from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, TypeVar
 
 import typer
 
@@ -20,7 +36,16 @@ app = typer.Typer(
     ),
     no_args_is_help=True,
     add_completion=False,
+    pretty_exceptions_enable=False,
 )
+federation_app = typer.Typer(
+    help="Found a federation: build, sign and install its founding manifest.",
+    no_args_is_help=True,
+)
+app.add_typer(federation_app, name="federation")
+
+T = TypeVar("T")
+DataDir = typer.Option(..., "--data-dir", help="The node's data directory.")
 
 
 def _print_version(value: bool) -> None:
@@ -42,6 +67,39 @@ def _root(
     """fedweave: federated training with no central server."""
 
 
+@contextmanager
+def _errors() -> Iterator[None]:
+    """Turn every expected failure into one line on stderr and exit status 1."""
+    from coordinator_free.errors import CoordinatorFreeError
+
+    from org_node.config import ConfigError
+    from org_node.db.engine import DatabaseError
+    from org_node.engine import EngineError
+    from org_node.initialize import InitError
+    from org_node.node import NodeError
+
+    try:
+        yield
+    except (
+        ConfigError,
+        CoordinatorFreeError,
+        DatabaseError,
+        EngineError,
+        InitError,
+        NodeError,
+        OSError,
+        ValueError,
+    ) as exc:
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        typer.echo(f"error: {message}", err=True)
+        raise typer.Exit(1) from None
+
+
+def _run(fn: Callable[[], T]) -> T:
+    with _errors():
+        return fn()
+
+
 @app.command("info")
 def info() -> None:
     """Show the installed layers and their versions."""
@@ -52,6 +110,239 @@ def info() -> None:
     typer.echo(f"fedweave {__version__}")
     typer.echo(f"numpy {numpy.__version__}")
     typer.echo(f"secure_agg exports: {', '.join(secure_agg.__all__) or '(none yet)'}")
+
+
+@app.command("init")
+def init(
+    org_id: str = typer.Option(..., "--org-id", help="This org's id (the certificate's CN)."),
+    data_dir: Path = DataDir,
+    peer_port: int = typer.Option(8471, "--peer-port", help="Port of the mutual-TLS peer API."),
+    admin_port: int = typer.Option(8470, "--admin-port", help="Port of the admin API."),
+    display_name: str = typer.Option("", "--display-name", help="Name shown to other orgs."),
+    peer_host: str = typer.Option("127.0.0.1", "--peer-host", help="Address the peer API binds."),
+    advertise_url: str = typer.Option(
+        "", "--advertise-url", help="Peer URL other orgs reach (default https://HOST:PORT)."
+    ),
+    backup: Annotated[
+        Path | None, typer.Option("--backup", help="Where to write the recovery backup file.")
+    ] = None,
+    harness: bool = typer.Option(
+        False, "--harness", hidden=True, help="Test harnesses only: debug export, fast SWIM."
+    ),
+) -> None:
+    """Create a node: identity, certificate, config, admin token, recovery backup."""
+    from org_node.initialize import initialize
+
+    result = _run(
+        lambda: initialize(
+            data_dir,
+            org_id,
+            peer_port=peer_port,
+            admin_port=admin_port,
+            display_name=display_name,
+            peer_host=peer_host,
+            advertise_url=advertise_url,
+            backup_file=backup,
+            harness=harness,
+        )
+    )
+    typer.echo(f"initialized {org_id} in {result.paths.root}")
+    typer.echo(f"certificate fingerprint: {result.fingerprint}")
+    typer.echo(f"member record (share with the founding orgs): {result.member_file}")
+    typer.echo(
+        f"recovery backup: {result.backup_file}\n"
+        "  -> move it OFFLINE now; with it and the manifest chain a wiped node recovers"
+    )
+    typer.echo(f"admin token (shown once, store it safely): {result.admin_token}")
+
+
+@app.command("run")
+def run(data_dir: Path = DataDir) -> None:
+    """Run the node: admin API, mutual-TLS peer API, gossip and the run engine."""
+    import logging
+
+    from org_node.serve import serve_node
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+    def ready(message: str) -> None:
+        typer.echo(message)
+        sys.stdout.flush()
+
+    _run(lambda: asyncio.run(serve_node(data_dir, on_ready=ready)))
+    typer.echo("stopped")
+
+
+@app.command("status")
+def status(data_dir: Path = DataDir) -> None:
+    """The node's identity, federation, runs, and whether it is running."""
+    import httpx
+    from sqlmodel import Session, col, select
+
+    from org_node.config import NodeConfig, NodePaths
+    from org_node.db.engine import default_database_url, make_engine
+    from org_node.db.models import Run
+    from org_node.node import read_chain
+
+    def gather() -> dict[str, object]:
+        paths = NodePaths(data_dir)
+        config = NodeConfig.load(paths.config)
+        chain = read_chain(paths.chain) if paths.chain.exists() else []
+        url = f"http://{config.network.admin_host}:{config.network.admin_port}/healthz"
+        try:
+            running = httpx.get(url, timeout=1.0).status_code == 200
+        except httpx.HTTPError:
+            running = False
+        runs = []
+        db = paths.root / "fedweave.db"
+        if db.exists():
+            engine = make_engine(default_database_url(paths.root))
+            with Session(engine) as session:
+                for row in session.exec(select(Run).order_by(col(Run.created_at).desc())).all():
+                    runs.append(
+                        f"{row.name} ({row.id[:8]}): {row.state}, round {row.current_round}"
+                    )
+            engine.dispose()
+        return {
+            "org": config.node.org_id,
+            "federation": chain[-1].federation if chain else "(none installed)",
+            "members": list(chain[-1].member_ids) if chain else [],
+            "manifest_version": chain[-1].version if chain else None,
+            "node": "running" if running else "not running",
+            "runs": runs,
+        }
+
+    info = _run(gather)
+    for key, value in info.items():
+        if isinstance(value, list):
+            typer.echo(f"{key}:")
+            for item in value:
+                typer.echo(f"  {item}")
+        else:
+            typer.echo(f"{key}: {value}")
+
+
+@app.command("recover")
+def recover_cmd(
+    data_dir: Annotated[Path, typer.Option("--data-dir", help="An empty directory for the node.")],
+    backup: Annotated[Path, typer.Option("--backup", help="The offline recovery backup file.")],
+    manifest: Annotated[
+        Path, typer.Option("--manifest", help="The federation's manifest chain (from any member).")
+    ],
+    admin_port: Annotated[
+        int | None, typer.Option("--admin-port", help="Port of the admin API.")
+    ] = None,
+    passphrase_file: Annotated[
+        Path | None,
+        typer.Option("--passphrase-file", help="File holding the backup's passphrase, if any."),
+    ] = None,
+    timeout: float = typer.Option(60.0, "--timeout", help="Seconds to wait for the shards."),
+) -> None:
+    """Rebuild a wiped node from its backup: fetch any k shards from the peers, verify,
+    decode, decrypt; `fedweave run` then rejoins the run at the round it had reached."""
+    from coordinator_free.endpoint import Endpoint
+    from coordinator_free.tls import TlsTransport
+    from rich.progress import Progress, SpinnerColumn, TextColumn
+
+    from org_node.initialize import prepare_recovery
+    from org_node.node import OrgNode, read_chain, recover_state
+
+    passphrase = passphrase_file.read_bytes().strip() if passphrase_file else None
+    paths, token = _run(
+        lambda: prepare_recovery(
+            data_dir, backup, manifest, passphrase=passphrase, admin_port=admin_port
+        )
+    )
+
+    async def fetch() -> Path:
+        node = OrgNode.open(paths.root)
+        chain = read_chain(paths.chain)
+        current = chain[-1]
+        transport = TlsTransport(node.org_identity, current.peer_addresses)
+        endpoint = Endpoint(
+            node.org_identity,
+            current.federation,
+            transport,
+            current.public_keys,
+            on_egress=node.egress,
+        )
+        try:
+            return await recover_state(
+                endpoint, node.secret, current.member_ids, paths, timeout=timeout
+            )
+        finally:
+            await endpoint.close()
+            node.egress.close()
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), transient=True) as bar:
+        bar.add_task("fetching checkpoint shards from the peers", total=None)
+        state = _run(lambda: asyncio.run(fetch()))
+    typer.echo(f"recovered the private state into {state}")
+    typer.echo(f"new admin token (shown once): {token}")
+    typer.echo(f"start the node with: fedweave run --data-dir {paths.root}")
+
+
+@federation_app.command("found")
+def federation_found(
+    federation: Annotated[str, typer.Option("--federation", help="The new federation's id.")],
+    member: Annotated[list[Path], typer.Option("--member", help="A founder's member.json.")],
+    out: Annotated[Path, typer.Option("--out", help="Where to write the unsigned manifest.")],
+    quorum: str = typer.Option("majority", "--quorum", help="majority, two_thirds or all."),
+) -> None:
+    """Make the unsigned founding manifest from the founders' member records."""
+    from org_node.initialize import found_manifest
+
+    m = _run(lambda: found_manifest(federation, member, out, quorum=quorum))
+    typer.echo(f"wrote {out}: federation {m.federation}, members {', '.join(m.member_ids)}")
+    typer.echo("every founder must now run: fedweave federation sign --data-dir DIR " + str(out))
+
+
+@federation_app.command("sign")
+def federation_sign(
+    manifest: Annotated[Path, typer.Argument(help="The founding manifest file.")],
+    data_dir: Path = DataDir,
+    out: Annotated[Path | None, typer.Option("--out", help="Write the signed copy here.")] = None,
+) -> None:
+    """Add this org's signature to the founding manifest."""
+    from org_node.initialize import sign_manifest
+
+    m = _run(lambda: sign_manifest(data_dir, manifest, out))
+    signers = [org for org, _ in m.signatures]
+    missing = sorted(set(m.member_ids) - set(signers))
+    typer.echo(f"signed; signatures: {', '.join(signers)}")
+    typer.echo(f"still to sign: {', '.join(missing)}" if missing else "every founder has signed")
+
+
+@federation_app.command("merge")
+def federation_merge(
+    copies: Annotated[list[Path], typer.Argument(help="Signed copies of one manifest.")],
+    out: Annotated[Path, typer.Option("--out", help="Where to write the merged manifest.")],
+) -> None:
+    """Join the signatures of copies signed separately."""
+    from org_node.initialize import merge_signatures
+
+    m = _run(lambda: merge_signatures(copies, out))
+    typer.echo(f"wrote {out} with signatures of {', '.join(o for o, _ in m.signatures)}")
+
+
+@federation_app.command("install")
+def federation_install(
+    manifest: Annotated[
+        Path, typer.Argument(help="The founding manifest, signed by every founder.")
+    ],
+    data_dir: Path = DataDir,
+    backup: Annotated[
+        Path | None, typer.Option("--backup", help="Where to rewrite the backup.")
+    ] = None,
+) -> None:
+    """Verify every founder's signature and install the federation in this node."""
+    from org_node.initialize import install_manifest
+
+    m = _run(lambda: install_manifest(data_dir, manifest, backup_file=backup))
+    typer.echo(
+        json.dumps({"federation": m.federation, "members": list(m.member_ids), "digest": m.digest})
+    )
+    typer.echo("the recovery backup now names the federation and peers: move it offline again")
 
 
 def main() -> None:

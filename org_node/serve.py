@@ -1,0 +1,152 @@
+"""The composition root: ``fedweave run`` serves one node in one process.
+
+Two uvicorn servers share the process's event loop with the node's own tasks (SWIM,
+gossip, the run engine):
+
+* the **admin API** (:func:`api.app.create_app`, bearer tokens) on
+  ``network.admin_host:admin_port``, loopback unless the config allows otherwise;
+* the **peer API** (the mutual-TLS route of :class:`coordinator_free.tls.TlsTransport`)
+  on ``network.peer_host:peer_port``, requiring a client certificate among the
+  federation members' (:func:`coordinator_free.tls.uvicorn_ssl_options`).
+
+This module is the only place that knows every layer (``docs/ARCHITECTURE.md``,
+"Layers"). Both sockets are bound before anything starts, so a port in use is one
+clear error. SIGTERM or SIGINT stops the node gracefully: the run engine abandons the
+current stage (its state stays at the last finished round, from which a restart
+resumes), the node leaves the membership, then both servers close their connections
+and free their ports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+from collections.abc import Callable, Generator
+from pathlib import Path
+
+import uvicorn
+from coordinator_free.tls import uvicorn_ssl_options, write_trust_bundle
+
+from api.app import create_app
+from api.settings import Settings
+from org_node.node import NodeError, OrgNode
+
+__all__ = ["bind", "serve_node"]
+
+logger = logging.getLogger(__name__)
+
+_GRACE_S = 5
+
+
+class _Server(uvicorn.Server):
+    """A uvicorn server that leaves signal handling to :func:`serve_node`."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port``; :class:`NodeError` if it cannot be bound."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise NodeError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+async def serve_node(
+    data_dir: Path,
+    *,
+    on_ready: Callable[[str], None] | None = None,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Serve the node in ``data_dir`` until SIGTERM/SIGINT (or ``stop`` is set)."""
+    node = OrgNode.open(Path(data_dir))
+    net = node.config.network
+    settings = Settings(
+        data_dir=node.paths.root,
+        admin_host=net.admin_host,
+        admin_port=net.admin_port,
+        allow_remote_admin=net.allow_remote_admin,
+        peer_host=net.peer_host,
+        peer_port=net.peer_port,
+    )
+    admin_sock = bind(net.admin_host, net.admin_port)
+    peer_sock: socket.socket | None = None
+    manifest = node.current_manifest
+    if manifest is not None:
+        try:
+            peer_sock = bind(net.peer_host, net.peer_port)
+        except NodeError:
+            admin_sock.close()
+            raise
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    servers: list[tuple[_Server, socket.socket]] = []
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        await node.start()
+        app = create_app(settings, node, engine=node.db)
+        admin = _Server(
+            uvicorn.Config(
+                app,
+                log_level="warning",
+                access_log=False,
+                timeout_graceful_shutdown=_GRACE_S,
+            )
+        )
+        servers.append((admin, admin_sock))
+        if peer_sock is not None and node.tls is not None and manifest is not None:
+            write_trust_bundle(node.paths.trust_bundle, manifest.certificates())
+            peer = _Server(
+                uvicorn.Config(
+                    node.tls.asgi_app(),
+                    lifespan="off",
+                    log_level="warning",
+                    access_log=False,
+                    timeout_graceful_shutdown=_GRACE_S,
+                    **uvicorn_ssl_options(node.paths.identity_dir, node.paths.trust_bundle),
+                )
+            )
+            servers.append((peer, peer_sock))
+        tasks = [asyncio.create_task(s.serve(sockets=[sock])) for s, sock in servers]
+        while not all(s.started for s, _ in servers):
+            if any(t.done() for t in tasks):
+                raise NodeError("a server stopped while starting")
+            await asyncio.sleep(0.02)
+        where = f"admin http://{net.admin_host}:{net.admin_port}"
+        if peer_sock is not None:
+            where += f", peer {net.peer_url}"
+        message = f"fedweave node {node.org_identity.org_id} ready: {where}"
+        logger.info(message)
+        if on_ready is not None:
+            on_ready(message)
+        stopped = asyncio.create_task(stop.wait())
+        await asyncio.wait([stopped, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+    finally:
+        await node.stop()
+        for server, _ in servers:
+            server.should_exit = True
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        admin_sock.close()
+        if peer_sock is not None:
+            peer_sock.close()
+        node.db.dispose()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.remove_signal_handler(sig)
