@@ -2,36 +2,44 @@
 
 Every org node runs one :class:`RoundEngine`. There is no coordinator: each stage is a
 signed exchange among the participants, and every decision that must be shared (who
-takes part, who dropped) is made by **view agreement**. A round of ``run_round``
-(``docs/ARCHITECTURE.md``, "A round", steps 1, 3-5):
+takes part, who dropped) is made by **view agreement**: each node sends the others its
+view (the sorted set, a flag and their SHA-256, inside its Ed25519-signed envelope);
+when every view it receives equals its own, the set is settled; otherwise it retries
+with the intersection of the views it got, up to ``max_view_attempts`` times, and a
+view that still differs fails the round — a split view is retried, never silently
+summed. A node that settled answers later views of the same stage with its settled
+one, so a peer that heard less can converge. A round of :meth:`RoundEngine.run_round`
+(``docs/ARCHITECTURE.md``, "A round", steps 1, 3-5; Bonawitz et al., CCS'17, §4):
 
-1. **ready** — the node broadcasts a signed ``round.ready`` carrying its
-   ``AdvertiseKeys`` message (Bonawitz et al., CCS'17, §4 round 0) and collects the
-   others' until the ready deadline (or until every member answered).
-2. **agree on U1** — the participants follow deterministically from the ``ready``
-   messages seen; each node sends every other participant its view (the sorted set
-   and its SHA-256) inside a signed envelope. When every view received equals the
-   node's own, the set is agreed; otherwise the node retries with the intersection of
-   the views it got (never silently summing over a split view), up to
-   ``max_view_attempts`` times. The ring order is ``SHA-256(round || org_id)``.
-3. **share keys** — the Shamir shares of the self-mask seed and of the mask key,
-   encrypted to each holder (§4 round 1), point to point; the set of orgs whose
-   shares arrived (``U2``) is agreed the same way.
-4. **masked input, reduce** — each node masks its input (§4 round 2) and the masked
-   vectors are summed by :class:`~coordinator_free.ring.RingReducer`. If the ring
-   breaks (a member died or stalled), every node proposes the members it still
-   reaches, the survivors agree on them and the ring runs again over their masked
-   vectors, which each still holds.
-5. **unmask** — the survivors ``U3`` are agreed, each releases the self-mask shares of
-   survivors and the mask-key shares of the dropped (§4 round 4) — once per round,
-   so one honest node never releases both kinds of share for one org — and every
-   node removes the masks from the same masked sum: every survivor holds the same
-   sum. At least ``t`` survivors are needed at every stage, or the round fails with
-   :class:`RoundFailed` and a reason.
+1. **ready** — the node broadcasts a signed ``round.ready`` carrying the hash of the
+   member list ``U0`` and its ``AdvertiseKeys`` (§4 round 0), retrying peers it cannot
+   reach, and collects the others' until the ready deadline (or until all answered).
+2. **share keys** — to every org it saw ready, the Shamir shares of its self-mask
+   seed and mask key, encrypted to the holder (§4 round 1), each message prefixed by
+   the hash of the sender's ready view. When every share arrives with this node's own
+   view hash, the participants ``U1`` are settled at no extra message; otherwise the
+   node runs the view agreement on ``U1``. The orgs whose shares it holds form ``U2``.
+3. **mask, reduce** — the node masks its input (§4 round 2); the masked vectors are
+   summed along the ring ordered by ``SHA-256(round || org_id)`` with
+   :class:`~coordinator_free.ring.RingReducer` (chunked reduce-scatter + all-gather,
+   or a chain for short vectors; the ring's id binds its members, so rings built
+   from different views never mix). Every node then agrees on ``(members, completed)``:
+   if the ring broke (a member died, stalled or sent garbage), each proposes the
+   members minus those blamed by its own failure and by the aborts it received, and
+   the ring runs again over the agreed survivors' masked vectors, which each still
+   holds.
+4. **unmask** — for the agreed survivors ``U3`` each node releases the self-mask
+   shares of survivors and the mask-key shares of the dropped (§4 round 4), once per
+   round, so one honest node never releases both kinds of share for one org; every
+   node removes the masks from the same sum as soon as it holds ``t`` releases. Every
+   survivor ends with the same sum. Fewer than ``t`` orgs at any stage fail the round
+   with :class:`RoundFailed`, its stage and a reason.
 
-After the strategy steps, :meth:`RoundEngine.check_model_hash` gossips the digest of
-the next model among the participants and raises :class:`ModelHashMismatch` when any
-differs, stopping the run loudly.
+The cost per node is ``O(n)`` small signed messages per stage plus about
+``2 (n - 1) / n`` times the vector along the ring. After the strategy steps,
+:meth:`RoundEngine.check_model_hash` sends the digest of the next model to the
+participants and raises :class:`ModelHashMismatch` when any differs, stopping the run
+loudly.
 """
 
 from __future__ import annotations
@@ -570,6 +578,7 @@ class RoundEngine:
         self._model_hashes: dict[tuple[str, int], dict[str, bytes]] = {}
         self._model_events: dict[tuple[str, int], asyncio.Event] = {}
         self._background: set[asyncio.Future[set[str]]] = set()
+        self._running: set[tuple[str, int]] = set()
         for kind, handler in (
             (KIND_READY, self._on_ready),
             (KIND_VIEW, self._on_view),
@@ -832,6 +841,8 @@ class RoundEngine:
         """
         if not run:
             raise ValueError("run must be a non-empty string")
+        if (run, round) in self._running:
+            raise RoundFailed("ready", f"round {round} of {run!r} is already running here")
         # messages of rounds this node will never run (behind this one, or too far
         # ahead of it) are dropped, so wrong-round traffic cannot hold slots
         for key in [
@@ -845,9 +856,11 @@ class RoundEngine:
             state = self._state(run, round)
         except Refused as exc:
             raise RoundFailed("ready", f"round {round} of {run!r} cannot start: {exc}") from None
+        self._running.add((run, round))
         try:
             return await self._run(state, vector, deadline)
         finally:
+            self._running.discard((run, round))
             self._finish(run, round)
 
     async def _run(

@@ -212,12 +212,20 @@ def test_messages_for_the_wrong_round_are_refused() -> None:
     assert asyncio.run(scenario()) == [RefusalReason.STALE] * 3
 
 
-def test_a_run_round_for_a_finished_round_fails_clearly() -> None:
+def test_a_run_round_for_a_finished_or_running_round_fails_clearly() -> None:
     async def scenario() -> None:
         async with Simulation(sim_config(3)) as sim:
             assert_consistent(await sim.round(1))
+            engine = sim.engines["org-0"]
             with pytest.raises(RoundFailed, match="cannot start"):
-                await sim.engines["org-0"].run_round("sim-run", 1, sim.inputs(1)["org-0"])
+                await engine.run_round("sim-run", 1, sim.inputs(1)["org-0"])
+            x = sim.inputs(2)["org-0"]
+            first = asyncio.ensure_future(engine.run_round("sim-run", 2, x))
+            await asyncio.sleep(0)
+            with pytest.raises(RoundFailed, match="already running"):
+                await engine.run_round("sim-run", 2, x)
+            with pytest.raises(RoundFailed):  # the others never joined round 2
+                await first
 
     asyncio.run(scenario())
 

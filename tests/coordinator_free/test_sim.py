@@ -80,6 +80,16 @@ def test_each_fault_kind_leaves_a_consistent_round_and_the_next_works(fault: Fau
     assert honest <= set(second.results)
 
 
+def test_a_peer_slower_than_the_ready_deadline_is_left_out_then_rejoins() -> None:
+    config = SimConfig(peers=5, length=40, seed=12, round_config=QUICK)
+    slow = FaultSpec("org-4", Fault.DELAY, "ready", round=1, delay_s=1.5)
+    first, second = run_rounds(config, [slow])
+    assert first.problems() == [] and second.problems() == []
+    assert set(first.results) == {"org-0", "org-1", "org-2", "org-3"}
+    assert "org-4" in first.failures and "org-4" not in first.results["org-0"].participants
+    assert len(second.results) == 5
+
+
 def test_garbage_at_every_stage_is_refused_without_harm() -> None:
     config = SimConfig(peers=5, length=40, seed=4, round_config=QUICK)
     stages = ["ready", "agree-ready", "reduce.scatter.0", "reduce.gather.1", "unmask"]
