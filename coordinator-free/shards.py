@@ -189,8 +189,11 @@ class ShardStore:
         self._lock = threading.RLock()
         self._usage: dict[str, int] = {}
         for owner_dir in self.root.iterdir():
-            if owner_dir.is_dir():
+            try:
                 owner = bytes.fromhex(owner_dir.name).decode("utf-8")
+            except ValueError:  # not one of ours (UnicodeDecodeError is a ValueError)
+                continue
+            if owner_dir.is_dir():
                 self._usage[owner] = sum(
                     p.stat().st_size for p in owner_dir.rglob("*") if p.is_file()
                 )

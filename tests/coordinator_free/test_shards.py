@@ -380,3 +380,12 @@ def test_checkpoint_refuses_shards_larger_than_a_message(tmp_path: Path) -> None
             assert all(not n.store.list("o0") for n in c.nodes.values())
 
     asyncio.run(main())
+
+
+def test_store_ignores_foreign_entries_in_its_root(tmp_path: Path) -> None:
+    (tmp_path / "lost+found").mkdir()
+    (tmp_path / "notes.txt").write_text("operator notes")
+    store = ShardStore(tmp_path)
+    manifest, encoded = _set()
+    store.put(manifest, {0: encoded.shards[0]})
+    assert ShardStore(tmp_path).usage("a") == store.usage("a") > 0
