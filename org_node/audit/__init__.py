@@ -14,6 +14,7 @@ from org_node.audit.classes import (
     UnclassifiedKind,
     classify,
 )
+from org_node.audit.heads import HEAD_KIND, publish_head, serve_heads
 from org_node.audit.html import render_html
 from org_node.audit.log import (
     AuditError,
@@ -43,6 +44,7 @@ from org_node.audit.verify import VerifyResult, verify_log, verify_path, verify_
 
 __all__ = [
     "FORBIDDEN_CLASSES",
+    "HEAD_KIND",
     "AuditError",
     "ClassificationError",
     "ConsentRecord",
@@ -64,11 +66,13 @@ __all__ = [
     "VerifyResult",
     "build_report",
     "classify",
+    "publish_head",
     "read_log",
     "render_html",
     "report_to_bytes",
     "round_facts_from_engine",
     "save_report",
+    "serve_heads",
     "validate_report",
     "verify_log",
     "verify_path",

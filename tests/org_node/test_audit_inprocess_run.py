@@ -43,6 +43,7 @@ from org_node.audit import (
     verify_path,
     verify_report,
 )
+from org_node.audit.heads import publish_head, serve_heads
 from org_node.policy import Policy, RunSpec
 
 ORGS = ("clinic-a", "clinic-b", "clinic-c")
@@ -120,13 +121,7 @@ async def _federation(tmp: Path) -> dict[str, Any]:
         for o in ORGS
     }
     for o in ORGS:
-
-        async def on_head(env: Envelope, log: EgressLog = logs[o]) -> bytes:
-            head = SignedHead.from_bytes(env.payload)
-            log.hold_peer_head(head, keys[head.org])
-            return b""
-
-        eps[o].on("audit.head", on_head)
+        serve_heads(eps[o], logs[o], lambda: keys)
         await eps[o].start()
     return {
         "net": net,
@@ -155,15 +150,10 @@ async def _run(fed: dict[str, Any]) -> dict[int, Any]:
         await asyncio.gather(
             *(engines[o].check_model_hash(RUN, rnd, digest, ORGS, timeout=4.0) for o in ORGS)
         )
-        heads = {o: logs[o].sign_head(RUN, rnd) for o in ORGS}
-        await asyncio.gather(
-            *(
-                eps[o].send(p, "audit.head", heads[o].to_bytes(), run=RUN, round=rnd)
-                for o in ORGS
-                for p in ORGS
-                if p != o
-            )
+        published = await asyncio.gather(
+            *(publish_head(eps[o], logs[o], RUN, rnd, ORGS) for o in ORGS)
         )
+        assert all(failed == set() for _, failed in published)
     for o in ORGS:
         logs[o].sign_head(RUN, 2)
     return results
@@ -317,3 +307,30 @@ def test_a_reply_the_hook_refuses_is_not_sent() -> None:
     net = asyncio.run(main())
     assert seen == ["round.ready.reply"]
     assert net.messages_sent[ORGS[1]] == 0 and net.messages_sent[ORGS[0]] == 1
+
+
+def test_heads_from_strangers_forgers_or_for_others_are_refused(tmp_path: Path) -> None:
+    from coordinator_free.errors import Refused
+
+    async def main() -> EgressLog:
+        net = InMemoryNetwork()
+        ids = {o: _identity(o) for o in ORGS}
+        keys = {o: i.public_key for o, i in ids.items() if o != ORGS[2]}
+        members = {o: i.public_key for o, i in ids.items()}
+        holder = EgressLog(ids[ORGS[0]], tmp_path / "holder.log")
+        a = Endpoint(ids[ORGS[0]], "fed", net.transport(ORGS[0]), lambda: members)
+        b = Endpoint(ids[ORGS[1]], "fed", net.transport(ORGS[1]), lambda: members)
+        serve_heads(a, holder, lambda: keys)
+        await a.start()
+        await b.start()
+        b_head = EgressLog(ids[ORGS[1]]).sign_head("r", 1)
+        c_head = EgressLog(ids[ORGS[2]]).sign_head("r", 1)
+        forged = SignedHead(**{**b_head.to_dict(), "round": 2})
+        for payload in (c_head.to_bytes(), forged.to_bytes(), b"{}"):
+            with pytest.raises(Refused):
+                await b.send(ORGS[0], "audit.head", payload)
+        await b.send(ORGS[0], "audit.head", b_head.to_bytes())
+        return holder
+
+    holder = asyncio.run(main())
+    assert holder.peer_heads and [h.org for h in holder.peer_heads] == [ORGS[1]]
