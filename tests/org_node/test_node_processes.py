@@ -1,0 +1,165 @@
+"""Three real `fedweave run` processes on 127.0.0.1: a run proposed, accepted and started
+through each org's admin API, two rounds of the breast-cancer task over mutual TLS,
+identical final models, and SIGTERM stopping every node cleanly with its ports freed."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from org_node.config import NodeConfig
+from org_node.engine import STATE_FILE, EngineState, RunPlan, TrainingConfig, model_hash
+from org_node.initialize import found_manifest, initialize, install_manifest, sign_manifest
+
+pytestmark = pytest.mark.e2e
+
+ORGS = ("hospital-a", "hospital-b", "hospital-c")
+
+
+def free_ports(n: int) -> list[int]:
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def wait_for_line(proc: subprocess.Popen[bytes], needle: bytes, timeout: float) -> bytes:
+    assert proc.stdout is not None
+    seen = b""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.2)
+        if ready:
+            line = proc.stdout.readline()
+            seen += line
+            if needle in line:
+                return line
+        if proc.poll() is not None:
+            break
+    raise AssertionError(f"no {needle!r} from the node (exit {proc.poll()}): {seen!r}")
+
+
+def test_three_node_processes_train_two_rounds_and_stop_on_sigterm(tmp_path: Path) -> None:
+    ports = free_ports(2 * len(ORGS))
+    dirs, tokens = {}, {}
+    for i, org in enumerate(ORGS):
+        d = tmp_path / org
+        result = initialize(
+            d, org, peer_port=ports[2 * i], admin_port=ports[2 * i + 1], harness=True
+        )
+        dirs[org], tokens[org] = d, result.admin_token
+        config = NodeConfig.load(d / "fedweave.toml")
+        config.replace(
+            training=TrainingConfig(
+                local_steps=3,
+                batch_size=16,
+                num_partitions=len(ORGS),
+                partition_index=i,
+                evaluate=False,
+            )
+        ).save(d / "fedweave.toml")
+    manifest = tmp_path / "manifest.json"
+    found_manifest("hospitals", [d / "member.json" for d in dirs.values()], manifest)
+    for d in dirs.values():
+        sign_manifest(d, manifest)
+    for d in dirs.values():
+        install_manifest(d, manifest)
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("FEDWEAVE_HARNESS_DEBUG_EXPORT", None)
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    try:
+        for org, d in dirs.items():
+            procs[org] = subprocess.Popen(
+                [sys.executable, "-m", "org_node.cli", "run", "--data-dir", str(d)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+        for proc in procs.values():
+            wait_for_line(proc, b"ready:", timeout=40)
+
+        spec = {"task": "tabular", "rounds": 2, "participants": list(ORGS), "threshold": 2}
+        clients = {
+            org: httpx.Client(
+                base_url=f"http://127.0.0.1:{ports[2 * i + 1]}",
+                headers={"Authorization": f"Bearer {tokens[org]}"},
+                timeout=60,
+            )
+            for i, org in enumerate(ORGS)
+        }
+        run_ids = {}
+        for org, c in clients.items():
+            r = c.post("/v1/runs", json={"name": "cancer-demo", "spec": spec})
+            assert r.status_code == 201, r.text
+            run_ids[org] = r.json()["id"]
+            assert c.post(f"/v1/runs/{run_ids[org]}/accept", json={}).status_code == 200
+        for org, c in clients.items():
+            r = c.post(f"/v1/runs/{run_ids[org]}/start", json={})
+            assert r.status_code == 200, r.text
+
+        states: dict[str, str] = {}
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            states = {
+                o: c.get(f"/v1/runs/{run_ids[o]}").json()["state"] for o, c in clients.items()
+            }
+            if set(states.values()) <= {"completed", "failed"} and len(states) == len(ORGS):
+                break
+            time.sleep(0.2)
+        assert states == {o: "completed" for o in ORGS}
+        rounds = {
+            o: c.get(f"/v1/runs/{run_ids[o]}").json()["current_round"] for o, c in clients.items()
+        }
+        assert rounds == {o: 2 for o in ORGS}
+        metrics = clients[ORGS[0]].get(f"/v1/runs/{run_ids[ORGS[0]]}/metrics").json()["data"]
+        assert {(m["round"], m["name"]) for m in metrics} >= {(1, "survivors"), (2, "survivors")}
+        for c in clients.values():
+            c.close()
+
+        key = RunPlan.from_spec("cancer-demo", spec).run_key
+        hashes = {
+            org: model_hash(
+                EngineState.from_bytes((d / "runs" / key / STATE_FILE).read_bytes()).model
+            )
+            for org, d in dirs.items()
+        }
+        assert len(set(hashes.values())) == 1, hashes
+
+        for proc in procs.values():
+            proc.send_signal(signal.SIGTERM)
+        for org, proc in procs.items():
+            assert proc.wait(timeout=20) == 0, org
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+            if proc.stdout is not None:
+                proc.stdout.close()
+    assert all(port_is_free(p) for p in ports)
