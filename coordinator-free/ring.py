@@ -68,9 +68,11 @@ _PHASES = (
     _PHASE_STAR_UP,
     _PHASE_STAR_DOWN,
 )
-# version, phase, bits, step, chunk index, element count, ring id (16 bytes)
-_HEADER = struct.Struct(">BBBIII16s")
+# version, phase, bits, step, chunk index, frame, element count, ring id (16 bytes)
+_HEADER = struct.Struct(">BBBIIII16s")
 _VERSION = 1
+MAX_FRAME_BYTES = 16 << 20
+"""A chunk larger than this travels as several messages (well under the 64 MiB limit)."""
 _ACK = b"ok"
 
 Handler = Callable[[Envelope], Awaitable[bytes | None]]
@@ -159,7 +161,8 @@ class RingStats:
     gather_bytes: int = 0
 
 
-_Key = tuple[str, int, bytes, int, int, str]  # run, round, ring id, phase, step, sender
+# run, round, ring id, phase, step, frame, sender
+_Key = tuple[str, int, bytes, int, int, int, str]
 
 
 @dataclass
@@ -189,9 +192,20 @@ class _Link:
     def wire_dtype(self) -> np.dtype[Any]:
         return self.dtype.newbyteorder("<")
 
+    def frames(self, count: int) -> list[tuple[int, int]]:
+        """The ``[lo, hi)`` frames a chunk of ``count`` elements travels in."""
+        per = max(1, MAX_FRAME_BYTES // self.dtype.itemsize)
+        return chunk_bounds(count, max(1, -(-count // per)))
+
     async def send(self, dest: str, phase: int, step: int, index: int, data: np.ndarray) -> None:
+        for frame, (lo, hi) in enumerate(self.frames(data.shape[0])):
+            await self._send_frame(dest, phase, step, index, frame, data[lo:hi])
+
+    async def _send_frame(
+        self, dest: str, phase: int, step: int, index: int, frame: int, data: np.ndarray
+    ) -> None:
         bits = self.dtype.itemsize * 8
-        header = _HEADER.pack(_VERSION, phase, bits, step, index, data.shape[0], self.rid)
+        header = _HEADER.pack(_VERSION, phase, bits, step, index, frame, data.shape[0], self.rid)
         payload = header + data.astype(self.wire_dtype, copy=False).tobytes()
         try:
             reply = await self.endpoint.send(
@@ -217,12 +231,23 @@ class _Link:
     async def receive(
         self, src: str, phase: int, step: int, index: int, count: int, wait: float
     ) -> np.ndarray:
-        """The chunk ``src`` sends for (phase, step); waits up to ``wait`` seconds.
+        """The chunk ``src`` sends for (phase, step), all its frames; waits up to ``wait`` s.
 
         While waiting longer than one ``timeout``, pings ``src`` each ``timeout``: a
         sender that is gone is blamed at once rather than at the end of the wait.
         """
-        key: _Key = (self.run, self.round, self.rid, phase, step, src)
+        frames = self.frames(count)
+        if len(frames) == 1:
+            return await self._receive_frame(src, phase, step, index, 0, count, wait)
+        out = np.empty(count, dtype=self.dtype)
+        for frame, (lo, hi) in enumerate(frames):
+            out[lo:hi] = await self._receive_frame(src, phase, step, index, frame, hi - lo, wait)
+        return out
+
+    async def _receive_frame(
+        self, src: str, phase: int, step: int, index: int, frame: int, count: int, wait: float
+    ) -> np.ndarray:
+        key: _Key = (self.run, self.round, self.rid, phase, step, frame, src)
         box = self.box
         fut = box.chunks.get(key)
         if fut is None:
@@ -264,11 +289,14 @@ class _Link:
         payload = fut.result()
         box.chunks.pop(key, None)
         box.buffered -= len(payload)
-        _version, _phase, got_bits, _step, got_index, got_count, _rid = _HEADER.unpack_from(payload)
+        _version, _phase, got_bits, _step, got_index, got_frame, got_count, _rid = (
+            _HEADER.unpack_from(payload)
+        )
         body = payload[_HEADER.size :]
         if (
             got_bits != self.dtype.itemsize * 8
             or got_index != index
+            or got_frame != frame
             or got_count != count
             or len(body) != count * self.dtype.itemsize
         ):
@@ -341,10 +369,10 @@ class RingReducer:
             raise Refused(RefusalReason.STALE, f"no open round {env.run!r}/{env.round}")
         if len(env.payload) < _HEADER.size:
             raise Refused(RefusalReason.MALFORMED, "chunk shorter than its header")
-        version, phase, _bits, step, _index, _count, rid = _HEADER.unpack_from(env.payload)
+        version, phase, _bits, step, _index, frame, _count, rid = _HEADER.unpack_from(env.payload)
         if version != _VERSION or phase not in _PHASES:
             raise Refused(RefusalReason.MALFORMED, "unknown chunk version or phase")
-        key: _Key = (env.run, env.round, rid, phase, step, env.sender)
+        key: _Key = (env.run, env.round, rid, phase, step, frame, env.sender)
         fut = box.chunks.get(key)
         if fut is not None and fut.done():
             # a second chunk for the same slot never overwrites the first
@@ -520,12 +548,11 @@ class RingReducer:
         stage: str = "reduce",
         timeout: float = 10.0,
         stats: RingStats | None = None,
-        max_frame: int = 1 << 22,
     ) -> np.ndarray:
         """The same sum through one hub, ``order[0]``: the star baseline of the benchmarks.
 
-        Every member sends its vector to the hub (in frames of at most ``max_frame``
-        elements), the hub adds them and sends the total back to each: the hub sends
+        Every member sends its vector to the hub, the hub adds them and sends the
+        total back to each: the hub sends
         ``n - 1`` vectors where a ring member sends ``2 (n - 1) / n``.
         """
         link = self._link(
@@ -543,27 +570,22 @@ class RingReducer:
         if n == 1:
             return acc
         hub, me = order[0], self.endpoint.org_id
-        frames = chunk_bounds(acc.shape[0], max(1, -(-acc.shape[0] // max_frame)))
+        length = acc.shape[0]
         wait = timeout * n
         try:
             if me == hub:
 
                 async def collect(member: str) -> None:
-                    for i, (lo, hi) in enumerate(frames):
-                        part = await link.receive(member, _PHASE_STAR_UP, i, i, hi - lo, wait)
-                        np.add(acc[lo:hi], part, out=acc[lo:hi])
-
-                async def deliver(member: str) -> None:
-                    for i, (lo, hi) in enumerate(frames):
-                        await link.send(member, _PHASE_STAR_DOWN, i, i, acc[lo:hi])
+                    part = await link.receive(member, _PHASE_STAR_UP, 0, 0, length, wait)
+                    np.add(acc, part, out=acc)
 
                 await asyncio.gather(*(collect(m) for m in order[1:]))
-                await asyncio.gather(*(deliver(m) for m in order[1:]))
+                await asyncio.gather(
+                    *(link.send(m, _PHASE_STAR_DOWN, 0, 0, acc) for m in order[1:])
+                )
             else:
-                for i, (lo, hi) in enumerate(frames):
-                    await link.send(hub, _PHASE_STAR_UP, i, i, acc[lo:hi])
-                for i, (lo, hi) in enumerate(frames):
-                    acc[lo:hi] = await link.receive(hub, _PHASE_STAR_DOWN, i, i, hi - lo, wait)
+                await link.send(hub, _PHASE_STAR_UP, 0, 0, acc)
+                acc[:] = await link.receive(hub, _PHASE_STAR_DOWN, 0, 0, length, wait)
         except RingBroken as exc:
             raise await self._broken(order, link, exc) from exc
         return acc
