@@ -185,3 +185,35 @@ def test_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     rows = json.loads(out.read_text())
     assert [r["round"] for r in rows] == [1, 2]
     assert all(r["problems"] == [] for r in rows)
+
+
+def test_a_split_during_the_key_shares_is_detected_never_summed() -> None:
+    config = SimConfig(peers=6, length=40, seed=13, round_config=QUICK)
+    halves = (("org-0", "org-1", "org-2"), ("org-3", "org-4", "org-5"))
+
+    async def scenario() -> tuple[RoundOutcome, RoundOutcome]:
+        async with Simulation(config) as sim:
+            split = asyncio.Event()
+
+            async def hook(org: str, run: str, round: int, stage: str) -> None:
+                if round == 1 and stage == "share" and not split.is_set():
+                    split.set()
+                    sim.network.partition(*halves)
+                    asyncio.get_running_loop().call_later(0.3, sim.network.heal)
+
+            for engine in sim.engines.values():
+                engine.hook = hook
+            return await sim.round(1), await sim.round(2)
+
+    first, second = asyncio.run(scenario())
+    # each half saw the other ready but lost its shares: the halves' views differ, and
+    # neither half alone reaches t = 4 of 6, so every node fails and says why; no node
+    # sums over a view the others do not share
+    assert first.problems() == []
+    assert not first.results
+    assert set(first.failures) == {f"org-{i}" for i in range(6)}
+    assert all(
+        "fewer than t=4" in reason or "leave this node out" in reason
+        for reason in first.failures.values()
+    )
+    assert second.problems() == [] and len(second.results) == 6
