@@ -132,7 +132,9 @@ class RoundConfig:
     step_timeout: seconds one ring step waits for the predecessor's chunk.
     send_timeout: seconds one send waits for its reply.
     threshold: the Shamir threshold ``t``, the fewest survivors a round can finish
-        with; ``None`` means a majority of the agreed participants, ``|U1| // 2 + 1``.
+        with; ``None`` means a majority of the members, ``|U0| // 2 + 1`` (``t`` must
+        exceed half the members for the "never both shares" argument of
+        :class:`secure_agg.protocol.ProtocolConfig` to hold).
     min_participants: the fewest participants a round starts with (at least 2).
     max_view_attempts: how many times one view agreement is retried.
     max_reduce_attempts: how many times the ring runs, the first time included.
@@ -241,8 +243,9 @@ class MaskedSum(Protocol):
     """One org's side of a masked-sum protocol for one round.
 
     The engine calls the methods in this order and moves their bytes over the
-    network; ``receive_*`` raise on a message they refuse and leave the session as
-    it was, so the engine leaves that sender out of its view. :class:`SecAggSession`
+    network; ``receive_*`` raise :class:`~secure_agg.errors.SecAggError` or
+    ``ValueError`` on a message they refuse and leave the session as it was, so the
+    engine leaves that sender out of its view. :class:`SecAggSession`
     adapts :class:`secure_agg.protocol.SecAggPeer` to it.
     """
 
@@ -255,7 +258,7 @@ class MaskedSum(Protocol):
         ...
 
     def share_keys(self, participants: frozenset[str]) -> Mapping[str, bytes]:
-        """Given the agreed ``U1``, the share message for each other participant."""
+        """Given this node's view of the ready orgs, the share message for each other one."""
         ...
 
     def receive_share(self, sender: str, data: bytes) -> None:
