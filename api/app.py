@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import APIRouter, FastAPI, Request, Response
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from sqlalchemy import Engine
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.routers import audit, checkpoints, datasets, federation, peers, policies, runs, tokens
 from api.routers import node as node_routes
@@ -27,7 +28,7 @@ from org_node import __version__
 from org_node.db.engine import make_engine, migrate
 from org_node.services import NodeServices
 
-__all__ = ["ROUTERS", "create_app"]
+__all__ = ["ROUTERS", "RequestCounter", "create_app"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,27 @@ ROUTERS: tuple[APIRouter, ...] = tuple(
     )
 )
 """Every router of the admin API, in inclusion order."""
+
+
+class RequestCounter:
+    """ASGI middleware counting answered requests by status class (``2xx``, ``4xx`` …)
+    for ``/metrics``; pure ASGI, so it adds no task or stream per request."""
+
+    def __init__(self, app: ASGIApp, counts: Counter[str]) -> None:
+        self.app = app
+        self.counts = counts
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def counting(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.counts[f"{message['status'] // 100}xx"] += 1
+            await send(message)
+
+        await self.app(scope, receive, counting)
 
 
 def create_app(
@@ -101,20 +123,13 @@ def create_app(
     ):
         app.include_router(module.router)
 
-    @app.middleware("http")
-    async def count_requests(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        response = await call_next(request)
-        request.app.state.request_counts[f"{response.status_code // 100}xx"] += 1
-        return response
-
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.error("unhandled %s on %s %s", type(exc).__name__, request.method, request.url.path)
         return JSONResponse(status_code=500, content={"detail": "internal error"})
 
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
+    app.add_middleware(RequestCounter, counts=app.state.request_counts)
     if settings.cors_origins:
         app.add_middleware(
             CORSMiddleware,

@@ -4,6 +4,9 @@
 owner, or the one opaque 401), ``NodeDep`` (the running node's services),
 ``SettingsDep``, ``PageDep`` (offset/limit) and ``IdempotencyKeyDep``. Routes declare the
 roles they admit with ``dependencies=[require_roles(...)]``.
+
+Dependencies that never block are ``async def`` so that they run on the event loop;
+only those that touch the database run in the worker threads (one hop each).
 """
 
 from __future__ import annotations
@@ -41,12 +44,12 @@ def get_session(request: Request) -> Iterator[Session]:
         yield session
 
 
-def get_settings(request: Request) -> Settings:
+async def get_settings(request: Request) -> Settings:
     settings: Settings = request.app.state.settings
     return settings
 
 
-def get_node(request: Request) -> NodeServices:
+async def get_node(request: Request) -> NodeServices:
     node: NodeServices = request.app.state.node
     return node
 
@@ -97,7 +100,7 @@ def require_roles(*roles: Role) -> Any:
     """A route dependency admitting only ``roles`` (403 for a valid token of another)."""
     admitted = frozenset(roles)
 
-    def check(principal: CurrentPrincipal) -> Principal:
+    async def check(principal: CurrentPrincipal) -> Principal:
         if principal.role not in admitted:
             raise forbidden(principal.role)
         return principal
@@ -112,7 +115,7 @@ class Page:
     limit: int
 
 
-def get_page(
+async def get_page(
     request: Request,
     offset: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
@@ -124,7 +127,7 @@ def get_page(
 PageDep = Annotated[Page, Depends(get_page)]
 
 
-def get_idempotency_key(
+async def get_idempotency_key(
     idempotency_key: Annotated[
         str | None,
         Header(
