@@ -76,6 +76,7 @@ SHARED: list[Callable[[Api], None]] = [
     test_runs.test_full_life_cycle_calls_hooks_and_records_consent,
     test_runs.test_invalid_transition_is_409_naming_the_state,
     test_runs.test_refusing_hook_leaves_nothing_written,
+    test_runs.test_two_operators_starting_one_run_one_wins,
     test_runs.test_idempotent_proposal,
     test_runs.test_metrics_by_round,
     test_runs.test_event_stream_follows_progress_until_the_end,

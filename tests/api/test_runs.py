@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 
 import pytest
 from sqlmodel import Session, select
 
 from org_node.db.models import AuditEvent, Role, Run, RunMetric
 from org_node.runs import InvalidTransition, RunAction, RunState, allowed_actions, next_state
-from org_node.services import ServiceRefused
+from org_node.services import RunEventBus, ServiceRefused
 from tests.api.conftest import RUN_SPEC, Api, propose_run
 
 
@@ -180,3 +182,51 @@ def test_transition_table_is_total_and_consistent() -> None:
                     next_state(state, action)
     with pytest.raises(ValueError):
         next_state("flying", "start")
+
+
+def test_two_operators_starting_one_run_one_wins(api: Api) -> None:
+    rid = propose_run(api)["id"]
+    api.client.post(f"/v1/runs/{rid}/accept", headers=api.h())
+    barrier = threading.Barrier(2)
+    codes: list[int] = []
+
+    def operator() -> None:
+        barrier.wait()
+        codes.append(
+            api.client.post(f"/v1/runs/{rid}/start", headers=api.h(Role.OPERATOR)).status_code
+        )
+
+    threads = [threading.Thread(target=operator) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(codes) == [200, 409]
+    assert [c for c in api.node.calls if c[0] == "started"] == [("started", rid)]
+
+
+def test_event_bus_delivers_across_threads_and_drops_the_oldest() -> None:
+    bus = RunEventBus(queue_size=2, history=1)
+
+    async def scenario() -> list[int]:
+        queue = bus.subscribe("r")
+        publisher = threading.Thread(
+            target=lambda: [bus.publish("r", "round", {"round": i}) for i in range(5)]
+        )
+        publisher.start()
+        publisher.join()
+        await asyncio.sleep(0.05)
+        got = [queue.get_nowait().data["round"] for _ in range(queue.qsize())]
+        bus.unsubscribe("r", queue)
+        return got
+
+    assert asyncio.run(scenario()) == [3, 4]
+    assert bus.subscribers("r") == 0
+
+    async def late() -> list[int]:
+        queue = bus.subscribe("r")
+        return [queue.get_nowait().data["round"] for _ in range(queue.qsize())]
+
+    assert asyncio.run(late()) == [4]  # the history replays the last event
+    with pytest.raises(ValueError):
+        RunEventBus(queue_size=0)
