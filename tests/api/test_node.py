@@ -3,9 +3,11 @@ transport-level guards (body size, CORS)."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
+from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
 from api.settings import Settings
@@ -157,3 +159,19 @@ def test_settings_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     s = Settings()
     assert s.resolved_database_url == "postgresql://u@127.0.0.1/db"
     assert s.dataset_roots == (Path("/srv/data"),)
+
+
+def test_unexpected_errors_are_opaque_and_log_no_secrets(
+    api: Api, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken() -> object:
+        raise RuntimeError(f"engine exploded near {api.tokens[Role.ADMIN]}")
+
+    api.node.health = broken  # type: ignore[method-assign,assignment]
+    client = TestClient(api.app, raise_server_exceptions=False)
+    with caplog.at_level(logging.DEBUG):
+        r = client.get("/v1/node", headers=api.h())
+    assert r.status_code == 500 and r.json() == {"detail": "internal error"}
+    assert "RuntimeError" in caplog.text
+    for secret in api.tokens.values():
+        assert secret not in caplog.text and secret not in r.text
