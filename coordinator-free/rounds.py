@@ -591,6 +591,26 @@ class RoundEngine:
         ):
             endpoint.on(kind, handler)
 
+    @classmethod
+    def secure(
+        cls,
+        endpoint: Endpoint,
+        peers: Callable[[], Iterable[str]],
+        config: RoundConfig | None = None,
+        *,
+        codec: FixedPointCodec | None = None,
+        hook: StageHook | None = None,
+    ) -> RoundEngine:
+        """An engine running :mod:`secure_agg`'s masked sum, signed with the endpoint's
+        identity; ``codec`` encodes float inputs (``codec.max_summands`` >= members)."""
+        return cls(
+            endpoint,
+            peers,
+            secagg_sessions(*endpoint_signer(endpoint), codec=codec),
+            config,
+            hook=hook,
+        )
+
     @property
     def org_id(self) -> str:
         return self.endpoint.org_id

@@ -7,16 +7,18 @@ import hashlib
 
 import numpy as np
 import pytest
+from coordinator_free.endpoint import Endpoint
 from coordinator_free.errors import RefusalReason, Refused
+from coordinator_free.identity import OrgIdentity
+from coordinator_free.memory import InMemoryNetwork
 from coordinator_free.rounds import (
     KIND_READY,
     ModelHashMismatch,
     RoundConfig,
     RoundEngine,
     RoundFailed,
+    RoundResult,
     View,
-    endpoint_signer,
-    secagg_sessions,
     view_hash,
 )
 from coordinator_free.sim import Fault, FaultSpec, RoundOutcome, SimConfig, Simulation
@@ -118,29 +120,34 @@ def test_every_node_gets_the_plaintext_sum_and_sends_about_two_payloads() -> Non
 
 
 def test_float_inputs_are_encoded_and_decoded_by_the_codec() -> None:
-    async def scenario() -> dict[str, np.ndarray]:
-        sim = Simulation(SimConfig(peers=4, length=8, seed=2, round_config=FAST))
-        codec = FixedPointCodec(bits=32, clip=1.0, max_summands=4)
-        for org, engine in sim.engines.items():
-            engine.session_factory = secagg_sessions(
-                *endpoint_signer(sim.endpoints[org]), codec=codec, seed=2
-            )
-        rng = np.random.default_rng(0)
-        inputs = {o: rng.uniform(-1, 1, 8) for o in sim.orgs}
-        async with sim:
-            results = await asyncio.gather(
-                *(sim.engines[o].run_round("run", 1, inputs[o]) for o in sim.orgs)
-            )
-        truth = sum(inputs.values())
-        bound = codec.sum_error_bound(4)
-        for res in results:
-            assert res.sum.dtype == np.float64
-            assert np.all(np.abs(res.sum - truth) <= bound)
-        return {o: r.sum for o, r in zip(sim.orgs, results, strict=True)}
+    orgs = [f"org-{i}" for i in range(4)]
+    codec = FixedPointCodec(bits=32, clip=1.0, max_summands=4)
+    rng = np.random.default_rng(0)
+    inputs = {o: rng.uniform(-1, 1, 8) for o in orgs}
 
-    sums = asyncio.run(scenario())
-    first = next(iter(sums.values()))
-    assert all(np.array_equal(first, s) for s in sums.values())
+    async def scenario() -> list[RoundResult]:
+        network = InMemoryNetwork()
+        ids = {o: OrgIdentity.generate(o, hashlib.sha256(o.encode()).digest()) for o in orgs}
+        keys = {o: i.public_key for o, i in ids.items()}
+        endpoints = [Endpoint(ids[o], "fed", network.transport(o), lambda: keys) for o in orgs]
+        # the constructor the org node uses
+        engines = [RoundEngine.secure(e, lambda: orgs, FAST, codec=codec) for e in endpoints]
+        for e in endpoints:
+            await e.start()
+        results = await asyncio.gather(
+            *(eng.run_round("run", 1, inputs[o]) for eng, o in zip(engines, orgs, strict=True))
+        )
+        for e in endpoints:
+            await e.close()
+        return list(results)
+
+    results = asyncio.run(scenario())
+    truth = sum(inputs.values())
+    bound = codec.sum_error_bound(4)
+    for res in results:
+        assert res.sum.dtype == np.float64
+        assert np.all(np.abs(res.sum - truth) <= bound)
+        np.testing.assert_array_equal(res.sum, results[0].sum)
 
 
 KILL_STAGES = [
