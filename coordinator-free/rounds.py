@@ -554,9 +554,12 @@ class _Counters:
 class RoundEngine:
     """Runs leaderless secure-aggregation rounds for one org over its :class:`Endpoint`.
 
-    peers: the org ids that may take part (the manifest's members, or the membership
-    layer's live view); this org may be among them. session_factory builds this org's
-    masked-sum session for a round. hook: the simulator's fault-injection seam.
+    peers: the federation's members (the manifest's list, the same on every node: it
+    is ``U0`` of the masked sum); this org may be among them. session_factory builds
+    this org's masked-sum session for a round. live: optionally, the members believed
+    alive (the membership layer's view): the ready stage stops waiting once all of
+    them are ready instead of waiting out the deadline for a member known dead.
+    hook: the simulator's fault-injection seam.
     """
 
     def __init__(
@@ -568,6 +571,7 @@ class RoundEngine:
         *,
         clock: Callable[[], float] = time.time,
         hook: StageHook | None = None,
+        live: Callable[[], Iterable[str]] | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.peers = peers
@@ -575,6 +579,7 @@ class RoundEngine:
         self.config = config or RoundConfig()
         self.clock = clock
         self.hook = hook
+        self.live = live
         self.ring = RingReducer(endpoint)
         self._states: dict[tuple[str, int], _RoundState] = {}
         self._last_done: dict[str, int] = {}
@@ -600,6 +605,7 @@ class RoundEngine:
         *,
         codec: FixedPointCodec | None = None,
         hook: StageHook | None = None,
+        live: Callable[[], Iterable[str]] | None = None,
     ) -> RoundEngine:
         """An engine running :mod:`secure_agg`'s masked sum, signed with the endpoint's
         identity; ``codec`` encodes float inputs (``codec.max_summands`` >= members)."""
@@ -609,6 +615,7 @@ class RoundEngine:
             secagg_sessions(*endpoint_signer(endpoint), codec=codec),
             config,
             hook=hook,
+            live=live,
         )
 
     @property
@@ -919,8 +926,10 @@ class RoundEngine:
         # times before the deadline, so a partition that heals in time costs nothing
         pending: set[str] = set(u0) - {me}
         retry_s = max(0.05, wait_s / 8)
+        # the wait ends early once every member believed alive is ready
+        awaited = set(u0) if self.live is None else (set(self.live()) & set(u0)) | {me}
         while True:
-            failed = await self._broadcast(
+            pending = await self._broadcast(
                 counters,
                 sorted(pending),
                 KIND_READY,
@@ -929,11 +938,13 @@ class RoundEngine:
                 round=rnd,
                 stage="ready",
             )
-            pending = failed
             if not pending or loop.time() + retry_s >= ready_end:
                 break
-            await state.inbox.wait(("ready",), u0, min(ready_end, loop.time() + retry_s))
-        readies = await state.inbox.wait(("ready",), u0, ready_end)
+            got = await state.inbox.wait(("ready",), awaited, min(ready_end, loop.time() + retry_s))
+            if got.keys() >= awaited:
+                break
+        await state.inbox.wait(("ready",), awaited, ready_end)
+        readies = {o: p for o, p in state.inbox.get(("ready",)).items() if o in u0}
         ready_set = {me}
         for org, payload in sorted(readies.items()):
             if org == me:

@@ -291,3 +291,24 @@ def test_the_star_topology_gives_the_same_sum_through_a_busy_hub() -> None:
     ring_bytes = {o: r.ring_bytes_sent for o, r in out.results.items()}
     assert ring_bytes[hub] >= 4 * 2000 * 4
     assert max(b for o, b in ring_bytes.items() if o != hub) < 2000 * 4 + 256
+
+
+def test_a_member_known_dead_is_not_waited_for() -> None:
+    patient = RoundConfig(
+        ready_timeout=120.0, stage_timeout=4.0, step_timeout=2.0, send_timeout=4.0
+    )
+
+    async def scenario() -> RoundOutcome:
+        async with Simulation(SimConfig(peers=4, length=16, seed=3, round_config=patient)) as sim:
+            sim.network.kill("org-3")
+            sim.killed.add("org-3")
+            alive = ["org-0", "org-1", "org-2"]
+            for engine in sim.engines.values():
+                engine.live = lambda: alive
+            # without the live view every node would wait out the 120 s ready window
+            return await asyncio.wait_for(sim.round(1), timeout=60)
+
+    out = asyncio.run(scenario())
+    assert_consistent(out)
+    assert set(out.results) == {"org-0", "org-1", "org-2"}
+    assert "org-3" not in out.results["org-0"].participants
