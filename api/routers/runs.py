@@ -62,7 +62,6 @@ _HOOKS: dict[RunAction, str] = {
     RunAction.ABORT: "on_run_aborted",
 }
 _POLICY_CHECKED = (RunAction.ACCEPT, RunAction.START, RunAction.RESUME)
-RunIdPath = Annotated[str, "run id"]
 
 
 def _public(row: Run) -> RunPublic:
@@ -188,7 +187,7 @@ def _transition(
 
 
 def _action_route(action: RunAction, doc: str) -> None:
-    roles = WRITERS
+    """Register ``POST /v1/runs/{run_id}/<action>`` (admin and operator)."""
 
     def handler(
         run_id: str,
@@ -206,7 +205,7 @@ def _action_route(action: RunAction, doc: str) -> None:
         handler,
         methods=["POST"],
         response_model=RunPublic,
-        dependencies=[require_roles(*roles)],
+        dependencies=[require_roles(*WRITERS)],
         name=f"{action.value}_run",
         summary=f"{action.value.capitalize()} a run",
     )
