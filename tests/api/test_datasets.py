@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from api.paths import PathRefused, confine, content_hash
 from org_node.db.models import Role
@@ -109,3 +112,41 @@ def test_idempotent_registration(api: Api) -> None:
     a = api.client.post("/v1/datasets", json=body, headers=h)
     b = api.client.post("/v1/datasets", json=body, headers=h)
     assert a.status_code == b.status_code == 201 and a.json() == b.json()
+
+
+_SEGMENTS = st.sampled_from(["..", ".", "a", "b", "up", "loop", "a.csv", "outside", ""])
+
+
+@settings(max_examples=200, deadline=None)
+@given(parts=st.lists(_SEGMENTS, min_size=1, max_size=6), absolute=st.booleans())
+def test_confine_never_escapes_the_root(
+    tree: tuple[Path, Path], parts: list[str], absolute: bool
+) -> None:
+    root, outside = tree
+    for escape in ("up/outside/a.csv", "../outside/a", "loop/../../outside"):
+        with pytest.raises(PathRefused, match="outside the configured"):
+            confine(escape, [root])
+    raw = "/".join(parts)
+    if absolute:
+        raw = str(root / raw)
+    try:
+        real = confine(raw, [root])
+    except PathRefused:
+        return
+    assert real == root.resolve() or real.is_relative_to(root.resolve())
+    assert not real.is_relative_to(outside.resolve())
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """root/{a/a.csv, b/, up -> .., loop -> root/a} next to outside/a.csv."""
+    base = tmp_path_factory.mktemp("confine")
+    root, outside = base / "root", base / "outside"
+    for d in (root / "a", root / "b", outside / "a"):
+        d.mkdir(parents=True)
+    (root / "a" / "a.csv").write_text("in")
+    (outside / "a" / "a.csv").write_text("out")
+    (outside / "a.csv").write_text("out")
+    os.symlink("..", root / "up")
+    os.symlink(root / "a", root / "loop")
+    return root, outside
