@@ -56,9 +56,16 @@ from typing import Protocol
 
 import numpy as np
 from coordinator_free.endpoint import Endpoint
-from coordinator_free.errors import CoordinatorFreeError, RefusalReason, Refused, TransportError
+from coordinator_free.errors import (
+    CoordinatorFreeError,
+    PeerUnreachable,
+    RefusalReason,
+    Refused,
+    RequestTimeout,
+    TransportError,
+)
 from coordinator_free.identity import verify_signature
-from coordinator_free.ring import RingBroken, RingReducer, RingStats, ring_order
+from coordinator_free.ring import KIND_PING, RingBroken, RingReducer, RingStats, ring_order
 from coordinator_free.wire import Envelope
 
 from secure_agg.codec import FixedPointCodec
@@ -68,6 +75,8 @@ from secure_agg.messages import AdvertiseKeys, Message, ShareKeys, UnmaskShares
 from secure_agg.protocol import ProtocolConfig, SecAggPeer
 
 __all__ = [
+    "KIND_COMMIT",
+    "KIND_LEAVE",
     "KIND_MODEL",
     "KIND_READY",
     "KIND_SHARE",
@@ -95,6 +104,8 @@ KIND_READY = "round.ready"
 KIND_VIEW = "round.view"
 KIND_SHARE = "round.share"
 KIND_UNMASK = "round.unmask"
+KIND_COMMIT = "round.commit"
+KIND_LEAVE = "round.leave"
 KIND_MODEL = "round.model"
 
 _HASH = 32
@@ -512,6 +523,25 @@ class _Inbox:
     def get(self, key: tuple[str, ...]) -> dict[str, bytes]:
         return dict(self._items.get(key, {}))
 
+    async def wait_any(
+        self, keys: Iterable[tuple[str, ...]], done: Callable[[], bool], deadline: float
+    ) -> None:
+        """Wait until ``done()`` holds, checked whenever one of ``keys`` gets a message."""
+        events = [self._events.setdefault(k, asyncio.Event()) for k in keys]
+        loop = asyncio.get_running_loop()
+        while True:
+            for event in events:
+                event.clear()
+            remaining = deadline - loop.time()
+            if done() or remaining <= 0:
+                return
+            waiters = [asyncio.ensure_future(e.wait()) for e in events]
+            try:
+                await asyncio.wait(waiters, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waiters:
+                    w.cancel()
+
     async def wait(
         self, key: tuple[str, ...], senders: Iterable[str], deadline: float
     ) -> dict[str, bytes]:
@@ -541,6 +571,11 @@ class _RoundState:
     released_for: frozenset[str] | None = None
     # per stage tag, the set (and flag) this node settled on, and the views it has sent
     decided: dict[str, tuple[frozenset[str], bool]] = field(default_factory=dict)
+
+    def gone(self) -> set[str]:
+        """The members that said they left this round (it failed for them)."""
+        return set(self.inbox.get(("gone",)))
+
     views_sent: set[tuple[str, int, str]] = field(default_factory=set)
 
 
@@ -592,6 +627,8 @@ class RoundEngine:
             (KIND_VIEW, self._on_view),
             (KIND_SHARE, self._on_share),
             (KIND_UNMASK, self._on_unmask),
+            (KIND_COMMIT, self._on_commit),
+            (KIND_LEAVE, self._on_leave),
             (KIND_MODEL, self._on_model),
         ):
             endpoint.on(kind, handler)
@@ -698,6 +735,20 @@ class RoundEngine:
             raise Refused(RefusalReason.MALFORMED, "share without a view hash")
         if not state.inbox.put(("share",), env.sender, env.payload):
             raise Refused(RefusalReason.REPLAY, "second share for this round")
+        return b""
+
+    async def _on_leave(self, env: Envelope) -> bytes:
+        state = self._state(env.run, env.round)
+        state.inbox.put(("gone",), env.sender, b"")
+        return b""
+
+    async def _on_commit(self, env: Envelope) -> bytes:
+        state = self._state(env.run, env.round)
+        if len(env.payload) != 1 + _HASH or env.payload[0] not in (1, 2):
+            raise Refused(RefusalReason.MALFORMED, "a commit token is a phase and a ring hash")
+        key = ("commit", str(env.payload[0]), env.payload[1:].hex())
+        if not state.inbox.put(key, env.sender, b""):
+            raise Refused(RefusalReason.REPLAY, "second commit token")
         return b""
 
     async def _on_unmask(self, env: Envelope) -> bytes:
@@ -817,12 +868,18 @@ class RoundEngine:
                 round=state.round,
                 stage=tag,
             )
-            # a peer that could not take this node's view is out: no waiting for its own
-            got = await state.inbox.wait(
-                ("view", tag, str(attempt)),
-                set(others) - failed,
-                loop.time() + self.config.stage_timeout,
+            # a peer that could not take this node's view, or that left the round, is
+            # out: no waiting for its own
+            key = ("view", tag, str(attempt))
+            expected = set(others) - failed
+
+            def heard(key: tuple[str, ...] = key, expected: set[str] = expected) -> bool:
+                return expected - state.gone() <= state.inbox.get(key).keys()
+
+            await state.inbox.wait_any(
+                [key, ("gone",)], heard, loop.time() + self.config.stage_timeout
             )
+            got = {o: p for o, p in state.inbox.get(key).items() if o in expected}
             views = {o: View.from_bytes(p) for o, p in got.items()}
             missing = (set(others) - set(views)) | failed
             if not missing and all(v.members == view and v.flag == ok for v in views.values()):
@@ -846,6 +903,84 @@ class RoundEngine:
         raise RoundFailed(
             tag, f"views did not agree after {self.config.max_view_attempts} attempts (split view)"
         )
+
+    async def _commit(
+        self, state: _RoundState, counters: _Counters, order: list[str], tag: str
+    ) -> bool:
+        """After a ring this node completed: did every member complete it?
+
+        A token goes once around the ring (``order[0]`` to ``order[n-1]``), each member
+        passing it on only once its own ring completed, and then round again to say
+        so: ``2 (n - 1)`` small messages instead of the ``n (n - 1)`` views of an
+        agreement. True when the second pass reached this node (or this node closed
+        the first); False — fall back to the view agreement — when a view of the
+        agreement arrives (a member's ring broke), the predecessor is gone, or the
+        stage times out. No member can settle by the token while another's ring broke,
+        since that member never passed it on.
+        """
+        me, n = self.org_id, len(order)
+        pos = order.index(me)
+        h = view_hash(tag, order)
+        view_key = ("view", tag, "0")
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.config.stage_timeout
+        step = self.config.step_timeout
+
+        async def hop(phase: int, src: str) -> bool:
+            key = ("commit", str(phase), h.hex())
+            while True:
+
+                def arrived() -> bool:
+                    return src in state.inbox.get(key) or bool(state.inbox.get(view_key))
+
+                await state.inbox.wait_any([key, view_key], arrived, min(end, loop.time() + step))
+                if src in state.inbox.get(key):
+                    return True
+                if state.inbox.get(view_key) or loop.time() >= end:
+                    return False
+                try:  # a long silence: is the predecessor still there?
+                    await self._send(
+                        counters,
+                        src,
+                        KIND_PING,
+                        b"\x00" * 16,
+                        run=state.run,
+                        round=state.round,
+                        stage=tag,
+                        timeout=step,
+                    )
+                except (PeerUnreachable, RequestTimeout):
+                    return False
+                except TransportError:
+                    pass
+
+        async def send(phase: int, dest: str) -> bool:
+            try:
+                await self._send(
+                    counters,
+                    dest,
+                    KIND_COMMIT,
+                    bytes([phase]) + h,
+                    run=state.run,
+                    round=state.round,
+                    stage=tag,
+                )
+            except TransportError:
+                return False
+            return True
+
+        if pos > 0 and not await hop(1, order[pos - 1]):
+            return False
+        if pos == n - 1:
+            await send(2, order[0])  # everyone completed: the second pass starts here
+            return True
+        if not await send(1, order[pos + 1]):
+            return False
+        if not await hop(2, order[n - 1] if pos == 0 else order[pos - 1]):
+            return False
+        if pos < n - 2:
+            await send(2, order[pos + 1])
+        return True
 
     # -- the round ----------------------------------------------------------------------
 
@@ -889,6 +1024,19 @@ class RoundEngine:
         self._running.add((run, round))
         try:
             return await self._run(state, vector, deadline)
+        except RoundFailed:
+            # tell the others at once, so that none waits out a timeout for this node
+            await self._broadcast(
+                _Counters(),
+                sorted(set(self.peers()) - {self.org_id}),
+                KIND_LEAVE,
+                b"",
+                run=run,
+                round=round,
+                stage="leave",
+                timeout=self.config.send_timeout / 4,
+            )
+            raise
         finally:
             self._running.discard((run, round))
             self._finish(run, round)
@@ -979,9 +1127,13 @@ class RoundEngine:
             round=rnd,
             stage="share",
         )
-        shares = await state.inbox.wait(
-            ("share",), view1 - {me} - unshared, loop.time() + cfg.stage_timeout
+        expected_shares = view1 - {me} - unshared
+        await state.inbox.wait_any(
+            [("share",), ("gone",)],
+            lambda: expected_shares - state.gone() <= state.inbox.get(("share",)).keys(),
+            loop.time() + cfg.stage_timeout,
         )
+        shares = {o: p for o, p in state.inbox.get(("share",)).items() if o in expected_shares}
         lap("share")
 
         # 3. agree on the participants U1: settled at once when every share came with
@@ -1049,10 +1201,14 @@ class RoundEngine:
                 suspects = (exc.suspects | self.ring.suspects(run, rnd, order, attempt)) - {me}
             lap("reduce")
             await self._enter(run, rnd, "agree-reduce")
-            proposal = members - suspects
-            agreed, completed = await self._agree(
-                state, counters, f"reduce:{attempt}", proposal, acc is not None
-            )
+            tag = f"reduce:{attempt}"
+            if acc is not None and await self._commit(state, counters, order, tag):
+                state.decided[tag] = (members, True)
+                agreed, completed = members, True
+            else:
+                agreed, completed = await self._agree(
+                    state, counters, tag, members - suspects, acc is not None
+                )
             lap("agree-reduce")
             if completed and agreed == members and acc is not None:
                 total = acc
@@ -1088,8 +1244,13 @@ class RoundEngine:
         # died after the reduce is simply not waited for), or at the stage deadline
         unmask_end = loop.time() + cfg.stage_timeout
         accepted: set[str] = set()
+        key3 = ("unmask", h3.hex())
+
+        def more_than(count: int) -> Callable[[], bool]:
+            return lambda: len(state.inbox.get(key3).keys() & (u3 - {me})) > count
+
         while True:
-            releases = state.inbox.get(("unmask", h3.hex()))
+            releases = state.inbox.get(key3)
             for org, payload in sorted(releases.items()):
                 if org in u3 and org not in accepted and org != me:
                     accepted.add(org)
@@ -1098,7 +1259,7 @@ class RoundEngine:
                 break
             if accepted | {me} >= u3 or loop.time() >= unmask_end:
                 break
-            await state.inbox.wait(("unmask", h3.hex()), u3 - {me} - accepted, unmask_end)
+            await state.inbox.wait_any([key3], more_than(len(accepted)), unmask_end)
         released = len(accepted) + 1
         if released < t:
             raise RoundFailed("unmask", f"{released} orgs released shares, fewer than t={t}")
