@@ -54,7 +54,7 @@ from api.app import create_app
 from api.settings import Settings
 from bench.common import Report, run_main
 from org_node.db.engine import make_engine
-from org_node.db.models import AuditEvent, Role, Run
+from org_node.db.models import AuditEvent, AuditHead, Role, Run
 from org_node.db.repo import GENESIS_HASH, audit_entry_hash, create_token
 from org_node.services import NodeIdentityInfo, StaticNode
 
@@ -197,7 +197,8 @@ def _in_second_process(kind: str, *args: Any) -> Load:
 
 
 def _seed(engine: Any) -> tuple[str, str]:
-    """One run, AUDIT_EVENTS chained audit events, an admin token; returns (run id, token)."""
+    """One run, AUDIT_EVENTS chained audit events (bulk-inserted, the head moved once),
+    an admin token; returns (run id, token)."""
     with Session(engine) as s:
         run_id = uuid.uuid4().hex
         spec = {
@@ -229,6 +230,10 @@ def _seed(engine: Any) -> tuple[str, str]:
             rows.append(AuditEvent(**fields, prev_hash=prev, entry_hash=entry))
             prev = entry
         s.add_all(rows)
+        head = s.get(AuditHead, 1)
+        assert head is not None, "the migrated database has an audit head"
+        head.entry_hash, head.length = prev, head.length + AUDIT_EVENTS
+        s.add(head)
         s.commit()
     return run_id, token
 

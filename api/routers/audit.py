@@ -18,7 +18,7 @@ from sqlmodel import col, func, select
 
 from api.deps import PageDep, SessionDep, require_roles
 from api.routers import AUDIT_READERS, ERRORS
-from org_node.db.models import AuditEvent, AuditEventsPublic
+from org_node.db.models import AuditEvent, AuditEventsPublic, AuditHead
 from org_node.db.repo import GENESIS_HASH, audit_entry_hash
 
 __all__ = ["AuditReport", "router"]
@@ -62,8 +62,11 @@ class AuditReport(BaseModel):
     bytes_by_peer: dict[str, int]
     events_by_kind: dict[str, int]
     chain_ok: bool
+    """Every entry links to its predecessor and recomputes, and the head names the last."""
     chain_length: int
     first_bad_entry: int | None
+    head_ok: bool
+    """The stored chain head equals the last entry's hash and the chain's length."""
 
 
 def _filters(
@@ -144,12 +147,17 @@ def report(
             bad = row.id
             break
         prev = row.entry_hash
+    stored = session.get(AuditHead, 1)
+    head_ok = (
+        bad is None and stored is not None and stored.entry_hash == prev and stored.length == length
+    )
     return AuditReport(
         events=events,
         bytes_total=int(total),
         bytes_by_peer={str(p): int(b) for p, b in by_peer},
         events_by_kind={k: int(n) for k, n in by_kind},
-        chain_ok=bad is None,
+        chain_ok=bad is None and head_ok,
         chain_length=length,
         first_bad_entry=bad,
+        head_ok=head_ok,
     )

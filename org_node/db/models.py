@@ -34,6 +34,7 @@ __all__ = [
     "AuditEvent",
     "AuditEventPublic",
     "AuditEventsPublic",
+    "AuditHead",
     "Backend",
     "Dataset",
     "DatasetCreate",
@@ -445,6 +446,20 @@ class AuditEventPublic(AuditEventBase):
 class AuditEventsPublic(SQLModel):
     data: list[AuditEventPublic]
     count: int
+
+
+class AuditHead(SQLModel, table=True):
+    """The chain head: the last entry's hash and the chain length, in one row (id 1).
+
+    Appending updates it in the same transaction as the new entry, with a row lock
+    (PostgreSQL) or the database write lock (SQLite), so concurrent appends are
+    serialized and the chain never forks.
+    """
+
+    __tablename__ = "audit_head"
+    id: int = Field(default=1, primary_key=True)
+    entry_hash: str = Field(max_length=64)
+    length: int = Field(default=0, sa_type=BigInteger)
 
 
 # --- idempotency ----------------------------------------------------------------------

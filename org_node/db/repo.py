@@ -11,8 +11,11 @@ the same version exactly one succeeds (:func:`update_versioned`).
 
 Audit entries are chained: ``entry_hash = SHA-256(prev_hash || canonical JSON of the
 event's fields)`` with ``prev_hash`` of the first entry 64 zeros (:func:`audit_entry_hash`).
-Appends are serialized in-process by a lock; the node's audit log is the only writer.
-Signing of chain heads belongs to the audit log, not to this module.
+The head of the chain lives in the one-row ``audit_head`` table; an append reads it
+``FOR UPDATE`` and moves it with a compare-and-set in the caller's transaction, so
+concurrent appends (threads or processes) serialize on the database and the chain never
+forks; the entry commits or rolls back with whatever it records. Signing of chain heads
+belongs to the audit log, not to this module.
 """
 
 from __future__ import annotations
@@ -22,20 +25,20 @@ import hmac
 import json
 import re
 import secrets
-import threading
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import Engine, func, update
-from sqlmodel import Session, SQLModel, col, select
+from sqlmodel import Session, SQLModel, select
 
 from org_node.db.engine import migrate
-from org_node.db.models import ApiToken, AuditEvent, Role, utcnow
+from org_node.db.models import ApiToken, AuditEvent, AuditHead, Role, utcnow
 
 __all__ = [
     "GENESIS_HASH",
     "TOKEN_PATTERN",
+    "AuditChainError",
     "append_audit_event",
     "audit_entry_hash",
     "create_token",
@@ -48,9 +51,12 @@ __all__ = [
 GENESIS_HASH = "0" * 64
 TOKEN_PATTERN = re.compile(r"fw_([0-9a-f]{12})_[A-Za-z0-9_-]{43}")
 _DUMMY_HASH = hashlib.sha256(b"fedweave/no-such-token").hexdigest()
-_audit_lock = threading.Lock()
 
 RandBytes = Callable[[int], bytes]
+
+
+class AuditChainError(Exception):
+    """The audit chain cannot be extended (no head row, or a head that keeps moving)."""
 
 
 def hash_token(token: str) -> str:
@@ -163,26 +169,40 @@ def append_audit_event(
     time: datetime | None = None,
 ) -> AuditEvent:
     """Append one chained event (flushed; committed with the caller's transaction)."""
-    with _audit_lock:
-        last = session.exec(
-            select(AuditEvent.entry_hash).order_by(col(AuditEvent.id).desc()).limit(1)
+    fields: dict[str, Any] = {
+        "time": time or utcnow(),
+        "run": run,
+        "round": round,
+        "stage": stage,
+        "peer": peer,
+        "kind": kind,
+        "bytes": bytes,
+        "sha256": sha256,
+        "privacy_class": privacy_class,
+    }
+    head = AuditHead.__table__  # type: ignore[attr-defined]
+    for _ in range(3):
+        row = session.execute(
+            select(head.c.entry_hash).where(head.c.id == 1).with_for_update()
         ).first()
-        prev = last if last is not None else GENESIS_HASH
-        fields: dict[str, Any] = {
-            "time": time or utcnow(),
-            "run": run,
-            "round": round,
-            "stage": stage,
-            "peer": peer,
-            "kind": kind,
-            "bytes": bytes,
-            "sha256": sha256,
-            "privacy_class": privacy_class,
-        }
-        event = AuditEvent(**fields, prev_hash=prev, entry_hash=audit_entry_hash(prev, fields))
-        session.add(event)
-        session.flush()
-        return event
+        if row is None:
+            raise AuditChainError("the audit head row is missing: migrate the database")
+        prev: str = row[0]
+        entry = audit_entry_hash(prev, fields)
+        moved = session.execute(
+            update(head)
+            .where(head.c.id == 1, head.c.entry_hash == prev)
+            .values(entry_hash=entry, length=head.c.length + 1)
+        )
+        # 0 rows: an append committed between our read and our write (SQLite reads
+        # before a transaction's first write are not isolated); read the head again,
+        # now inside our write transaction.
+        if moved.rowcount == 1:  # type: ignore[attr-defined]
+            event = AuditEvent(**fields, prev_hash=prev, entry_hash=entry)
+            session.add(event)
+            session.flush()
+            return event
+    raise AuditChainError("the audit head kept moving; append abandoned")
 
 
 def init_database(engine: Engine, *, randbytes: RandBytes = secrets.token_bytes) -> str | None:

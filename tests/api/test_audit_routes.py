@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from datetime import UTC, datetime, timedelta
 
 from sqlmodel import Session, col, select
@@ -106,3 +108,40 @@ def test_entry_hash_vector() -> None:
 
 def test_operators_may_not_read_the_audit_log(api: Api) -> None:
     assert api.client.get("/v1/audit/events", headers=api.h(Role.OPERATOR)).status_code == 403
+
+
+def test_concurrent_appends_never_fork_the_chain(api: Api) -> None:
+    barrier = threading.Barrier(4)
+    errors: list[BaseException] = []
+
+    def writer(peer: str) -> None:
+        try:
+            barrier.wait()
+            for i in range(5):
+                with Session(api.engine) as s:
+                    append_audit_event(
+                        s, stage="ring", kind="chunk", peer=peer, round=i, privacy_class="masked"
+                    )
+                    time.sleep(0.002)  # hold the transaction open while others try
+                    s.commit()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(f"org-{k}",)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == []
+    r = api.client.get("/v1/audit/report?kind=chunk", headers=api.h()).json()
+    assert r["chain_ok"] is True and r["head_ok"] is True
+    assert r["events_by_kind"]["chunk"] == 20
+
+
+def test_rolled_back_append_leaves_the_head_alone(api: Api) -> None:
+    _seed(api)
+    with Session(api.engine) as s:
+        append_audit_event(s, stage="x", kind="never", privacy_class="internal")
+        s.rollback()
+    r = api.client.get("/v1/audit/report", headers=api.h()).json()
+    assert r["chain_ok"] is True and "never" not in r["events_by_kind"]

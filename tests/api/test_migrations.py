@@ -4,6 +4,7 @@ keeps the data, a downgrade to base removes every table."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -20,8 +21,14 @@ from org_node.db.engine import (
     make_engine,
     migrate,
 )
-from org_node.db.models import PolicyRecord, Role
-from org_node.db.repo import create_token, find_token
+from org_node.db.models import AuditEvent, AuditHead, PolicyRecord, Role
+from org_node.db.repo import (
+    GENESIS_HASH,
+    append_audit_event,
+    audit_entry_hash,
+    create_token,
+    find_token,
+)
 
 
 def schema_drift(engine: Engine) -> list[object]:
@@ -58,6 +65,34 @@ def test_upgrade_keeps_data_and_is_idempotent(engine: Engine) -> None:
     with Session(engine) as s:
         assert find_token(s, secret) is not None
         assert s.exec(select(PolicyRecord.max_epsilon)).one() == 2.5
+
+
+def test_upgrade_seeds_the_audit_head_from_existing_entries(engine: Engine) -> None:
+    migrate(engine, "0001")
+    prev = GENESIS_HASH
+    with engine.begin() as conn:
+        for i in range(3):
+            fields = {
+                "time": datetime(2026, 1, 1, 0, 0, i, tzinfo=UTC),
+                "stage": "ring",
+                "kind": "chunk",
+                "bytes": i,
+                "privacy_class": "masked",
+            }
+            entry = audit_entry_hash(prev, fields)
+            conn.execute(
+                AuditEvent.__table__.insert().values(  # type: ignore[attr-defined]
+                    **fields, prev_hash=prev, entry_hash=entry
+                )
+            )
+            prev = entry
+    migrate(engine)
+    with Session(engine) as s:
+        head = s.get(AuditHead, 1)
+        assert head is not None and (head.entry_hash, head.length) == (prev, 3)
+        event = append_audit_event(s, stage="admin", kind="after", privacy_class="internal")
+        s.commit()
+        assert event.prev_hash == prev
 
 
 def test_downgrade_to_base_removes_the_tables(engine: Engine) -> None:

@@ -91,6 +91,8 @@ SHARED: list[Callable[[Api], None]] = [
     test_audit_routes.test_events_filter_and_paginate,
     test_audit_routes.test_report_totals_and_a_sound_chain,
     test_audit_routes.test_report_finds_a_tampered_entry,
+    test_audit_routes.test_concurrent_appends_never_fork_the_chain,
+    test_audit_routes.test_rolled_back_append_leaves_the_head_alone,
 ]
 
 
