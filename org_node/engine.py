@@ -125,6 +125,10 @@ class RunFailed(Exception):
     """The run stopped: a round failed every attempt, or the model hashes differ."""
 
 
+class _CaughtUp(Exception):
+    """A failed attempt found the federation ahead; the engine adopted its model."""
+
+
 def _check_keys(cls: type[Any], values: Mapping[str, Any], section: str) -> None:
     known = {f.name for f in fields(cls)}
     unknown = sorted(set(values) - known)
@@ -323,20 +327,29 @@ def model_hash(model: Mapping[str, np.ndarray]) -> bytes:
 
 
 def model_to_bytes(model: Mapping[str, np.ndarray]) -> bytes:
-    """The model as an ``.npz`` archive (no pickle)."""
-    import io
-
-    buf = io.BytesIO()
-    savez: Any = np.savez
-    savez(buf, **{k: np.asarray(v) for k, v in model.items()})
-    return buf.getvalue()
+    """Canonical bytes of a model: every node holding the same model writes the same bytes
+    (one framed part per tensor: JSON header of dtype and shape, then little-endian data)."""
+    parts = {}
+    for name, value in model.items():
+        a = np.ascontiguousarray(value)
+        le = a.astype(a.dtype.newbyteorder("<"), copy=False)
+        header = json.dumps({"dtype": le.dtype.str, "shape": list(a.shape)}).encode()
+        parts[name] = header + b"\n" + le.tobytes()
+    return pack_parts(parts)
 
 
 def model_from_bytes(data: bytes) -> Model:
-    import io
-
-    with np.load(io.BytesIO(data), allow_pickle=False) as z:
-        return {k: z[k].copy() for k in z.files}
+    """Inverse of :func:`model_to_bytes`; :class:`EngineError` on malformed bytes."""
+    try:
+        out: Model = {}
+        for name, raw in unpack_parts(data).items():
+            header, _, body = raw.partition(b"\n")
+            meta = json.loads(header)
+            a = np.frombuffer(body, dtype=np.dtype(meta["dtype"])).reshape(meta["shape"])
+            out[name] = a.astype(a.dtype.newbyteorder("="), copy=True)
+        return out
+    except (SealedError, ValueError, KeyError, TypeError) as exc:
+        raise EngineError("model", f"not a model: {exc}") from None
 
 
 def check_update(update: Mapping[str, np.ndarray], model: Mapping[str, np.ndarray]) -> None:
@@ -471,6 +484,8 @@ class RunOutcome:
 
 
 Checkpoint = Callable[[bytes, int], Awaitable[Any]]
+CatchUp = Callable[[str, int], Awaitable[tuple[int, Model] | None]]
+"""``catch_up(run_key, round)``: a newer agreed ``(round, model)`` of the run, or None."""
 
 
 class RunEngine:
@@ -487,6 +502,7 @@ class RunEngine:
         checkpoint: Checkpoint | None = None,
         on_round: Callable[[RoundReport], None] | None = None,
         debug_export: Path | None = None,
+        catch_up: CatchUp | None = None,
         initial_model: Model | None = None,
         rng: np.random.Generator | None = None,
         clock: Callable[[], float] = time.time,
@@ -507,6 +523,7 @@ class RunEngine:
         self.checkpoint = checkpoint
         self.on_round = on_round
         self.debug_export = debug_export
+        self.catch_up = catch_up
         self.rng = rng if rng is not None else np.random.default_rng()
         self.clock = clock
         self.strategy: Strategy = make_strategy(config.strategy, config.strategy_options)
@@ -651,6 +668,8 @@ class RunEngine:
             except RoundFailed as exc:
                 logger.warning("%s: round %d attempt %d failed: %s", self.org, round, attempt, exc)
                 last = exc
+                if await self.try_catch_up():
+                    raise _CaughtUp from None
         raise RunFailed(f"round {round} failed {self.config.max_attempts} times: {last}")
 
     @property
@@ -719,17 +738,57 @@ class RunEngine:
             self.on_round(report)
         return report
 
+    async def try_catch_up(self) -> bool:
+        """Adopt a newer model the other participants agreed on (a node back from a
+        crash or a partition rejoins at the current round); whether it did.
+
+        Only a strategy whose state is the round counter alone (FedAvg, FedProx) can
+        jump rounds: its next step depends on the model only. Others raise
+        :class:`RunFailed`, since their moments cannot be rebuilt from the model.
+        """
+        if self.catch_up is None:
+            return False
+        found = await self.catch_up(self.plan.run_key, self.state.round)
+        if found is None:
+            return False
+        round, model = found
+        if round <= self.state.round or round > self.plan.rounds:
+            return False
+        check_update(model, self.state.model)
+        if any(v is not None for v in self.strategy.state_dict()["arrays"].values()):
+            raise RunFailed(
+                f"the federation is at round {round}, this node at {self.state.round}, and "
+                f"strategy {self.strategy.name!r} keeps state that cannot be caught up"
+            )
+        state = self.strategy.state_dict() | {"round": round}
+        self.strategy.load_state_dict(state)
+        self.state.model = {k: np.asarray(v, dtype=np.float32) for k, v in model.items()}
+        self.state.round = round
+        self.save_state()
+        logger.info("%s: caught up with the federation at round %d", self.org, round)
+        return True
+
     async def run(self, *, paused: asyncio.Event | None = None) -> RunOutcome:
         """Run the remaining rounds; waits between rounds while ``paused`` is set.
 
-        Returns ``completed`` or ``budget_exhausted``; raises :class:`RunFailed`,
+        Before each round, and when a round fails every attempt, the node catches up
+        with a newer model the others agreed on (:meth:`try_catch_up`). Returns
+        ``completed`` or ``budget_exhausted``; raises :class:`RunFailed`,
         :class:`UpdateRejected` or :class:`~coordinator_free.rounds.ModelHashMismatch`.
         """
         while self.state.round < self.plan.rounds:
             while paused is not None and paused.is_set():
                 await asyncio.sleep(0.1)
+            await self.try_catch_up()
+            if self.state.round >= self.plan.rounds:
+                break
             try:
                 await self.run_one_round()
+            except _CaughtUp:
+                continue
+            except RunFailed:
+                if not await self.try_catch_up():
+                    raise
             except BudgetExceeded as exc:
                 self.state.status = "budget_exhausted"
                 self.save_state()

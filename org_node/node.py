@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 import time
@@ -42,7 +43,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from coordinator_free.endpoint import Endpoint
-from coordinator_free.erasure import CodeParams
+from coordinator_free.erasure import CodeParams, ShardError
 from coordinator_free.errors import CoordinatorFreeError, ManifestError
 from coordinator_free.gossip import Gossip, GossipConfig, SignedRecord
 from coordinator_free.identity import OrgIdentity
@@ -57,7 +58,10 @@ from coordinator_free.rounds import (
 )
 from coordinator_free.sealed import RecoverySecret, atomic_write
 from coordinator_free.shards import (
+    GLOBAL_OWNER,
+    GLOBAL_SET,
     CheckpointReplicator,
+    GlobalHistoryStore,
     ShardService,
     ShardStore,
     recover,
@@ -85,6 +89,8 @@ from org_node.engine import (
     RunFailed,
     RunPlan,
     UpdateRejected,
+    model_from_bytes,
+    model_to_bytes,
 )
 from org_node.privacy import PrivacyError
 from org_node.runs import InvalidTransition, RunAction, RunState, next_state
@@ -115,6 +121,8 @@ HARNESS_EXPORT_ENV = "FEDWEAVE_HARNESS_DEBUG_EXPORT"
 :mod:`org_node.engine`); refused unless the config says ``[debug] harness = true``."""
 
 MANIFEST_TOPIC = "manifest"
+MODEL_TOPIC = "model"
+"""Gossip topic of the global model's content hash per run and round (key ``RUN/ROUND``)."""
 
 TrainerFactory = Callable[[RunPlan, Path], LocalTrainer]
 T = TypeVar("T")
@@ -191,12 +199,14 @@ class OrgNode:
         self.gossip: Gossip | None = None
         self.rounds: RoundEngine | None = None
         self.replicator: CheckpointReplicator | None = None
+        self.history: GlobalHistoryStore | None = None
         self.store: ShardStore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._active: _ActiveRun | None = None
         self._participants: tuple[str, ...] = ()
         self._proposals: dict[str, Manifest] = {}
         self._follow: asyncio.Task[None] | None = None
+        self._history_run = ""
         self.finished: dict[str, str] = {}
         """Run id -> how it ended here (``completed``, ``failed: ...``)."""
 
@@ -240,6 +250,12 @@ class OrgNode:
         m = self.current_manifest
         return m.public_keys() if m is not None else {}
 
+    def _live(self) -> list[str]:
+        """Members the SWIM view believes alive (all of them before it is running)."""
+        if self.membership is None:
+            return list(self._peers_for_rounds())
+        return self.membership.live()
+
     def _peers_for_rounds(self) -> tuple[str, ...]:
         m = self.current_manifest
         return self._participants or (m.member_ids if m is not None else ())
@@ -274,6 +290,7 @@ class OrgNode:
             self._peers_for_rounds,
             secagg_sessions(*endpoint_signer(endpoint)),
             self.round_config,
+            live=self._live,
         )
         await endpoint.start()
         self.membership = await Membership.create(endpoint, manifest.member_ids, self.swim)
@@ -291,6 +308,12 @@ class OrgNode:
             live,
             params=CodeParams(self.config.checkpoint.k, self.config.checkpoint.m),
             retention=self.config.checkpoint.retention,
+        )
+        self.history = GlobalHistoryStore(
+            endpoint,
+            self.store,
+            live,
+            params=CodeParams(self.config.checkpoint.k, self.config.checkpoint.m),
         )
         self._follow = asyncio.create_task(self._follow_proposals(), name="manifest-proposals")
         await self._resume_runs()
@@ -533,6 +556,19 @@ class OrgNode:
         plan = RunPlan.from_spec(name, spec)
         run_dir = self.paths.run_dir(plan.run_key)
         rounds = self.rounds
+        if self._history_run != plan.run_key and self.store is not None:
+            # the history store numbers versions by round: start each run afresh
+            old = [s.manifest.version for s in self.store.list(GLOBAL_OWNER, GLOBAL_SET)]
+            if old:
+                self.store.delete(GLOBAL_OWNER, GLOBAL_SET, sorted(set(old)))
+            if self.endpoint is not None and self.membership is not None:
+                self.history = GlobalHistoryStore(
+                    self.endpoint,
+                    self.store,
+                    self.membership.live,
+                    params=CodeParams(self.config.checkpoint.k, self.config.checkpoint.m),
+                )
+            self._history_run = plan.run_key
 
         def build() -> RunEngine:
             engine = RunEngine(
@@ -544,6 +580,7 @@ class OrgNode:
                 checkpoint=self._checkpoint,
                 on_round=lambda report: self._on_round(run_id, report),
                 debug_export=self.debug_export,
+                catch_up=self._catch_up,
             )
             if engine.resume():
                 logger.info(
@@ -648,6 +685,7 @@ class OrgNode:
             session.commit()
         with contextlib.suppress(Exception):
             self.egress.sign_head(report.run_key, report.round)
+        self._share_model(report)
         self._events.publish(
             run_id,
             "round",
@@ -659,6 +697,45 @@ class OrgNode:
             },
         )
         self._events.publish(run_id, "metric", {"round": report.round, **values})
+
+    def _share_model(self, report: RoundReport) -> None:
+        """Keep this node's shards of the new global model and gossip its content hash,
+        so that a node back from a crash can rebuild it and rejoin."""
+        active = self._active
+        if active is None or self.history is None or self.gossip is None:
+            return
+        data = model_to_bytes(active.engine.state.model)
+        sha = hashlib.sha256(data).hexdigest()
+        try:
+            self.history.add_version(report.round, data, sha)
+        except (ShardError, OSError) as exc:
+            logger.warning("%s: global model history: %s", self.org_identity.org_id, exc)
+        self.gossip.publish(MODEL_TOPIC, f"{report.run_key}/{report.round}", sha.encode())
+
+    async def _catch_up(self, run_key: str, round: int) -> tuple[int, dict[str, Any]] | None:
+        """The newest model of ``run_key`` past ``round`` that two other members agree on,
+        rebuilt from the global-model history shards and checked against its hash."""
+        if self.gossip is None or self.history is None or self.membership is None:
+            return None
+        me = self.org_identity.org_id
+        votes: dict[tuple[int, str], set[str]] = {}
+        for record in self.gossip.records(MODEL_TOPIC):
+            key, _, num = record.key.rpartition("/")
+            if key != run_key or not num.isdigit() or record.origin == me:
+                continue
+            votes.setdefault((int(num), record.record.decode("ascii", "replace")), set()).add(
+                record.origin
+            )
+        agreed = sorted((r, sha) for (r, sha), who in votes.items() if r > round and len(who) >= 2)
+        if not agreed:
+            return None
+        newest, sha = agreed[-1]
+        try:
+            data = await self.history.rebuild(newest, sha, self.membership.live())
+            return newest, model_from_bytes(data)
+        except (ShardError, EngineError) as exc:
+            logger.warning("%s: cannot rebuild round %d yet: %s", me, newest, exc)
+            return None
 
     async def _checkpoint(self, state: bytes, version: int) -> None:
         if self.replicator is None:

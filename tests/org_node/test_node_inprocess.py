@@ -4,6 +4,7 @@ driving a run over an in-memory network, then a wiped node recovering its state.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -37,12 +38,15 @@ MODEL_SHAPES = {"w": (3, 2), "b": (2,)}
 class TinyTrainer:
     """A deterministic local job: each org moves every weight by its own constant."""
 
-    def __init__(self, value: float) -> None:
+    def __init__(self, value: float, seconds: float = 0.0) -> None:
         self.value = value
+        self.seconds = seconds
 
     def train(
         self, global_state: Mapping[str, np.ndarray], round: int, options: Mapping[str, Any]
     ) -> LocalResult:
+        if self.seconds:
+            time.sleep(self.seconds)
         update = {k: np.full(np.shape(v), self.value, np.float32) for k, v in global_state.items()}
         return LocalResult(update, 8, 2, {"train_loss": 0.5})
 
@@ -79,14 +83,17 @@ def make_federation(tmp_path: Path) -> dict[str, Path]:
 
 
 async def start_nodes(
-    dirs: Mapping[str, Path], network: InMemoryNetwork, orgs: tuple[str, ...] = ORGS
+    dirs: Mapping[str, Path],
+    network: InMemoryNetwork,
+    orgs: tuple[str, ...] = ORGS,
+    seconds: float = 0.0,
 ) -> dict[str, OrgNode]:
     nodes = {}
     for i, org in enumerate(orgs):
         node = OrgNode.open(
             dirs[org],
             transport=network.transport(org),
-            trainer_factory=lambda plan, work, i=i: TinyTrainer(0.1 * (i + 1)),
+            trainer_factory=lambda plan, work, i=i: TinyTrainer(0.1 * (i + 1), seconds),
             swim=SwimConfig(period_s=0.2, ping_timeout_s=0.08),
         )
         await node.start()
@@ -221,6 +228,19 @@ def test_three_nodes_run_through_the_admin_api_and_a_wiped_node_recovers(
     assert '"round.ready"' in log and '"shard.put"' in log
 
 
+def _rounds_recorded(node: OrgNode, run_id: str) -> list[tuple[int]]:
+    from sqlmodel import Session, select
+
+    from org_node.db.models import RunMetric
+
+    with Session(node.db) as s:
+        return [
+            (m.round,)
+            for m in s.exec(select(RunMetric).where(RunMetric.run_id == run_id)).all()
+            if m.name == "survivors"
+        ]
+
+
 class _Revived:
     """org-c's transport on the same network after its old node closed."""
 
@@ -238,3 +258,76 @@ class _Revived:
 
     async def close(self) -> None:
         await self.inner.close()
+
+
+def test_a_node_that_crashed_rejoins_at_the_current_round(tmp_path: Path) -> None:
+    from org_node.config import NodeConfig
+    from org_node.engine import EngineConfig
+
+    dirs = make_federation(tmp_path)
+    for d in dirs.values():
+        config = NodeConfig.load(d / "fedweave.toml")
+        config.replace(engine=EngineConfig(ready_timeout_s=1.5, model_hash_timeout_s=3)).save(
+            d / "fedweave.toml"
+        )
+    spec = {"task": "tabular", "rounds": 12, "participants": list(ORGS), "threshold": 2}
+    run_ids: dict[str, str] = {}
+    for org, d in dirs.items():
+        from sqlmodel import Session
+
+        from org_node.db.engine import default_database_url, make_engine
+        from org_node.db.models import Run
+
+        with Session(make_engine(default_database_url(d))) as s:
+            row = Run(
+                name="long",
+                spec=spec | {"backend": "masked", "epsilon": None},
+                state="running",
+                proposed_by="test",
+                id=f"{org}-run".replace("-", ""),
+            )
+            s.add(row)
+            s.commit()
+            run_ids[org] = row.id
+
+    async def wait_for(cond: Any, timeout: float = 60) -> None:
+        end = asyncio.get_running_loop().time() + timeout
+        while not cond():
+            assert asyncio.get_running_loop().time() < end, "timed out"
+            await asyncio.sleep(0.05)
+
+    async def scenario() -> dict[str, bytes]:
+        network = InMemoryNetwork()
+        nodes = await start_nodes(dirs, network, seconds=0.4)
+        for org, node in nodes.items():
+            await asyncio.to_thread(
+                node.on_run_started, run_ids[org], spec | {"backend": "masked", "epsilon": None}
+            )
+        c = nodes["org-c"]
+        await wait_for(lambda: c._active is not None and c._active.engine.state.round >= 1)
+        await c.stop()
+        a = nodes["org-a"]
+        await wait_for(lambda: a._active is not None and a._active.engine.state.round >= 3)
+        revived = OrgNode.open(
+            dirs["org-c"],
+            transport=_Revived(network, "org-c"),
+            trainer_factory=lambda plan, work: TinyTrainer(0.3, 0.4),
+            swim=SwimConfig(period_s=0.2, ping_timeout_s=0.08),
+        )
+        await revived.start()
+        nodes["org-c"] = revived
+        try:
+            await wait_for(lambda: all(run_ids[o] in n.finished for o, n in nodes.items()), 40)
+        finally:
+            for node in nodes.values():
+                await node.stop()
+        assert {n.finished[run_ids[o]] for o, n in nodes.items()} == {"completed"}
+        rejoined = {r for (r,) in _rounds_recorded(revived, run_ids["org-c"])}
+        assert max(rejoined) == 12 and len(rejoined) < 12  # caught up, then trained again
+        return {
+            o: model_hash(n._active.engine.state.model)  # type: ignore[union-attr]
+            for o, n in nodes.items()
+        }
+
+    hashes = asyncio.run(scenario())
+    assert len(set(hashes.values())) == 1
