@@ -13,8 +13,17 @@ Arithmetic is modulo ``2^b`` on ``np.uint32`` / ``np.uint64`` arrays (the ring o
 :mod:`secure_agg.ring`), so partial sums of masked vectors wrap exactly like the
 secure-aggregation masks expect. A missing, late or malformed chunk, an unreachable
 successor or an abort from any ring member ends the call with :class:`RingBroken`,
-naming the suspect when one is known; the caller (the round engine) decides who
-dropped and runs the ring again over the survivors.
+naming the suspect when one is known; the node then sends every member an abort that
+names whom it blames, so all stop at once and learn the suspects. The caller (the
+round engine) decides who dropped and runs the ring again over the survivors.
+
+Two variants share the message format (``agg.chunk``: a header with the phase, step,
+chunk, frame, element count and a 16-byte ring id binding the ordered members and the
+attempt, then the little-endian elements): a **chain** for vectors too short to be
+worth ``n`` chunks (reduce along the ring order, then pass the total on: ``2 (n - 1)``
+messages in all; a long wait pings the sender to tell a dead one from a slow one), and
+the **star** through one hub, the baseline of ``bench/overlay.py``. A chunk larger than
+:data:`MAX_FRAME_BYTES` travels in several frames.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ __all__ = [
     "KIND_ABORT",
     "KIND_CHUNK",
     "KIND_PING",
+    "MAX_FRAME_BYTES",
     "RingBroken",
     "RingEndpoint",
     "RingReducer",
