@@ -23,19 +23,23 @@ one, so a peer that heard less can converge. A round of :meth:`RoundEngine.run_r
    summed along the ring ordered by ``SHA-256(round || org_id)`` with
    :class:`~coordinator_free.ring.RingReducer` (chunked reduce-scatter + all-gather,
    or a chain for short vectors; the ring's id binds its members, so rings built
-   from different views never mix). Every node then agrees on ``(members, completed)``:
-   if the ring broke (a member died, stalled or sent garbage), each proposes the
-   members minus those blamed by its own failure and by the aborts it received, and
-   the ring runs again over the agreed survivors' masked vectors, which each still
-   holds.
+   from different views never mix). Every node then settles ``(members, completed)``:
+   when its ring completed, by a commit token passed twice around the ring (no member
+   passes it on unless its own ring completed, so it comes back only if all did);
+   otherwise, or when the token stalls, by the view agreement. If the ring broke (a
+   member died, stalled or sent garbage), each proposes the members minus those
+   blamed by its own failure and by the aborts it received, and the ring runs again
+   over the agreed survivors' masked vectors, which each still holds.
 4. **unmask** — for the agreed survivors ``U3`` each node releases the self-mask
    shares of survivors and the mask-key shares of the dropped (§4 round 4), once per
    round, so one honest node never releases both kinds of share for one org; every
    node removes the masks from the same sum as soon as it holds ``t`` releases. Every
    survivor ends with the same sum. Fewer than ``t`` orgs at any stage fail the round
-   with :class:`RoundFailed`, its stage and a reason.
+   with :class:`RoundFailed`, its stage and a reason; a node whose round fails tells
+   the others (``round.leave``) so that none waits out a timeout for it.
 
-The cost per node is ``O(n)`` small signed messages per stage plus about
+The cost per node is ``O(n)`` small signed messages for each of the ready, share and
+unmask stages (the pairwise shares of Bonawitz et al. make that inherent) plus about
 ``2 (n - 1) / n`` times the vector along the ring. After the strategy steps,
 :meth:`RoundEngine.check_model_hash` sends the digest of the next model to the
 participants and raises :class:`ModelHashMismatch` when any differs, stopping the run
