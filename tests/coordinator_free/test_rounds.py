@@ -312,3 +312,21 @@ def test_a_member_known_dead_is_not_waited_for() -> None:
     assert_consistent(out)
     assert set(out.results) == {"org-0", "org-1", "org-2"}
     assert "org-3" not in out.results["org-0"].participants
+
+
+def test_a_fault_free_round_settles_without_any_view_exchange() -> None:
+    n = 6
+
+    async def scenario() -> RoundOutcome:
+        async with Simulation(SimConfig(peers=n, length=64, seed=5, round_config=FAST)) as sim:
+            return await sim.round(1)
+
+    out = asyncio.run(scenario())
+    assert_consistent(out)
+    assert len(out.results) == n
+    for res in out.results.values():
+        # ready, shares and releases to the n-1 others, 2 (n-1) ring chunks, and at
+        # most two commit tokens: the share messages settle U1 and the token settles
+        # the ring, so no view is ever sent
+        assert res.messages_sent <= 3 * (n - 1) + 2 * (n - 1) + 2
+        assert res.ring_attempts == 1
