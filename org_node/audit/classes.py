@@ -74,6 +74,8 @@ _RULES: dict[str, PrivacyClass] = {
     "round.share": PrivacyClass.ENCRYPTED_SHARE,
     "round.unmask": PrivacyClass.RELEASED_SHARE,
     "round.view": PrivacyClass.CONTROL,
+    "round.commit": PrivacyClass.CONTROL,
+    "round.leave": PrivacyClass.CONTROL,
     "round.model": PrivacyClass.MODEL_HASH,
     # the ring reduce over masked vectors (coordinator_free.ring)
     "agg.chunk": PrivacyClass.MASKED_CHUNK,
