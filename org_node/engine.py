@@ -33,10 +33,11 @@
    every ``checkpoint_every`` rounds. A node that restarts resumes from its last state
    (:meth:`RunEngine.resume`), one that lost its disk from the recovered shards.
 
-Backends. The masked backend runs through the round engine. The CKKS backend
-(:mod:`secure_agg.ckks`) sums ciphertexts along a chain that ends at a per-round key
-holder; the round engine's ring adds ring arrays only, so CKKS runs are refused here
-with :class:`EngineError` naming the field ``backend`` rather than run differently.
+Backends. The masked backend runs through the round engine. The round engine's ring
+adds ring arrays only, so the CKKS backend (:mod:`secure_agg.ckks`) runs through
+:class:`CkksAggregator` instead: a chain of ciphertext additions that ends at a
+per-round key holder, which returns the sum to each participant encrypted under that
+participant's own key. Steps 6-8 are the same for both.
 
 Harness-only debug export: with ``debug_export`` set (the node allows it only when its
 config says ``harness = true``), each round's *plaintext* packed vector is written to
@@ -58,9 +59,12 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+from coordinator_free.endpoint import Endpoint
+from coordinator_free.errors import RefusalReason, Refused, TransportError
 from coordinator_free.manifest import canonical_json
-from coordinator_free.rounds import RoundEngine, RoundFailed, RoundResult
+from coordinator_free.rounds import RoundEngine, RoundFailed
 from coordinator_free.sealed import SealedError, atomic_write, pack_parts, unpack_parts
+from coordinator_free.wire import Envelope
 
 from org_node.privacy import BudgetExceeded, PrivacyBudget, RdpAccountant, protect_update
 from org_node.privacy import skellam_round_for as _skellam_round_for
@@ -75,12 +79,23 @@ from org_node.strategies import (
     unpack_weighted,
 )
 from org_node.training.exchange import LocalResult
+from secure_agg.ckks import (
+    CkksBundle,
+    CkksKeyHolder,
+    CkksParams,
+    CkksPublicContext,
+    ckks_add,
+    ckks_encrypt,
+    ring_order,
+)
 from secure_agg.codec import FixedPointCodec
 from secure_agg.dp import DistributedSkellam
 from secure_agg.errors import SecAggError
+from secure_agg.keys import RoundContext
 
 __all__ = [
     "ATTEMPTS",
+    "CkksAggregator",
     "EngineConfig",
     "EngineError",
     "EngineState",
@@ -406,6 +421,172 @@ class JobTrainer:
         return run_local_job(spec, dict(global_state), self.work_dir / f"round-{round:06d}")
 
 
+# --------------------------------------------------------------------------- CKKS
+
+
+KIND_CKKS_CONTEXT = "ckks.context"
+KIND_CKKS_PARTIAL = "ckks.partial"
+KIND_CKKS_RESULT = "ckks.result"
+RESULT_GRID_BITS = 12
+"""The key holder rounds the decrypted sum to multiples of ``2^-12`` before sending it
+on: re-encryption adds noise far below half a step (about ``3e-6`` at the default
+parameters), so every participant rounds back to the very same sum."""
+
+
+class CkksAggregator:
+    """CKKS sums over the endpoint (``docs/SECURITY.md``, "CKKS backend (TenSEAL)").
+
+    Per round, :func:`secure_agg.ckks.ring_order` fixes the chain, key holder first.
+    Every participant makes its own CKKS key pair (:class:`~secure_agg.ckks.CkksKeyHolder`)
+    and sends its public context to the key holder; the key holder sends its context
+    to everyone (``ckks.context``). Each participant encrypts its vector under the key
+    holder's context, adds it to the running sum from its predecessor and hands it on
+    (``ckks.partial``); the last one delivers the aggregate to the key holder, which
+    decrypts it once (only a sum of at least ``threshold`` contributors), rounds it to
+    the grid of :data:`RESULT_GRID_BITS` and sends it to each participant encrypted under
+    that participant's own key (``ckks.result``): every message that leaves an org is a
+    public key or a ciphertext, and every participant ends with the same sum.
+
+    Every participant must take part: a missing one fails the round
+    (:class:`~coordinator_free.rounds.RoundFailed`), and the engine retries it.
+    """
+
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        *,
+        params: CkksParams | None = None,
+        timeout: float = 30.0,
+    ) -> None:
+        self.endpoint = endpoint
+        self.params = params or CkksParams()
+        self.timeout = timeout
+        self._inbox: dict[tuple[str, int, str], dict[str, bytes]] = {}
+        self._events: dict[tuple[str, int, str], asyncio.Event] = {}
+        for kind in (KIND_CKKS_CONTEXT, KIND_CKKS_PARTIAL, KIND_CKKS_RESULT):
+            endpoint.on(kind, self._receive)
+
+    async def _receive(self, env: Envelope) -> bytes:
+        key = (env.run, env.round, env.kind)
+        box = self._inbox.setdefault(key, {})
+        if env.sender in box:
+            raise Refused(RefusalReason.REPLAY, f"second {env.kind} for this round")
+        box[env.sender] = env.payload
+        self._events.setdefault(key, asyncio.Event()).set()
+        while len(self._inbox) > 64:  # bound what peers can make this node hold
+            oldest = min(self._inbox, key=lambda k: k[1])
+            del self._inbox[oldest]
+            self._events.pop(oldest, None)
+        return b""
+
+    async def _wait(self, run: str, round: int, kind: str, sender: str) -> bytes:
+        key = (run, round, kind)
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.timeout
+        while True:
+            got = self._inbox.get(key, {}).get(sender)
+            if got is not None:
+                return got
+            remaining = end - loop.time()
+            if remaining <= 0:
+                raise RoundFailed(kind, f"nothing from {sender} within {self.timeout:g} s")
+            event = self._events.setdefault(key, asyncio.Event())
+            event.clear()
+            try:
+                await asyncio.wait_for(event.wait(), remaining)
+            except TimeoutError:
+                continue
+
+    async def _send(self, peer: str, kind: str, payload: bytes, run: str, round: int) -> None:
+        try:
+            await self.endpoint.send(
+                peer, kind, payload, run=run, round=round, stage="ckks", timeout=self.timeout
+            )
+        except TransportError as exc:
+            raise RoundFailed(kind, f"{peer}: {exc}") from None
+
+    def _forget(self, run: str, round: int) -> None:
+        for key in [k for k in self._inbox if k[0] == run and k[1] <= round]:
+            del self._inbox[key]
+            self._events.pop(key, None)
+
+    async def run_round(
+        self,
+        run: str,
+        round: int,
+        vector: np.ndarray,
+        participants: tuple[str, ...],
+        threshold: int,
+    ) -> np.ndarray:
+        """This org's part of one CKKS sum; returns the (grid-rounded) float64 sum."""
+        try:
+            return await self._run(
+                run, round, np.asarray(vector, np.float64), participants, threshold
+            )
+        except SecAggError as exc:
+            raise RoundFailed("ckks", str(exc)) from None
+        finally:
+            self._forget(run, round)
+
+    async def _run(
+        self, run: str, round: int, x: np.ndarray, participants: tuple[str, ...], t: int
+    ) -> np.ndarray:
+        me = self.endpoint.org_id
+        ctx = RoundContext(self.endpoint.federation, run, round)
+        order = ring_order(ctx, participants)
+        holder = order[0]
+        own = CkksKeyHolder(self.params, threshold=t, participants=participants)
+        others = [p for p in order if p != me]
+        if me == holder:
+            await asyncio.gather(
+                *(
+                    self._send(p, KIND_CKKS_CONTEXT, own.public_context_bytes(), run, round)
+                    for p in others
+                )
+            )
+            public = own.public
+        else:
+            await self._send(holder, KIND_CKKS_CONTEXT, own.public_context_bytes(), run, round)
+            public = CkksPublicContext.from_bytes(
+                await self._wait(run, round, KIND_CKKS_CONTEXT, holder)
+            )
+        mine = await asyncio.to_thread(ckks_encrypt, public, x, contributor=me)
+        i = order.index(me)
+        nxt = order[(i + 1) % len(order)]
+        if i == 0:
+            await self._send(nxt, KIND_CKKS_PARTIAL, mine, run, round)
+        else:
+            partial = await self._wait(run, round, KIND_CKKS_PARTIAL, order[i - 1])
+            total = await asyncio.to_thread(ckks_add, public, partial, mine)
+            await self._send(nxt, KIND_CKKS_PARTIAL, total, run, round)
+        if me != holder:
+            result = await self._wait(run, round, KIND_CKKS_RESULT, holder)
+            return _grid(await asyncio.to_thread(own.decrypt_sum, result))
+        aggregate = await self._wait(run, round, KIND_CKKS_PARTIAL, order[-1])
+        contributors = CkksBundle.from_bytes(aggregate).contributors
+        summed = _grid(await asyncio.to_thread(own.decrypt_sum, aggregate))
+
+        async def deliver(peer: str) -> None:
+            theirs = CkksPublicContext.from_bytes(
+                await self._wait(run, round, KIND_CKKS_CONTEXT, peer)
+            )
+            enc = CkksBundle.from_bytes(
+                await asyncio.to_thread(ckks_encrypt, theirs, summed, contributor=me)
+            )
+            # the result stands for the aggregate of these contributors, so the
+            # recipient's key holder opens it as a sum (and only once)
+            bundle = CkksBundle(enc.fingerprint, enc.length, contributors, enc.chunks)
+            await self._send(peer, KIND_CKKS_RESULT, bundle.to_bytes(), run, round)
+
+        await asyncio.gather(*(deliver(p) for p in others))
+        return summed
+
+
+def _grid(values: np.ndarray) -> np.ndarray:
+    step = 2.0**RESULT_GRID_BITS
+    return np.round(np.asarray(values, np.float64) * step) / step
+
+
 # --------------------------------------------------------------------------- state
 
 
@@ -483,6 +664,15 @@ class RunOutcome:
     reason: str = ""
 
 
+@dataclass(frozen=True)
+class _Aggregate:
+    total: np.ndarray
+    survivors: tuple[str, ...]
+    dropped: tuple[str, ...]
+    attempts: int
+    bytes_sent: int
+
+
 Checkpoint = Callable[[bytes, int], Awaitable[Any]]
 CatchUp = Callable[[str, int], Awaitable[tuple[int, Model] | None]]
 """``catch_up(run_key, round)``: a newer agreed ``(round, model)`` of the run, or None."""
@@ -503,16 +693,21 @@ class RunEngine:
         on_round: Callable[[RoundReport], None] | None = None,
         debug_export: Path | None = None,
         catch_up: CatchUp | None = None,
+        ckks: CkksAggregator | None = None,
         initial_model: Model | None = None,
         rng: np.random.Generator | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        if plan.backend != "masked":
-            raise EngineError(
-                "backend",
-                f"{plan.backend!r} is not supported by the round engine (ring sums of masked "
-                "ring arrays); use 'masked'",
-            )
+        if plan.backend == "ckks":
+            if ckks is None:
+                raise EngineError("backend", "a CKKS run needs the node's CkksAggregator")
+            if plan.epsilon is not None:
+                raise EngineError(
+                    "epsilon", "DP noise shares need the masked backend; CKKS runs take no epsilon"
+                )
+        elif plan.backend != "masked":
+            raise EngineError("backend", f"unknown backend {plan.backend!r}")
+        self.ckks = ckks if plan.backend == "ckks" else None
         if rounds.org_id not in plan.participants:
             raise EngineError("participants", f"{rounds.org_id!r} is not a participant")
         self.plan = plan
@@ -619,7 +814,15 @@ class RunEngine:
             packed = pack_weighted(update, weight)
         if not np.isfinite(packed).all():
             raise UpdateRejected("update", "the packed update holds NaN or Inf")
-        if float(np.max(np.abs(packed))) > self.codec.clip:
+        if self.ckks is not None:
+            bound = self.ckks.params.max_abs_sum / len(self.plan.participants)
+            if float(np.max(np.abs(packed))) > bound:
+                raise UpdateRejected(
+                    "update",
+                    f"a packed coordinate exceeds {bound:g}, the CKKS sum's range per "
+                    "participant; use uniform weighting or fewer local steps",
+                )
+        elif float(np.max(np.abs(packed))) > self.codec.clip:
             raise UpdateRejected(
                 "update",
                 f"a packed coordinate exceeds engine.clip={self.codec.clip:g}; raise it",
@@ -656,15 +859,29 @@ class RunEngine:
         target.mkdir(parents=True, exist_ok=True)
         np.save(target / f"round-{round:06d}.npy", packed)
 
-    async def _aggregate(self, round: int, vector: np.ndarray) -> tuple[RoundResult, int]:
+    async def _aggregate(self, round: int, vector: np.ndarray) -> _Aggregate:
+        """The secure sum of this round (decoded), retried over fresh protocol rounds."""
         last: RoundFailed | None = None
         for attempt in range(self.config.max_attempts):
-            deadline = self.clock() + self.config.ready_timeout_s
+            protocol_round = round * ATTEMPTS + attempt
             try:
+                if self.ckks is not None:
+                    total = await self.ckks.run_round(
+                        self.plan.run_key,
+                        protocol_round,
+                        vector,
+                        self.plan.participants,
+                        self.plan.threshold,
+                    )
+                    return _Aggregate(total, self.plan.participants, (), attempt + 1, 0)
+                deadline = self.clock() + self.config.ready_timeout_s
                 result = await self.rounds.run_round(
-                    self.plan.run_key, round * ATTEMPTS + attempt, vector, deadline=deadline
+                    self.plan.run_key, protocol_round, vector, deadline=deadline
                 )
-                return result, attempt + 1
+                total = self.codec.decode(np.asarray(result.sum))
+                return _Aggregate(
+                    total, result.survivors, result.dropped, attempt + 1, result.bytes_sent
+                )
             except RoundFailed as exc:
                 logger.warning("%s: round %d attempt %d failed: %s", self.org, round, attempt, exc)
                 last = exc
@@ -691,15 +908,15 @@ class RunEngine:
         packed = self._pack(result)
         self._export(r, packed)
         try:
-            vector = self._protect(packed)
+            vector = packed if self.ckks is not None else self._protect(packed)
         except SecAggError as exc:
             raise UpdateRejected("update", str(exc)) from None
         epsilon = None
         if self.budget is not None and mechanism is not None:
             epsilon = self.budget.spend(mechanism)  # released from here on
-        agg, attempts = await self._aggregate(r, vector)
-        total = self.codec.decode(np.asarray(agg.sum))
-        summed, weight = self._unpack(total, len(agg.survivors))
+        agg = await self._aggregate(r, vector)
+        attempts = agg.attempts
+        summed, weight = self._unpack(agg.total, len(agg.survivors))
         params = [model[k] for k in names]
         new_params = self.strategy.step(params, summed, weight)
         new_model = dict(zip(names, (np.asarray(p) for p in new_params), strict=True))

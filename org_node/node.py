@@ -80,6 +80,7 @@ from org_node.db.repo import append_audit_event, update_versioned
 from org_node.engine import (
     ATTEMPTS,
     STATE_FILE,
+    CkksAggregator,
     EngineError,
     EngineState,
     JobTrainer,
@@ -200,6 +201,7 @@ class OrgNode:
         self.rounds: RoundEngine | None = None
         self.replicator: CheckpointReplicator | None = None
         self.history: GlobalHistoryStore | None = None
+        self.ckks: CkksAggregator | None = None
         self.store: ShardStore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._active: _ActiveRun | None = None
@@ -292,6 +294,7 @@ class OrgNode:
             self.round_config,
             live=self._live,
         )
+        self.ckks = CkksAggregator(endpoint, timeout=self.round_config.stage_timeout * 3)
         await endpoint.start()
         self.membership = await Membership.create(endpoint, manifest.member_ids, self.swim)
         self.gossip = await Gossip.create(
@@ -492,10 +495,8 @@ class OrgNode:
         strangers = sorted(set(plan.participants) - set(m.member_ids))
         if strangers:
             raise ServiceRefused(f"participants {strangers} are not federation members")
-        if plan.backend != "masked":
-            raise ServiceRefused(
-                f"backend {plan.backend!r} is not supported by this node's round engine"
-            )
+        if plan.backend == "ckks" and plan.epsilon is not None:
+            raise ServiceRefused("DP (epsilon) needs the masked backend, not ckks")
         if plan.threshold < 2:
             raise ServiceRefused("threshold must be at least 2 for a secure sum")
         from org_node.tasks import TaskError, load_task
@@ -581,6 +582,7 @@ class OrgNode:
                 on_round=lambda report: self._on_round(run_id, report),
                 debug_export=self.debug_export,
                 catch_up=self._catch_up,
+                ckks=self.ckks,
             )
             if engine.resume():
                 logger.info(

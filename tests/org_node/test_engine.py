@@ -16,6 +16,7 @@ from coordinator_free.rounds import RoundConfig, RoundEngine, endpoint_signer, s
 
 from org_node.engine import (
     ATTEMPTS,
+    CkksAggregator,
     EngineConfig,
     EngineError,
     JobTrainer,
@@ -305,7 +306,42 @@ def test_harness_debug_export_writes_each_plaintext_update(tmp_path: Path) -> No
     assert packed[-2:].tolist() == [40.0, 10.0]
 
 
-def test_ckks_backend_is_refused_naming_the_field(tmp_path: Path) -> None:
+def test_ckks_backend_gives_every_org_the_same_model(tmp_path: Path) -> None:
+    async def scenario() -> tuple[list[Any], dict[str, RunEngine], int]:
+        fed = Federation()
+        aggregators = {o: CkksAggregator(e, timeout=10) for o, e in fed.endpoints.items()}
+        await fed.start()
+        trainers = {
+            o: FixedTrainer(v, examples=n)
+            for o, v, n in zip(ORGS, (0.1, 0.2, 0.6), (10, 10, 20), strict=True)
+        }
+        engines = {
+            o: RunEngine(
+                plan(rounds=2, backend="ckks"),
+                fast(),
+                rounds=fed.rounds[o],
+                trainer=trainers[o],
+                state_dir=tmp_path / o,
+                initial_model=MODEL,
+                ckks=aggregators[o],
+            )
+            for o in ORGS
+        }
+        try:
+            out = await asyncio.gather(*(e.run() for e in engines.values()))
+        finally:
+            await fed.close()
+        return list(out), engines, fed.network.messages_sent["org-a"]
+
+    outcomes, engines, sent = asyncio.run(scenario())
+    assert {o.status for o in outcomes} == {"completed"}
+    assert len({o.model_hash for o in outcomes}) == 1
+    # FedNova with equal steps is the example-weighted mean: 0.375 per round
+    np.testing.assert_allclose(engines["org-c"].state.model["w"], 0.75, atol=1e-3)
+    assert sent > 0
+
+
+def test_ckks_needs_its_aggregator_and_takes_no_epsilon(tmp_path: Path) -> None:
     fed = Federation()
     with pytest.raises(EngineError, match=r"^backend:"):
         RunEngine(
@@ -315,6 +351,17 @@ def test_ckks_backend_is_refused_naming_the_field(tmp_path: Path) -> None:
             trainer=FixedTrainer(0.1),
             state_dir=tmp_path,
             initial_model=MODEL,
+        )
+    agg = CkksAggregator(fed.endpoints["org-a"])
+    with pytest.raises(EngineError, match=r"^epsilon:"):
+        RunEngine(
+            plan(backend="ckks", epsilon=1.0),
+            fast(weighting="uniform"),
+            rounds=fed.rounds["org-a"],
+            trainer=FixedTrainer(0.1),
+            state_dir=tmp_path,
+            initial_model=MODEL,
+            ckks=agg,
         )
 
 
