@@ -9,8 +9,12 @@ gossip, the run engine):
   on ``network.peer_host:peer_port``, requiring a client certificate among the
   federation members' (:func:`coordinator_free.tls.uvicorn_ssl_options`).
 
-This module is the only place that knows every layer (``docs/ARCHITECTURE.md``,
-"Layers"). Both sockets are bound before anything starts, so a port in use is one
+This module is the composition root, the only place that knows every layer
+(``docs/ARCHITECTURE.md``, "Layers"). Since ``org_node`` must not import ``api``
+statically (the layering contracts), the admin app and its settings are resolved by
+reference at start-up (:data:`ADMIN_APP`, :data:`ADMIN_SETTINGS`, as uvicorn resolves
+``module:attribute``), so that no ``org_node`` module depends on ``api`` at import time.
+Both sockets are bound before anything starts, so a port in use is one
 clear error. SIGTERM or SIGINT stops the node gracefully: the run engine abandons the
 current stage (its state stays at the last finished round, from which a restart
 resumes), the node leaves the membership, then both servers close their connections
@@ -21,20 +25,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
 import signal
 import socket
 from collections.abc import Callable, Generator
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 from coordinator_free.tls import uvicorn_ssl_options, write_trust_bundle
 
-from api.app import create_app
-from api.settings import Settings
 from org_node.node import NodeError, OrgNode
 
-__all__ = ["bind", "serve_node"]
+__all__ = ["ADMIN_APP", "ADMIN_SETTINGS", "bind", "resolve", "serve_node"]
+
+ADMIN_APP = "api.app:create_app"
+"""``create_app(settings, node, engine=...)``: the admin API's app factory."""
+ADMIN_SETTINGS = "api.settings:Settings"
+"""The admin API's settings class."""
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +56,15 @@ class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
         yield
+
+
+def resolve(reference: str) -> Any:
+    """The attribute named by ``"module:attribute"``; :class:`NodeError` if there is none."""
+    module_name, _, attr = reference.partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise NodeError(f"cannot load {reference}: {exc}") from None
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -73,7 +91,8 @@ async def serve_node(
     """Serve the node in ``data_dir`` until SIGTERM/SIGINT (or ``stop`` is set)."""
     node = OrgNode.open(Path(data_dir))
     net = node.config.network
-    settings = Settings(
+    create_app, settings_cls = resolve(ADMIN_APP), resolve(ADMIN_SETTINGS)
+    settings = settings_cls(
         data_dir=node.paths.root,
         admin_host=net.admin_host,
         admin_port=net.admin_port,
