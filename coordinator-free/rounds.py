@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
-from coordinator_free.endpoint import Endpoint
+from coordinator_free.endpoint import Endpoint, Handler
 from coordinator_free.errors import (
     CoordinatorFreeError,
     PeerUnreachable,
@@ -86,11 +86,14 @@ __all__ = [
     "KIND_SHARE",
     "KIND_UNMASK",
     "KIND_VIEW",
+    "OBSERVATION_KINDS",
     "MaskedSum",
     "ModelHashMismatch",
     "RoundConfig",
     "RoundEngine",
     "RoundFailed",
+    "RoundObservation",
+    "RoundObserver",
     "RoundResult",
     "SecAggSession",
     "SessionContext",
@@ -113,6 +116,50 @@ KIND_LEAVE = "round.leave"
 KIND_MODEL = "round.model"
 
 _HASH = 32
+
+
+OBSERVATION_KINDS = frozenset(
+    {
+        "round",  # this node's round started (seconds 0) at ``stage`` "ready"
+        "stage",  # this node finished ``stage`` after ``seconds``, sending ``bytes``
+        "arrival",  # ``peer``'s message of ``stage`` arrived ``seconds`` into this node's round
+        "missing",  # ``peer``'s message of ``stage`` had not arrived when the stage ended
+        "unreachable",  # a send to ``peer`` failed (``detail``: the transport error)
+        "refused",  # this node refused ``peer``'s message of ``stage`` (``detail``: why)
+        "mismatch",  # ``peer`` disagreed on a hash (member list, model) at ``stage``
+        "suspect",  # the ring of ``stage`` broke and ``peer`` was blamed
+        "left",  # ``peer`` said it left the round
+        "retry",  # ``stage`` was tried again (``peer``: the peer re-sent to, if one)
+        "link",  # the ring from predecessor ``peer`` carried ``bytes`` in ``seconds``
+        "dropped",  # ``peer`` is not among the round's survivors
+        "completed",  # the round completed after ``seconds``, this node sending ``bytes``
+        "failed",  # the round failed at ``stage`` (``detail``: the reason)
+    }
+)
+
+
+@dataclass(frozen=True)
+class RoundObservation:
+    """One thing this node's round engine saw, for metrics, logs and fault localization.
+
+    ``kind`` is one of :data:`OBSERVATION_KINDS`; ``peer`` is the other org the
+    observation is about (empty for this node's own stages); ``seconds`` and ``bytes``
+    are the measured quantities the kind defines; ``detail`` is readable text.
+    """
+
+    kind: str
+    run: str
+    round: int
+    stage: str
+    peer: str = ""
+    seconds: float = 0.0
+    bytes: int = 0
+    detail: str = ""
+
+
+RoundObserver = Callable[[RoundObservation], None]
+"""Called synchronously on the engine's loop with each :class:`RoundObservation`; an
+observer that raises is logged and never affects the round."""
 
 
 class RoundFailed(CoordinatorFreeError):
@@ -575,6 +622,8 @@ class _RoundState:
     released_for: frozenset[str] | None = None
     # per stage tag, the set (and flag) this node settled on, and the views it has sent
     decided: dict[str, tuple[frozenset[str], bool]] = field(default_factory=dict)
+    # the loop time this node started running the round (None while only buffering)
+    started: float | None = None
 
     def gone(self) -> set[str]:
         """The members that said they left this round (it failed for them)."""
@@ -598,7 +647,9 @@ class RoundEngine:
     this org's masked-sum session for a round. live: optionally, the members believed
     alive (the membership layer's view): the ready stage stops waiting once all of
     them are ready instead of waiting out the deadline for a member known dead.
-    hook: the simulator's fault-injection seam.
+    hook: the simulator's fault-injection seam. observer: called with each
+    :class:`RoundObservation` (stage times, arrivals, refusals, dropouts); more can be
+    added with :meth:`add_observer`.
     """
 
     def __init__(
@@ -611,8 +662,10 @@ class RoundEngine:
         clock: Callable[[], float] = time.time,
         hook: StageHook | None = None,
         live: Callable[[], Iterable[str]] | None = None,
+        observer: RoundObserver | None = None,
     ) -> None:
         self.endpoint = endpoint
+        self.observers: list[RoundObserver] = [observer] if observer is not None else []
         self.peers = peers
         self.session_factory = session_factory
         self.config = config or RoundConfig()
@@ -635,7 +688,7 @@ class RoundEngine:
             (KIND_LEAVE, self._on_leave),
             (KIND_MODEL, self._on_model),
         ):
-            endpoint.on(kind, handler)
+            endpoint.on(kind, self._observed(kind, handler))
 
     @classmethod
     def secure(
@@ -662,6 +715,65 @@ class RoundEngine:
     @property
     def org_id(self) -> str:
         return self.endpoint.org_id
+
+    # -- observation --------------------------------------------------------------------
+
+    def add_observer(self, observer: RoundObserver) -> None:
+        """Also call ``observer`` with every :class:`RoundObservation` from now on."""
+        self.observers.append(observer)
+
+    def _observe(
+        self,
+        kind: str,
+        run: str,
+        round: int,
+        stage: str,
+        *,
+        peer: str = "",
+        seconds: float = 0.0,
+        bytes: int = 0,
+        detail: str = "",
+    ) -> None:
+        if not self.observers:
+            return
+        obs = RoundObservation(kind, run, round, stage, peer, seconds, bytes, detail)
+        for observer in list(self.observers):
+            try:
+                observer(obs)
+            except Exception:  # an observer never affects the round
+                logger.exception("%s: round observer failed on %s", self.org_id, kind)
+
+    def _observed(self, kind: str, handler: Handler) -> Handler:
+        """``handler``, reporting each message's arrival time and each refusal."""
+        stage = kind.partition(".")[2]
+
+        async def observed(env: Envelope) -> bytes | None:
+            try:
+                reply = await handler(env)
+            except Refused as exc:
+                self._observe(
+                    "refused", env.run, env.round, stage, peer=env.sender, detail=str(exc)
+                )
+                raise
+            if self.observers:
+                if kind == KIND_LEAVE:
+                    self._observe("left", env.run, env.round, stage, peer=env.sender)
+                else:
+                    state = self._states.get((env.run, env.round))
+                    started = state.started if state is not None else None
+                    since = 0.0 if started is None else asyncio.get_running_loop().time() - started
+                    self._observe(
+                        "arrival",
+                        env.run,
+                        env.round,
+                        stage,
+                        peer=env.sender,
+                        seconds=max(0.0, since),
+                        bytes=len(env.payload),
+                    )
+            return reply
+
+        return observed
 
     # -- round state --------------------------------------------------------------------
 
@@ -836,6 +948,14 @@ class RoundEngine:
             except TransportError as exc:
                 logger.info("%s: %s to %s failed: %s", self.org_id, kind, peer, exc)
                 failed.add(peer)
+                self._observe(
+                    "refused" if isinstance(exc, Refused) else "unreachable",
+                    run,
+                    round,
+                    stage,
+                    peer=peer,
+                    detail=f"{type(exc).__name__}: {exc}",
+                )
 
         await asyncio.gather(*(one(p) for p in peers if p != self.org_id))
         return failed
@@ -1026,9 +1146,12 @@ class RoundEngine:
         except Refused as exc:
             raise RoundFailed("ready", f"round {round} of {run!r} cannot start: {exc}") from None
         self._running.add((run, round))
+        state.started = asyncio.get_running_loop().time()
+        self._observe("round", run, round, "ready")
         try:
             return await self._run(state, vector, deadline)
-        except RoundFailed:
+        except RoundFailed as exc:
+            self._observe("failed", run, round, exc.stage, detail=exc.reason)
             # tell the others at once, so that none waits out a timeout for this node
             await self._broadcast(
                 _Counters(),
@@ -1052,13 +1175,21 @@ class RoundEngine:
         counters = _Counters()
         times: dict[str, float] = {}
         loop = asyncio.get_running_loop()
-        t_stage = time.perf_counter()
+        t_stage = t_round = time.perf_counter()
+        sent_before = 0
+
+        def sent() -> int:
+            return counters.bytes_sent + counters.ring.bytes_sent
 
         def lap(stage: str) -> None:
-            nonlocal t_stage
+            nonlocal t_stage, sent_before
             now = time.perf_counter()
             times[stage] = times.get(stage, 0.0) + now - t_stage
-            t_stage = now
+            total = sent()
+            self._observe(
+                "stage", run, rnd, stage, seconds=now - t_stage, bytes=total - sent_before
+            )
+            t_stage, sent_before = now, total
 
         # 1. ready
         await self._enter(run, rnd, "ready")
@@ -1080,7 +1211,12 @@ class RoundEngine:
         retry_s = max(0.05, wait_s / 8)
         # the wait ends early once every member believed alive is ready
         awaited = set(u0) if self.live is None else (set(self.live()) & set(u0)) | {me}
+        tries = 0
         while True:
+            if tries:
+                for org in sorted(pending):
+                    self._observe("retry", run, rnd, "ready", peer=org, detail="ready re-sent")
+            tries += 1
             pending = await self._broadcast(
                 counters,
                 sorted(pending),
@@ -1103,9 +1239,14 @@ class RoundEngine:
                 continue
             if payload[:_HASH] != h0:
                 logger.warning("%s: %s is ready with another member list; left out", me, org)
+                self._observe("mismatch", run, rnd, "ready", peer=org, detail="another member list")
                 continue
-            if self._accept(session.receive_advert, org, payload[_HASH:], "advertisement"):
+            if self._accept(
+                session.receive_advert, org, payload[_HASH:], "advertisement", run, rnd
+            ):
                 ready_set.add(org)
+        for org in sorted(set(u0) - readies.keys() - {me}):
+            self._observe("missing", run, rnd, "ready", peer=org, detail="no ready by the deadline")
         lap("ready")
 
         # 2. share keys, carrying this node's view of the participants
@@ -1138,6 +1279,9 @@ class RoundEngine:
             loop.time() + cfg.stage_timeout,
         )
         shares = {o: p for o, p in state.inbox.get(("share",)).items() if o in expected_shares}
+        for org in sorted(expected_shares - shares.keys()):
+            why = "it left the round" if org in state.gone() else "no share by the deadline"
+            self._observe("missing", run, rnd, "share", peer=org, detail=why)
         lap("share")
 
         # 3. agree on the participants U1: settled at once when every share came with
@@ -1153,7 +1297,9 @@ class RoundEngine:
             shares = state.inbox.get(("share",))
         share_set = {me}
         for org, payload in sorted(shares.items()):
-            if org in u1 and self._accept(session.receive_share, org, payload[_HASH:], "share"):
+            if org in u1 and self._accept(
+                session.receive_share, org, payload[_HASH:], "share", run, rnd
+            ):
                 share_set.add(org)
         u2 = frozenset(share_set)
         if len(u2) < t:
@@ -1174,7 +1320,10 @@ class RoundEngine:
             if attempt >= cfg.max_reduce_attempts:
                 raise RoundFailed("reduce", f"the ring broke {attempt} times")
             await self._enter(run, rnd, "reduce")
+            if attempt:
+                self._observe("retry", run, rnd, "reduce", detail=f"ring attempt {attempt + 1}")
             order = ring_order(members, rnd)
+            t_ring, ring_before = time.perf_counter(), counters.ring.bytes_sent
             acc: np.ndarray | None = None
             suspects: frozenset[str] = frozenset()
             try:
@@ -1203,6 +1352,18 @@ class RoundEngine:
             except RingBroken as exc:
                 logger.info("%s: ring attempt %d broke: %s", me, attempt, exc)
                 suspects = (exc.suspects | self.ring.suspects(run, rnd, order, attempt)) - {me}
+                for org in sorted(suspects):
+                    self._observe("suspect", run, rnd, "reduce", peer=org, detail=str(exc))
+            if acc is not None and len(order) > 1:
+                self._observe(
+                    "link",
+                    run,
+                    rnd,
+                    "reduce",
+                    peer=order[order.index(me) - 1],
+                    seconds=time.perf_counter() - t_ring,
+                    bytes=counters.ring.bytes_sent - ring_before,
+                )
             lap("reduce")
             await self._enter(run, rnd, "agree-reduce")
             tag = f"reduce:{attempt}"
@@ -1258,12 +1419,17 @@ class RoundEngine:
             for org, payload in sorted(releases.items()):
                 if org in u3 and org not in accepted and org != me:
                     accepted.add(org)
-                    self._accept(session.receive_release, org, payload, "release")
+                    self._accept(session.receive_release, org, payload, "release", run, rnd)
             if session.can_finish() and len(accepted) + 1 >= t:
                 break
             if accepted | {me} >= u3 or loop.time() >= unmask_end:
                 break
             await state.inbox.wait_any([key3], more_than(len(accepted)), unmask_end)
+        if not session.can_finish() or len(accepted) + 1 < t:
+            for org in sorted(u3 - accepted - {me}):
+                self._observe(
+                    "missing", run, rnd, "unmask", peer=org, detail="no release by the deadline"
+                )
         released = len(accepted) + 1
         if released < t:
             raise RoundFailed("unmask", f"{released} orgs released shares, fewer than t={t}")
@@ -1274,6 +1440,11 @@ class RoundEngine:
         lap("unmask")
         await self._enter(run, rnd, "done")
         order1 = tuple(ring_order(u1, rnd))
+        for org in sorted(u1 - u3):
+            self._observe("dropped", run, rnd, "unmask", peer=org)
+        self._observe(
+            "completed", run, rnd, "done", seconds=time.perf_counter() - t_round, bytes=sent()
+        )
         return RoundResult(
             run=run,
             round=rnd,
@@ -1290,13 +1461,20 @@ class RoundEngine:
         )
 
     def _accept(
-        self, receive: Callable[[str, bytes], None], sender: str, data: bytes, what: str
+        self,
+        receive: Callable[[str, bytes], None],
+        sender: str,
+        data: bytes,
+        what: str,
+        run: str = "",
+        round: int = -1,
     ) -> bool:
         """Hand one message to the session; a refused one is logged and left out."""
         try:
             receive(sender, data)
         except (SecAggError, ValueError) as exc:
             logger.warning("%s: refused the %s of %s: %s", self.org_id, what, sender, exc)
+            self._observe("refused", run, round, what, peer=sender, detail=str(exc))
             return False
         return True
 
@@ -1340,6 +1518,8 @@ class RoundEngine:
             got = self._model_hashes.get(key, {})
             differing = {o: d for o, d in got.items() if o in wanted and d != digest}
             if differing:
+                for org in sorted(differing):
+                    self._observe("mismatch", run, round, "model", peer=org, detail="model hash")
                 raise ModelHashMismatch(run, round, digest, differing)
             if wanted <= got.keys() or loop.time() >= end:
                 return frozenset(o for o in wanted if o in got)
