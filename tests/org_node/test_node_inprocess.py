@@ -340,3 +340,19 @@ def test_a_node_that_crashed_rejoins_at_the_current_round(tmp_path: Path) -> Non
 
     hashes = asyncio.run(scenario())
     assert len(set(hashes.values())) == 1
+
+
+def test_harness_debug_export_is_refused_unless_the_config_allows_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from org_node.config import DebugSection, NodeConfig
+    from org_node.node import HARNESS_EXPORT_ENV, NodeError
+
+    initialize(tmp_path / "n", "org-n", peer_port=9200, admin_port=9201)
+    assert OrgNode.open(tmp_path / "n").debug_export is None
+    monkeypatch.setenv(HARNESS_EXPORT_ENV, str(tmp_path / "export"))
+    with pytest.raises(NodeError, match="harness = true"):
+        OrgNode.open(tmp_path / "n")
+    path = tmp_path / "n" / "fedweave.toml"
+    NodeConfig.load(path).replace(debug=DebugSection(harness=True)).save(path)
+    assert OrgNode.open(tmp_path / "n").debug_export == tmp_path / "export"

@@ -151,8 +151,43 @@ def test_three_node_processes_train_two_rounds_and_stop_on_sigterm(tmp_path: Pat
         }
         assert len(set(hashes.values())) == 1, hashes
 
+        # hospital-c loses its disk: `fedweave recover` rebuilds it from the offline
+        # backup and the manifest chain, fetching its sealed shards over mutual TLS
+        lost = ORGS[2]
+        procs[lost].send_signal(signal.SIGTERM)
+        assert procs[lost].wait(timeout=20) == 0
+        fresh = tmp_path / f"{lost}-new"
+        recovered = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "org_node.cli",
+                "recover",
+                "--data-dir",
+                str(fresh),
+                "--backup",
+                str(dirs[lost] / f"{lost}-recovery-backup.json"),
+                "--manifest",
+                str(dirs[ORGS[0]] / "federation" / "chain.json"),
+                "--admin-port",
+                str(ports[5]),
+                "--timeout",
+                "20",
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+            check=False,
+        )
+        assert recovered.returncode == 0, recovered.stdout + recovered.stderr
+        assert "new admin token" in recovered.stdout
+        state = EngineState.from_bytes((fresh / "runs" / key / STATE_FILE).read_bytes())
+        assert state.round == 2 and model_hash(state.model) == hashes[lost]
+
         for proc in procs.values():
-            proc.send_signal(signal.SIGTERM)
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
         for org, proc in procs.items():
             assert proc.wait(timeout=20) == 0, org
     finally:
