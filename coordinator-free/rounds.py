@@ -126,6 +126,7 @@ OBSERVATION_KINDS = frozenset(
         "missing",  # ``peer``'s message of ``stage`` had not arrived when the stage ended
         "unreachable",  # a send to ``peer`` failed (``detail``: the transport error)
         "refused",  # this node refused ``peer``'s message of ``stage`` (``detail``: why)
+        "stale",  # a message for a round one side had already closed (normal when late)
         "mismatch",  # ``peer`` disagreed on a hash (member list, model) at ``stage``
         "suspect",  # the ring of ``stage`` broke and ``peer`` was blamed
         "left",  # ``peer`` said it left the round
@@ -752,7 +753,7 @@ class RoundEngine:
                 reply = await handler(env)
             except Refused as exc:
                 self._observe(
-                    "refused", env.run, env.round, stage, peer=env.sender, detail=str(exc)
+                    _refusal_kind(exc), env.run, env.round, stage, peer=env.sender, detail=str(exc)
                 )
                 raise
             if self.observers:
@@ -949,7 +950,7 @@ class RoundEngine:
                 logger.info("%s: %s to %s failed: %s", self.org_id, kind, peer, exc)
                 failed.add(peer)
                 self._observe(
-                    "refused" if isinstance(exc, Refused) else "unreachable",
+                    _refusal_kind(exc) if isinstance(exc, Refused) else "unreachable",
                     run,
                     round,
                     stage,
@@ -1533,6 +1534,11 @@ class RoundEngine:
         peer_set = set(peers) - {self.org_id}
         await self.publish_model_hash(run, round, digest, peer_set)
         return await self.compare_model_hash(run, round, digest, peer_set, timeout=timeout)
+
+
+def _refusal_kind(exc: Refused) -> str:
+    """``stale`` for a message of a round already closed on one side, else ``refused``."""
+    return "stale" if exc.reason is RefusalReason.STALE else "refused"
 
 
 def _known_tag(tag: str, config: RoundConfig) -> bool:

@@ -13,6 +13,8 @@ still treated as untrusted text):
 * ``fedweave_stage_retries_total{stage}`` — stages tried again (ready re-sends, ring
   attempts);
 * ``fedweave_refusals_total{stage,peer}`` — messages refused, by stage and peer;
+* ``fedweave_stale_messages_total{stage}`` — messages for a round already closed
+  (a peer finished first: late, not wrong);
 * ``fedweave_dropouts_total{peer}`` — rounds a peer was dropped from;
 * ``fedweave_peer_timeouts_total{stage,peer}`` — messages that never arrived, sends
   that failed;
@@ -122,6 +124,7 @@ class StageMetrics:
         self.mismatches: Counter[tuple[str, ...]] = Counter()
         self.bytes_received: Counter[tuple[str, ...]] = Counter()
         self.rounds: Counter[tuple[str, ...]] = Counter()
+        self.stale: Counter[tuple[str, ...]] = Counter()
 
     def observe(self, obs: RoundObservation) -> None:
         """Count one observation."""
@@ -134,6 +137,8 @@ class StageMetrics:
                 self.retries[(obs.stage,)] += 1
             elif kind == "refused":
                 self.refusals[(obs.stage, obs.peer)] += 1
+            elif kind == "stale":
+                self.stale[(obs.stage,)] += 1
             elif kind == "dropped":
                 self.dropouts[(obs.peer,)] += 1
             elif kind in ("missing", "unreachable"):
@@ -189,6 +194,12 @@ class StageMetrics:
                     "Round messages refused, by stage and peer.",
                     self.refusals,
                     ("stage", "peer"),
+                ),
+                (
+                    "fedweave_stale_messages_total",
+                    "Round messages for a round already closed on one side (late, not wrong).",
+                    self.stale,
+                    ("stage",),
                 ),
                 (
                     "fedweave_dropouts_total",
