@@ -300,9 +300,7 @@ class OrgNode:
         self.gossip = await Gossip.create(
             endpoint,
             self.membership,
-            GossipConfig(period_s=self.swim.period_s)
-            if self.config.debug.fast_membership
-            else None,
+            GossipConfig(period_s=min(GossipConfig().period_s, self.swim.period_s)),
         )
         live = self.membership.live
         self.replicator = CheckpointReplicator(

@@ -356,3 +356,36 @@ def test_harness_debug_export_is_refused_unless_the_config_allows_it(
     path = tmp_path / "n" / "fedweave.toml"
     NodeConfig.load(path).replace(debug=DebugSection(harness=True)).save(path)
     assert OrgNode.open(tmp_path / "n").debug_export == tmp_path / "export"
+
+
+def test_a_removal_signed_by_a_quorum_is_installed_on_every_node(tmp_path: Path) -> None:
+    dirs = make_federation(tmp_path)
+
+    async def scenario() -> dict[str, tuple[int, tuple[str, ...]]]:
+        nodes = await start_nodes(dirs, InMemoryNetwork())
+        try:
+            proposal = await asyncio.to_thread(nodes["org-a"].propose_remove, "org-c", "bye")
+            assert [o for o, _ in proposal.signatures] == ["org-a"]
+            assert nodes["org-a"].current_manifest.version == 0  # type: ignore[union-attr]
+            loop = asyncio.get_running_loop()
+            end = loop.time() + 20
+            while proposal.digest not in {p.digest for p in nodes["org-b"].proposals()}:
+                assert loop.time() < end, "the proposal did not reach org-b"
+                await asyncio.sleep(0.05)
+            await asyncio.to_thread(nodes["org-b"].sign_proposal, proposal.digest)
+            stay = [nodes["org-a"], nodes["org-b"]]
+            while any(n.current_manifest.version != 1 for n in stay):  # type: ignore[union-attr]
+                assert loop.time() < end, "the new version was not installed by the quorum"
+                await asyncio.sleep(0.05)
+            return {
+                o: (n.current_manifest.version, n.current_manifest.member_ids)  # type: ignore[union-attr]
+                for o, n in nodes.items()
+                if o != "org-c"  # the removed org stops hearing the federation's gossip
+            }
+        finally:
+            for node in nodes.values():
+                await node.stop()
+
+    views = asyncio.run(scenario())
+    assert set(views.values()) == {(1, ("org-a", "org-b"))}
+    assert len(read_chain(dirs["org-b"] / "federation" / "chain.json")) == 2
