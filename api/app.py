@@ -20,12 +20,14 @@ from fastapi.responses import JSONResponse
 from sqlalchemy import Engine
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from api import dashboard
 from api.routers import audit, checkpoints, datasets, federation, peers, policies, runs, tokens
 from api.routers import node as node_routes
 from api.security import AuthFailureLimiter, BodySizeLimit
 from api.settings import Settings
 from org_node import __version__
 from org_node.db.engine import make_engine, migrate
+from org_node.observability import Observability
 from org_node.services import NodeServices
 
 __all__ = ["ROUTERS", "RequestCounter", "create_app"]
@@ -44,6 +46,7 @@ ROUTERS: tuple[APIRouter, ...] = tuple(
         peers,
         checkpoints,
         audit,
+        dashboard,
     )
 )
 """Every router of the admin API, in inclusion order."""
@@ -77,6 +80,7 @@ def create_app(
     engine: Engine | None = None,
     limiter: AuthFailureLimiter | None = None,
     run_migrations: bool = True,
+    observability: Observability | None = None,
 ) -> FastAPI:
     """Build the admin API.
 
@@ -85,6 +89,9 @@ def create_app(
     engine: an engine to use instead of one made from ``settings``.
     limiter: the failed-authentication limiter (tests pass one with a fake clock).
     run_migrations: bring the schema to the newest version at start-up.
+    observability: the node's metrics, fault scores and round timeline (the dashboard
+        and ``/metrics`` read it); by default the node's own ``observability`` if it
+        has one, else a new one, attached to the node's round engine when it has one.
     """
     engine = engine or make_engine(settings.resolved_database_url)
     if run_migrations:
@@ -109,6 +116,13 @@ def create_app(
         settings.auth_failure_limit, settings.auth_failure_window_s
     )
     app.state.request_counts = Counter[str]()
+    found = observability or getattr(node, "observability", None)
+    if not isinstance(found, Observability):
+        found = Observability(node.identity().org_id)
+    app.state.observability = found
+    rounds = getattr(node, "rounds", None)
+    if rounds is not None and hasattr(rounds, "add_observer"):
+        found.attach(rounds)
 
     for module in (
         node_routes,
@@ -120,8 +134,10 @@ def create_app(
         peers,
         checkpoints,
         audit,
+        dashboard,
     ):
         app.include_router(module.router)
+    app.include_router(dashboard.page_router)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -13,13 +13,24 @@ from pydantic import BaseModel
 from sqlalchemy import text
 from sqlmodel import func, select
 
+from api.dashboard import observability_for
 from api.deps import NodeDep, SessionDep, require_roles
 from api.routers import ERRORS, READERS
 from org_node.db.models import AuditEvent, Dataset, Run
 
-__all__ = ["NodePublic", "Readiness", "router"]
+__all__ = ["NodePublic", "Readiness", "SuspectPublic", "router"]
 
 router = APIRouter(tags=["node"])
+
+
+class SuspectPublic(BaseModel):
+    """The likely culprit of a recent slow or failed round, as this node sees it."""
+
+    org: str
+    score: float
+    evidence: list[str]
+    round: int
+    run: str
 
 
 class NodePublic(BaseModel):
@@ -30,6 +41,7 @@ class NodePublic(BaseModel):
     version: str
     ready: bool
     checks: dict[str, str]
+    culprit: SuspectPublic | None = None
 
 
 class Readiness(BaseModel):
@@ -43,10 +55,12 @@ class Readiness(BaseModel):
     responses=ERRORS,
     dependencies=[require_roles(*READERS)],
 )
-def node_info(node: NodeDep) -> NodePublic:
-    """Who this node is, which version it runs, and its health."""
+def node_info(request: Request, node: NodeDep) -> NodePublic:
+    """Who this node is, which version it runs, its health, and the likely culprit of
+    its newest slow or failed round (None when no peer stands out)."""
     ident = node.identity()
     health = node.health()
+    suspect = observability_for(request).culprit()
     return NodePublic(
         org_id=ident.org_id,
         display_name=ident.display_name,
@@ -55,6 +69,15 @@ def node_info(node: NodeDep) -> NodePublic:
         version=ident.version,
         ready=health.ready,
         checks=dict(health.checks),
+        culprit=None
+        if suspect is None
+        else SuspectPublic(
+            org=suspect.org,
+            score=round(suspect.score, 3),
+            evidence=list(suspect.evidence),
+            round=suspect.round,
+            run=suspect.run,
+        ),
     )
 
 
@@ -119,6 +142,7 @@ def metrics(request: Request, session: SessionDep, node: NodeDep) -> PlainTextRe
     lines.append("# TYPE fedweave_http_requests_total counter")
     for klass, n in sorted(requests.items()):
         lines.append(f'fedweave_http_requests_total{{class="{klass}"}} {n}')
+    stages = observability_for(request).render_metrics()
     return PlainTextResponse(
-        "\n".join(lines) + "\n", media_type="text/plain; version=0.0.4; charset=utf-8"
+        "\n".join(lines) + "\n" + stages, media_type="text/plain; version=0.0.4; charset=utf-8"
     )

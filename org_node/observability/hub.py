@@ -88,6 +88,9 @@ class Observability:
     org_id: this node's org. federation: the federation's name (part of every
     correlation id). rounds_kept: how many rounds the timeline keeps. logger: where the
     observations are logged (``fedweave.rounds``); clock: wall time for ``started_at``.
+    attempts_per_round: how many protocol rounds the run engine reserves per training
+    round (``org_node.engine.ATTEMPTS``: protocol round ``r * ATTEMPTS + attempt`` is
+    attempt ``attempt`` of training round ``r + 1``); 1 labels protocol rounds as is.
     """
 
     def __init__(
@@ -99,9 +102,13 @@ class Observability:
         rounds_kept: int = 32,
         logger: logging.Logger | None = None,
         clock: Callable[[], float] = time.time,
+        attempts_per_round: int = 1,
     ) -> None:
         if rounds_kept < 1:
             raise ValueError("rounds_kept must be at least 1")
+        if attempts_per_round < 1:
+            raise ValueError("attempts_per_round must be at least 1")
+        self.attempts_per_round = attempts_per_round
         self.org_id = org_id
         self.federation = federation
         self.metrics = StageMetrics()
@@ -200,10 +207,22 @@ class Observability:
             out = []
             for key in keys:
                 item = self._timeline[key].to_dict()
+                item["label"] = self.label(key[1])
                 suspect = self.scorer.culprit(key[1], key[0])
-                item["culprit"] = suspect.to_dict() if suspect is not None else None
+                item["culprit"] = (
+                    None if suspect is None else {**suspect.to_dict(), "label": item["label"]}
+                )
                 out.append(item)
             return out
+
+    def label(self, round: int) -> str:
+        """A protocol round as an operator reads it: the training round, and the attempt
+        when it is not the first."""
+        per = self.attempts_per_round
+        if per == 1:
+            return str(round)
+        attempt = round % per
+        return f"{round // per + 1}" + (f" (attempt {attempt + 1})" if attempt else "")
 
     def culprit(self) -> Suspect | None:
         """The culprit of the newest round that has one."""

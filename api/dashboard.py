@@ -1,0 +1,268 @@
+"""The node's dashboard: one page on the admin port, and the JSON snapshot it draws.
+
+* ``GET /dashboard`` and ``GET /dashboard/static/{name}`` — the page, its script and
+  its style sheet, shipped in the package (``api/static``): no CDN, works offline. They
+  need no token and hold no data: until a token works the page shows only a login
+  prompt.
+* ``GET /v1/dashboard`` — everything the page shows, in one JSON document (admin,
+  operator, auditor): the node, its peers (SWIM status, round-trip time, bytes, fault
+  score, display name from the manifest), the current run, its per-round metrics
+  (loss, accuracy, ε, bytes), this node's round timeline (stage by stage, per peer,
+  with the likely culprit of each round), checkpoints with their shard placement and
+  the holders' health, and the audit chain's status.
+
+Live updates come from the run's server-sent events (``GET /v1/runs/{id}/events``),
+which the page reads with ``fetch()`` and a streamed body rather than ``EventSource``:
+``EventSource`` cannot send an ``Authorization`` header, and a token in a query string
+would end up in logs and browser history. The same bearer token thus guards every
+data call, and nothing else is issued.
+
+Every string in the snapshot may come from a peer (org ids, display names, failure
+details): the page only ever sets them as text (``textContent``), never as HTML; the
+page's Content-Security-Policy forbids inline and foreign scripts as a second line.
+"""
+
+from __future__ import annotations
+
+import time
+from importlib import resources
+from typing import Any
+
+from fastapi import APIRouter, HTTPException, Request, Response, status
+from fastapi.responses import HTMLResponse
+from sqlmodel import Session, col, func, select
+
+from api.deps import NodeDep, SessionDep, require_roles
+from api.routers import ERRORS, READERS
+from org_node.db.models import AuditEvent, AuditHead, Run, RunMetric
+from org_node.db.repo import GENESIS_HASH, audit_entry_hash
+from org_node.observability import Observability
+from org_node.services import NodeServices
+
+__all__ = ["CSP", "STATIC_FILES", "observability_for", "page_router", "router", "snapshot"]
+
+router = APIRouter(tags=["dashboard"])
+"""The snapshot route (token and role checked like every route under ``/v1``)."""
+
+page_router = APIRouter(include_in_schema=False)
+"""The public page and its assets: no data, not part of the API's schema."""
+
+STATIC_FILES: dict[str, str] = {
+    "dashboard.js": "text/javascript; charset=utf-8",
+    "dashboard.css": "text/css; charset=utf-8",
+}
+"""The only files ``/dashboard/static/`` serves, with their media types."""
+
+CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
+    "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
+"""The page's Content-Security-Policy: its own script and style only, no inline code."""
+
+_HEADERS = {
+    "Content-Security-Policy": CSP,
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-cache",
+}
+_AUDIT_TAIL = 256
+_METRIC_ROWS = 5000
+
+
+def _static(name: str) -> bytes:
+    return resources.files("api").joinpath("static", name).read_bytes()
+
+
+def observability_for(request: Request) -> Observability:
+    """The app's :class:`Observability`, attached to the node's round engine as soon as
+    the node has one (the node creates it when it joins its federation)."""
+    obs: Observability = request.app.state.observability
+    rounds = getattr(request.app.state.node, "rounds", None)
+    if rounds is not None and hasattr(rounds, "add_observer"):
+        obs.attach(rounds)
+    return obs
+
+
+@page_router.get("/dashboard", response_class=HTMLResponse)
+def page() -> Response:
+    """The dashboard page (no data: it asks for a token first)."""
+    return Response(
+        _static("dashboard.html"), media_type="text/html; charset=utf-8", headers=_HEADERS
+    )
+
+
+@page_router.get("/dashboard/static/{name}")
+def static_file(name: str) -> Response:
+    """The page's script and style sheet."""
+    media = STATIC_FILES.get(name)
+    if media is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, detail="no such file")
+    return Response(_static(name), media_type=media, headers=_HEADERS)
+
+
+@router.get("/v1/dashboard", responses=ERRORS, dependencies=[require_roles(*READERS)])
+def dashboard(request: Request, session: SessionDep, node: NodeDep) -> dict[str, Any]:
+    """Everything the dashboard shows, in one document (see the module docstring)."""
+    return snapshot(session, node, observability_for(request))
+
+
+def snapshot(session: Session, node: NodeServices, obs: Observability) -> dict[str, Any]:
+    """The dashboard's JSON document (what ``GET /v1/dashboard`` answers)."""
+    ident = node.identity()
+    health = node.health()
+    manifest = node.manifest()
+    names = {m.org_id: m.display_name for m in manifest.members} if manifest else {}
+    now = time.monotonic()
+    received = obs.metrics.peer_bytes_received()
+    scores = obs.peer_scores()
+    states = {p.org_id: p for p in node.peers()}
+    peers = []
+    for org in sorted(set(states) | (set(names) - {ident.org_id})):
+        p = states.get(org)
+        peers.append(
+            {
+                "org_id": org,
+                "display_name": names.get(org, ""),
+                "status": p.status.value if p is not None else "unknown",
+                "incarnation": p.incarnation if p is not None else None,
+                "last_seen_s_ago": (
+                    None if p is None or p.last_seen is None else max(0.0, now - p.last_seen)
+                ),
+                "latency_ms": None if p is None or p.rtt is None else p.rtt * 1000.0,
+                "bytes_received": received.get(org, 0),
+                "score": round(scores.get(org, 0.0), 3),
+            }
+        )
+    culprit = obs.culprit()
+    named = None if culprit is None else {**culprit.to_dict(), "label": obs.label(culprit.round)}
+    return {
+        "generated_at": time.time(),
+        "node": {
+            "org_id": ident.org_id,
+            "display_name": ident.display_name,
+            "fingerprint": ident.fingerprint,
+            "endpoint": ident.endpoint,
+            "version": ident.version,
+            "ready": health.ready,
+            "checks": dict(health.checks),
+        },
+        "federation": (
+            None
+            if manifest is None
+            else {
+                "name": manifest.federation,
+                "version": manifest.version,
+                "members": len(manifest.members),
+            }
+        ),
+        "peers": peers,
+        **_run(session),
+        "timeline": obs.timeline(10),
+        "culprit": named,
+        "checkpoints": _checkpoints(node, states, ident.org_id),
+        "audit": _audit(session),
+    }
+
+
+def _run(session: Session) -> dict[str, Any]:
+    """The run to show (the newest running or paused one, else the newest) and its metrics."""
+    active = session.exec(
+        select(Run)
+        .where(col(Run.state).in_(("running", "paused")))
+        .order_by(col(Run.updated_at).desc())
+        .limit(1)
+    ).first()
+    row = active or session.exec(select(Run).order_by(col(Run.created_at).desc()).limit(1)).first()
+    if row is None:
+        return {"run": None, "metrics": []}
+    spec = dict(row.spec or {})
+    run = {
+        "id": row.id,
+        "name": row.name,
+        "state": str(row.state),
+        "version": row.version,
+        "current_round": row.current_round,
+        "rounds": spec.get("rounds"),
+        "epsilon": spec.get("epsilon"),
+    }
+    rows = session.exec(
+        select(RunMetric.round, RunMetric.name, RunMetric.value)
+        .where(RunMetric.run_id == row.id)
+        .order_by(col(RunMetric.round), col(RunMetric.id))
+        .limit(_METRIC_ROWS)
+    ).all()
+    metrics = [{"round": r, "name": n, "value": v} for r, n, v in rows]
+    return {"run": run, "metrics": metrics}
+
+
+def _checkpoints(node: NodeServices, states: dict[str, Any], me: str) -> list[dict[str, Any]]:
+    """Checkpoints, each with its shard holders (when the node's replicator says) and
+    whether each holder is alive in this node's membership view."""
+    replicator = getattr(node, "replicator", None)
+    out = []
+    for info in node.checkpoints():
+        holders: list[str] | None = None
+        if replicator is not None:
+            try:
+                holders = [str(h) for h in replicator.manifest(info.round).holders]
+            except (AttributeError, KeyError, LookupError, ValueError, TypeError):
+                holders = None
+        shards = []
+        for index, holder in enumerate(holders or []):
+            state = "alive" if holder == me else _status(states.get(holder))
+            shards.append({"index": index, "holder": holder, "status": state})
+        alive = sum(1 for s in shards if s["status"] == "alive")
+        out.append(
+            {
+                "checkpoint_id": info.checkpoint_id,
+                "run_id": info.run_id,
+                "round": info.round,
+                "created_at": info.created_at,
+                "data_shards": info.data_shards,
+                "parity_shards": info.parity_shards,
+                "sha256": info.sha256,
+                "shards": shards,
+                "restorable": None if holders is None else alive >= info.data_shards,
+            }
+        )
+    return out
+
+
+def _status(state: Any) -> str:
+    return "unknown" if state is None else str(state.status.value)
+
+
+def _audit(session: Session) -> dict[str, Any]:
+    """The audit chain's status: its length, whether the head row matches the newest
+    entry, and whether the newest entries (up to 256) chain and hash correctly."""
+    length = session.exec(select(func.count()).select_from(AuditEvent)).one()
+    tail = list(
+        session.exec(select(AuditEvent).order_by(col(AuditEvent.id).desc()).limit(_AUDIT_TAIL))
+    )
+    tail.reverse()
+    tail_ok = True
+    first_bad: int | None = None
+    for i, row in enumerate(tail):
+        if i > 0 and row.prev_hash != tail[i - 1].entry_hash:
+            tail_ok, first_bad = False, row.id
+            break
+        if audit_entry_hash(row.prev_hash, row.model_dump()) != row.entry_hash:
+            tail_ok, first_bad = False, row.id
+            break
+    if tail and length <= _AUDIT_TAIL and tail[0].prev_hash != GENESIS_HASH:
+        tail_ok, first_bad = False, tail[0].id
+    head = session.get(AuditHead, 1)
+    newest = tail[-1].entry_hash if tail else None
+    if head is None:
+        head_ok = not tail
+    else:
+        head_ok = head.length == length and (head.entry_hash == newest if tail else True)
+    return {
+        "events": length,
+        "head": newest,
+        "head_ok": head_ok,
+        "checked": len(tail),
+        "tail_ok": tail_ok,
+        "first_bad_entry": first_bad,
+        "ok": head_ok and tail_ok,
+    }
