@@ -36,6 +36,8 @@ from typing import Any
 import uvicorn
 from coordinator_free.tls import uvicorn_ssl_options, write_trust_bundle
 
+from org_node.config import NodeConfig, NodePaths
+from org_node.db.engine import make_engine
 from org_node.node import NodeError, OrgNode
 
 __all__ = ["ADMIN_APP", "ADMIN_SETTINGS", "bind", "resolve", "serve_node"]
@@ -89,17 +91,21 @@ async def serve_node(
     stop: asyncio.Event | None = None,
 ) -> None:
     """Serve the node in ``data_dir`` until SIGTERM/SIGINT (or ``stop`` is set)."""
-    node = OrgNode.open(Path(data_dir))
-    net = node.config.network
+    paths = NodePaths(Path(data_dir))
+    if not paths.config.exists():
+        raise NodeError(f"{data_dir} is not a node data directory: run `fedweave init`")
+    net = NodeConfig.load(paths.config).network
     create_app, settings_cls = resolve(ADMIN_APP), resolve(ADMIN_SETTINGS)
     settings = settings_cls(
-        data_dir=node.paths.root,
+        data_dir=paths.root,
         admin_host=net.admin_host,
         admin_port=net.admin_port,
         allow_remote_admin=net.allow_remote_admin,
         peer_host=net.peer_host,
         peer_port=net.peer_port,
     )
+    # the database the settings name (FEDWEAVE_DATABASE_URL: PostgreSQL), else SQLite
+    node = OrgNode.open(paths.root, db=make_engine(settings.resolved_database_url))
     admin_sock = bind(net.admin_host, net.admin_port)
     peer_sock: socket.socket | None = None
     manifest = node.current_manifest
