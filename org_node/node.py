@@ -38,7 +38,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -46,7 +46,7 @@ from coordinator_free.endpoint import Endpoint
 from coordinator_free.erasure import CodeParams, ShardError
 from coordinator_free.errors import CoordinatorFreeError, ManifestError
 from coordinator_free.gossip import Gossip, GossipConfig, SignedRecord
-from coordinator_free.identity import OrgIdentity
+from coordinator_free.identity import OrgIdentity, verify_signature
 from coordinator_free.manifest import Manifest, Member, dump_chain, load_chain
 from coordinator_free.membership import Membership, MemberState, SwimConfig
 from coordinator_free.rounds import (
@@ -440,7 +440,7 @@ class OrgNode:
         own = dict(mine.signatures)[self.org_identity.org_id]
         merged = self._merge(mine.with_signatures({self.org_identity.org_id: own}))
         if self.gossip is not None:
-            single = Manifest(**{**_fields(mine), "signatures": ((self.org_identity.org_id, own),)})
+            single = replace(mine, signatures=((self.org_identity.org_id, own),))
             self.gossip.publish(MANIFEST_TOPIC, mine.digest, single.to_json())
         return merged
 
@@ -449,8 +449,23 @@ class OrgNode:
         current = self._require_manifest()
         if candidate.previous != current.digest:
             raise ServiceRefused("the proposal does not follow the current manifest version")
-        pending = self._proposals.get(candidate.digest, candidate)
-        merged = pending.with_signatures(dict(candidate.signatures))
+        keys = current.public_keys()
+        if candidate.proposal.action == "add":
+            with contextlib.suppress(KeyError):
+                keys[candidate.proposal.org_id] = candidate.member(
+                    candidate.proposal.org_id
+                ).public_key
+        message = candidate.signing_bytes()
+        valid = {
+            org: sig
+            for org, sig in candidate.signatures
+            if org in keys and verify_signature(keys[org], message, sig)
+        }
+        if not valid:
+            raise ServiceRefused("the proposal carries no valid member signature")
+        pending = self._proposals.get(candidate.digest)
+        base = pending if pending is not None else replace(candidate, signatures=())
+        merged = base.with_signatures(valid)
         try:
             current.verify_successor(merged)
         except ManifestError:
@@ -838,17 +853,6 @@ class OrgNode:
         )
         logger.info("%s: restored %s into %s", self.org_identity.org_id, checkpoint_id, path)
         return next(c for c in self.checkpoints() if c.checkpoint_id == checkpoint_id)
-
-
-def _fields(m: Manifest) -> dict[str, Any]:
-    return {
-        "federation": m.federation,
-        "version": m.version,
-        "previous": m.previous,
-        "quorum": m.quorum,
-        "members": m.members,
-        "proposal": m.proposal,
-    }
 
 
 def read_chain(path: Path) -> list[Manifest]:

@@ -389,3 +389,22 @@ def test_a_removal_signed_by_a_quorum_is_installed_on_every_node(tmp_path: Path)
     views = asyncio.run(scenario())
     assert set(views.values()) == {(1, ("org-a", "org-b"))}
     assert len(read_chain(dirs["org-b"] / "federation" / "chain.json")) == 2
+
+
+def test_forged_proposal_signatures_are_dropped(tmp_path: Path) -> None:
+    from coordinator_free.identity import OrgIdentity
+
+    from org_node.services import ServiceRefused
+
+    dirs = make_federation(tmp_path)
+    node = OrgNode.open(dirs["org-a"])
+    manifest = node.current_manifest
+    assert manifest is not None
+    proposal = manifest.propose_remove("org-c", created_at=1)
+    with pytest.raises(ServiceRefused, match="no valid member signature"):
+        node._merge(proposal.with_signatures({"org-b": b"\x00" * 64}))
+    signed_b = proposal.sign(OrgIdentity.load(dirs["org-b"] / "identity"))
+    mixed = signed_b.with_signatures({"org-c": b"\x01" * 64})
+    pending = node._merge(mixed)
+    assert [o for o, _ in pending.signatures] == ["org-b"]
+    assert node.current_manifest.version == 0  # one of two required signatures
