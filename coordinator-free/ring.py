@@ -37,13 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
-from coordinator_free.errors import (
-    PeerUnreachable,
-    RefusalReason,
-    Refused,
-    RequestTimeout,
-    TransportError,
-)
+from coordinator_free.errors import PeerUnreachable, RefusalReason, Refused, TransportError
 from coordinator_free.wire import Envelope
 
 __all__ = [
@@ -292,10 +286,10 @@ class _Link:
                     stage=self.stage,
                     timeout=self.timeout,
                 )
-            except (PeerUnreachable, RequestTimeout) as exc:
+            except PeerUnreachable as exc:
                 raise RingBroken(f"{src} is gone: {exc}", src) from exc
             except TransportError:
-                pass  # it answered: alive, perhaps done with this round
+                pass  # it answered (alive, perhaps done with this round) or is just slow
         payload = fut.result()
         box.chunks.pop(key, None)
         box.buffered -= len(payload)

@@ -162,7 +162,7 @@ class SimConfig:
         # last message lands, so the windows grow with n^2; they end early when
         # everything has arrived, so a generous window costs nothing without faults
         n = self.peers
-        all_to_all = 0.005 * n * n
+        all_to_all = 0.02 * n * n
         return RoundConfig(
             ready_timeout=1.0 + all_to_all,
             stage_timeout=5.0 + all_to_all,
