@@ -73,6 +73,7 @@ from sqlmodel import Session
 
 from org_node import __version__
 from org_node.audit import EgressLog
+from org_node.ckks_rounds import CkksAggregator
 from org_node.config import NodeConfig, NodePaths
 from org_node.db.engine import default_database_url, make_engine, migrate
 from org_node.db.models import Run, RunMetric, utcnow
@@ -80,7 +81,6 @@ from org_node.db.repo import append_audit_event, update_versioned
 from org_node.engine import (
     ATTEMPTS,
     STATE_FILE,
-    CkksAggregator,
     EngineError,
     EngineState,
     JobTrainer,

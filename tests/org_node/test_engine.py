@@ -14,9 +14,9 @@ from coordinator_free.identity import OrgIdentity
 from coordinator_free.memory import InMemoryNetwork
 from coordinator_free.rounds import RoundConfig, RoundEngine, endpoint_signer, secagg_sessions
 
+from org_node.ckks_rounds import CkksAggregator
 from org_node.engine import (
     ATTEMPTS,
-    CkksAggregator,
     EngineConfig,
     EngineError,
     JobTrainer,

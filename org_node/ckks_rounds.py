@@ -1,0 +1,203 @@
+"""CKKS sums over the endpoint: the run engine's path for ``backend = "ckks"``.
+
+The round engine (:mod:`coordinator_free.rounds`) adds masked ring arrays along its
+ring; CKKS ciphertexts need another path. :class:`CkksAggregator` runs the chain of
+:mod:`secure_agg.ckks` (``docs/SECURITY.md``, "CKKS backend (TenSEAL)") over the org's
+signed :class:`~coordinator_free.endpoint.Endpoint`, with three message kinds, all of
+privacy class ``ciphertext`` in the audit log: ``ckks.context`` (public CKKS
+contexts), ``ckks.partial`` (running sums along the chain, the aggregate last) and
+``ckks.result`` (the sum, encrypted under the recipient's own key).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+from coordinator_free.endpoint import Endpoint
+from coordinator_free.errors import RefusalReason, Refused, TransportError
+from coordinator_free.rounds import RoundFailed
+from coordinator_free.wire import Envelope
+
+from secure_agg.ckks import (
+    CkksBundle,
+    CkksKeyHolder,
+    CkksParams,
+    CkksPublicContext,
+    ckks_add,
+    ckks_encrypt,
+    ring_order,
+)
+from secure_agg.errors import SecAggError
+from secure_agg.keys import RoundContext
+
+__all__ = [
+    "KIND_CKKS_CONTEXT",
+    "KIND_CKKS_PARTIAL",
+    "KIND_CKKS_RESULT",
+    "RESULT_GRID_BITS",
+    "CkksAggregator",
+]
+
+
+KIND_CKKS_CONTEXT = "ckks.context"
+KIND_CKKS_PARTIAL = "ckks.partial"
+KIND_CKKS_RESULT = "ckks.result"
+RESULT_GRID_BITS = 12
+"""The key holder rounds the decrypted sum to multiples of ``2^-12`` before sending it
+on: re-encryption adds noise far below half a step (about ``3e-6`` at the default
+parameters), so every participant rounds back to the very same sum."""
+
+
+class CkksAggregator:
+    """CKKS sums over the endpoint (``docs/SECURITY.md``, "CKKS backend (TenSEAL)").
+
+    Per round, :func:`secure_agg.ckks.ring_order` fixes the chain, key holder first.
+    Every participant makes its own CKKS key pair (:class:`~secure_agg.ckks.CkksKeyHolder`)
+    and sends its public context to the key holder; the key holder sends its context
+    to everyone (``ckks.context``). Each participant encrypts its vector under the key
+    holder's context, adds it to the running sum from its predecessor and hands it on
+    (``ckks.partial``); the last one delivers the aggregate to the key holder, which
+    decrypts it once (only a sum of at least ``threshold`` contributors), rounds it to
+    the grid of :data:`RESULT_GRID_BITS` and sends it to each participant encrypted under
+    that participant's own key (``ckks.result``): every message that leaves an org is a
+    public key or a ciphertext, and every participant ends with the same sum.
+
+    Every participant must take part: a missing one fails the round
+    (:class:`~coordinator_free.rounds.RoundFailed`), and the engine retries it.
+    """
+
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        *,
+        params: CkksParams | None = None,
+        timeout: float = 30.0,
+    ) -> None:
+        self.endpoint = endpoint
+        self.params = params or CkksParams()
+        self.timeout = timeout
+        self._inbox: dict[tuple[str, int, str], dict[str, bytes]] = {}
+        self._events: dict[tuple[str, int, str], asyncio.Event] = {}
+        for kind in (KIND_CKKS_CONTEXT, KIND_CKKS_PARTIAL, KIND_CKKS_RESULT):
+            endpoint.on(kind, self._receive)
+
+    async def _receive(self, env: Envelope) -> bytes:
+        key = (env.run, env.round, env.kind)
+        box = self._inbox.setdefault(key, {})
+        if env.sender in box:
+            raise Refused(RefusalReason.REPLAY, f"second {env.kind} for this round")
+        box[env.sender] = env.payload
+        self._events.setdefault(key, asyncio.Event()).set()
+        while len(self._inbox) > 64:  # bound what peers can make this node hold
+            oldest = min(self._inbox, key=lambda k: k[1])
+            del self._inbox[oldest]
+            self._events.pop(oldest, None)
+        return b""
+
+    async def _wait(self, run: str, round: int, kind: str, sender: str) -> bytes:
+        key = (run, round, kind)
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.timeout
+        while True:
+            got = self._inbox.get(key, {}).get(sender)
+            if got is not None:
+                return got
+            remaining = end - loop.time()
+            if remaining <= 0:
+                raise RoundFailed(kind, f"nothing from {sender} within {self.timeout:g} s")
+            event = self._events.setdefault(key, asyncio.Event())
+            event.clear()
+            try:
+                await asyncio.wait_for(event.wait(), remaining)
+            except TimeoutError:
+                continue
+
+    async def _send(self, peer: str, kind: str, payload: bytes, run: str, round: int) -> None:
+        try:
+            await self.endpoint.send(
+                peer, kind, payload, run=run, round=round, stage="ckks", timeout=self.timeout
+            )
+        except TransportError as exc:
+            raise RoundFailed(kind, f"{peer}: {exc}") from None
+
+    def _forget(self, run: str, round: int) -> None:
+        for key in [k for k in self._inbox if k[0] == run and k[1] <= round]:
+            del self._inbox[key]
+            self._events.pop(key, None)
+
+    async def run_round(
+        self,
+        run: str,
+        round: int,
+        vector: np.ndarray,
+        participants: tuple[str, ...],
+        threshold: int,
+    ) -> np.ndarray:
+        """This org's part of one CKKS sum; returns the (grid-rounded) float64 sum."""
+        try:
+            return await self._run(
+                run, round, np.asarray(vector, np.float64), participants, threshold
+            )
+        except SecAggError as exc:
+            raise RoundFailed("ckks", str(exc)) from None
+        finally:
+            self._forget(run, round)
+
+    async def _run(
+        self, run: str, round: int, x: np.ndarray, participants: tuple[str, ...], t: int
+    ) -> np.ndarray:
+        me = self.endpoint.org_id
+        ctx = RoundContext(self.endpoint.federation, run, round)
+        order = ring_order(ctx, participants)
+        holder = order[0]
+        own = CkksKeyHolder(self.params, threshold=t, participants=participants)
+        others = [p for p in order if p != me]
+        if me == holder:
+            await asyncio.gather(
+                *(
+                    self._send(p, KIND_CKKS_CONTEXT, own.public_context_bytes(), run, round)
+                    for p in others
+                )
+            )
+            public = own.public
+        else:
+            await self._send(holder, KIND_CKKS_CONTEXT, own.public_context_bytes(), run, round)
+            public = CkksPublicContext.from_bytes(
+                await self._wait(run, round, KIND_CKKS_CONTEXT, holder)
+            )
+        mine = await asyncio.to_thread(ckks_encrypt, public, x, contributor=me)
+        i = order.index(me)
+        nxt = order[(i + 1) % len(order)]
+        if i == 0:
+            await self._send(nxt, KIND_CKKS_PARTIAL, mine, run, round)
+        else:
+            partial = await self._wait(run, round, KIND_CKKS_PARTIAL, order[i - 1])
+            total = await asyncio.to_thread(ckks_add, public, partial, mine)
+            await self._send(nxt, KIND_CKKS_PARTIAL, total, run, round)
+        if me != holder:
+            result = await self._wait(run, round, KIND_CKKS_RESULT, holder)
+            return _grid(await asyncio.to_thread(own.decrypt_sum, result))
+        aggregate = await self._wait(run, round, KIND_CKKS_PARTIAL, order[-1])
+        contributors = CkksBundle.from_bytes(aggregate).contributors
+        summed = _grid(await asyncio.to_thread(own.decrypt_sum, aggregate))
+
+        async def deliver(peer: str) -> None:
+            theirs = CkksPublicContext.from_bytes(
+                await self._wait(run, round, KIND_CKKS_CONTEXT, peer)
+            )
+            enc = CkksBundle.from_bytes(
+                await asyncio.to_thread(ckks_encrypt, theirs, summed, contributor=me)
+            )
+            # the result stands for the aggregate of these contributors, so the
+            # recipient's key holder opens it as a sum (and only once)
+            bundle = CkksBundle(enc.fingerprint, enc.length, contributors, enc.chunks)
+            await self._send(peer, KIND_CKKS_RESULT, bundle.to_bytes(), run, round)
+
+        await asyncio.gather(*(deliver(p) for p in others))
+        return summed
+
+
+def _grid(values: np.ndarray) -> np.ndarray:
+    step = 2.0**RESULT_GRID_BITS
+    return np.round(np.asarray(values, np.float64) * step) / step
