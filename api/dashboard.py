@@ -197,7 +197,8 @@ def _run(session: Session) -> dict[str, Any]:
 
 def _checkpoints(node: NodeServices, states: dict[str, Any], me: str) -> list[dict[str, Any]]:
     """Checkpoints, each with its shard holders (when the node's replicator says) and
-    whether each holder is alive in this node's membership view."""
+    whether each holder is alive in this node's membership view: ``restorable`` when at
+    least ``k`` holders are alive, ``at_risk`` when that needs holders SWIM suspects."""
     replicator = getattr(node, "replicator", None)
     out = []
     for info in node.checkpoints():
@@ -212,6 +213,7 @@ def _checkpoints(node: NodeServices, states: dict[str, Any], me: str) -> list[di
             state = "alive" if holder == me else _status(states.get(holder))
             shards.append({"index": index, "holder": holder, "status": state})
         alive = sum(1 for s in shards if s["status"] == "alive")
+        maybe = sum(1 for s in shards if s["status"] == "suspect")
         out.append(
             {
                 "checkpoint_id": info.checkpoint_id,
@@ -223,6 +225,7 @@ def _checkpoints(node: NodeServices, states: dict[str, Any], me: str) -> list[di
                 "sha256": info.sha256,
                 "shards": shards,
                 "restorable": None if holders is None else alive >= info.data_shards,
+                "at_risk": holders is not None and alive < info.data_shards <= alive + maybe,
             }
         )
     return out

@@ -9,7 +9,7 @@
 
 (function () {
   const TOKEN_KEY = "fedweave.dashboard.token";
-  const POLL_MS = 5000;
+  const POLL_MS = 3000;
   const TERMINAL = new Set(["completed", "failed", "aborted", "declined"]);
   const SVG_NS = "http://www.w3.org/2000/svg";
 
@@ -377,7 +377,7 @@
         el("td", c.round),
         el("td", c.data_shards + " + " + c.parity_shards),
         shards,
-        el("td", c.restorable === null ? "unknown" : c.restorable ? "yes" : "NO"),
+        el("td", c.restorable === null ? "unknown" : c.restorable ? "yes" : c.at_risk ? "at risk (holders suspect)" : "NO"),
       );
       body.append(tr);
     }

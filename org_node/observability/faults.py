@@ -7,9 +7,10 @@ into evidence against peers, per round:
 
 * **timeouts** — a peer's message of a stage never arrived (``missing``), or a send to
   it failed (``unreachable``);
-* **late stage arrivals** — a peer's message arrived well after the other peers' of
-  the same stage (compared with the stage's median arrival, so a slow network makes
-  nobody late);
+* **late stage arrivals** — a peer's message of a stage that every participant sends
+  at once (``ready``, ``share``, ``unmask``) arrived well after the others' (compared
+  with the median of the peers' arrivals and this node's own sending time, so a slow
+  network makes nobody late);
 * **refused messages** — this node refused the peer's message (replayed, stale,
   malformed, or rejected by the masked-sum session);
 * **hash disagreements** — the peer announced another member list or model hash;
@@ -34,6 +35,11 @@ from dataclasses import dataclass, field
 from coordinator_free.rounds import RoundObservation
 
 __all__ = ["FaultConfig", "PeerScorer", "Suspect"]
+
+# stages every participant broadcasts at the same point of its round: arrival times
+# are comparable across peers (ring, commit and model messages arrive in ring order or
+# after local work, so they are not)
+_SIMULTANEOUS = frozenset({"ready", "share", "unmask"})
 
 # weights of one piece of evidence, by observation kind
 _WEIGHTS: dict[str, float] = {
@@ -65,7 +71,7 @@ class FaultConfig:
 
     min_score: float = 2.0
     lead: float = 1.0
-    late_s: float = 0.25
+    late_s: float = 1.0
     late_weight: float = 1.5
     drift_factor: float = 3.0
     drift_weight: float = 1.0
@@ -113,6 +119,8 @@ class _Round:
     round: int
     evidence: dict[str, list[tuple[float, str]]] = field(default_factory=dict)
     arrivals: dict[str, dict[str, float]] = field(default_factory=dict)
+    begun: dict[str, float] = field(default_factory=dict)
+    elapsed: float = 0.0
     failed: str = ""
     completed: bool = False
 
@@ -153,6 +161,11 @@ class PeerScorer:
         if obs.kind == "completed":
             rnd.completed = True
             return
+        if obs.kind == "stage":
+            # when this node began each stage: when it sent that stage's broadcast
+            rnd.begun.setdefault(obs.stage, rnd.elapsed)
+            rnd.elapsed += max(0.0, obs.seconds)
+            return
         peer = obs.peer
         if not peer or peer == self.me:
             return
@@ -187,9 +200,14 @@ class PeerScorer:
         found: dict[str, list[tuple[float, str]]] = {}
         cfg = self.config
         for stage, seen in sorted(rnd.arrivals.items()):
-            if len(seen) < 2:
+            if stage not in _SIMULTANEOUS:
                 continue
-            median = statistics.median(seen.values())
+            samples = list(seen.values())
+            if stage in rnd.begun:
+                samples.append(rnd.begun[stage])
+            if len(samples) < 3:
+                continue
+            median = statistics.median(samples)
             for peer, at in sorted(seen.items()):
                 late = at - median
                 if late > cfg.late_s:

@@ -57,7 +57,11 @@ def correlation_id(federation: str, run_key: str, round: int, stage: str = "") -
     """
     if not isinstance(round, int) or isinstance(round, bool):
         raise TypeError(f"round must be an int, got {type(round).__name__}")
-    parts = [_DOMAIN, federation.encode(), run_key.encode(), str(round).encode(), stage.encode()]
+    try:
+        fields = [federation.encode(), run_key.encode(), str(round).encode(), stage.encode()]
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"correlation fields must be valid text: {exc.reason}") from None
+    parts = [_DOMAIN, *fields]
     for part in parts[1:]:
         if b"\x00" in part:
             raise ValueError("correlation fields must not contain NUL")

@@ -46,6 +46,23 @@ def test_late_arrivals_are_judged_against_the_stage_median() -> None:
     assert even.culprit(3) is None
 
 
+def test_this_nodes_own_sending_time_is_a_sample_and_ring_order_stages_are_not_judged() -> None:
+    scorer = PeerScorer("a", FaultConfig(late_s=0.5))
+    # two peers only: this node began its share stage at 0.3 s (after 0.3 s of ready)
+    scorer.observe(obs("stage", stage="ready", seconds=0.3))
+    scorer.observe(obs("stage", stage="share", seconds=2.0))
+    scorer.observe(obs("arrival", "b", seconds=0.35))
+    scorer.observe(obs("arrival", "c", seconds=1.6))
+    # model hashes and commit tokens arrive in ring order or after local work
+    scorer.observe(obs("arrival", "b", stage="model", seconds=0.0))
+    scorer.observe(obs("arrival", "c", stage="model", seconds=0.1))
+    scorer.observe(obs("arrival", "d", stage="model", seconds=9.0))
+    found = scorer.culprit(3)
+    assert found is not None and found.org == "c"
+    assert found.evidence == ["its share arrived 1.25s after the others' (median)"]
+    assert "d" not in scorer.scores("run-1", 3)
+
+
 def test_no_culprit_without_enough_or_without_leading_evidence() -> None:
     scorer = PeerScorer("a")
     scorer.observe(obs("left", "b"))
@@ -174,3 +191,22 @@ def test_simulator_fault_free_round_names_nobody() -> None:
         line = hub.timeline()[-1]
         assert line["state"] == "completed" and line["culprit"] is None
         assert [s["stage"] for s in line["stages"]][:3] == ["ready", "share", "agree-ready"]
+
+
+def test_a_failing_observer_never_affects_the_round() -> None:
+    async def go() -> tuple[set[str], list[str]]:
+        async with Simulation(SimConfig(peers=3, length=16, seed=3)) as sim:
+            seen: list[str] = []
+
+            def broken(o: RoundObservation) -> None:
+                seen.append(o.kind)
+                raise RuntimeError("observer bug")
+
+            sim.engines["org-0"].add_observer(broken)
+            outcome = await sim.round(1)
+            assert outcome.problems() == []
+            return set(outcome.results), seen
+
+    finished, seen = asyncio.run(go())
+    assert finished == {"org-0", "org-1", "org-2"}
+    assert seen[0] == "round" and "completed" in seen
