@@ -41,7 +41,7 @@ def test_correlation_id_vectors(fed: str, run: str, rnd: int, stage: str, expect
 
 
 names = st.text(
-    st.characters(blacklist_characters="\x00", blacklist_categories=("Cs",)), max_size=12
+    st.characters(exclude_characters="\x00", exclude_categories=["Cs"]), max_size=12
 )
 
 
