@@ -114,7 +114,7 @@ def running_nodes(
     try:
         for org, d in harness.dirs.items():
             harness.procs[org] = subprocess.Popen(
-                [sys.executable, "-m", "org_node.cli", "run", "--data-dir", str(d)],
+                [sys.executable, "-m", "api.cli", "run", "--data-dir", str(d)],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 env=env,
