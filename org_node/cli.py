@@ -5,9 +5,10 @@ fedweave init --org-id ORG --data-dir DIR --peer-port P --admin-port A
 fedweave federation found --federation FED --member A/member.json --member B/member.json --out m.json
 fedweave federation sign --data-dir DIR m.json        (each founder, in turn)
 fedweave federation install --data-dir DIR m.json     (each founder)
-fedweave run --data-dir DIR
+fedweave run --data-dir DIR                           (api.cli: the composition root)
 fedweave status --data-dir DIR
 fedweave recover --data-dir NEW_DIR --backup ORG-recovery-backup.json --manifest chain.json
+fedweave audit verify LOG_OR_REPORT [--peer-log P] [--key ORG=HEX]
 
 Every error is one readable line on stderr and a non-zero exit status.
 """
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,6 +25,7 @@ from typing import Annotated, TypeVar
 import typer
 
 from org_node import __version__
+from org_node.audit.cli import audit_app
 
 app = typer.Typer(
     name="fedweave",
@@ -43,6 +44,7 @@ federation_app = typer.Typer(
     no_args_is_help=True,
 )
 app.add_typer(federation_app, name="federation")
+app.add_typer(audit_app, name="audit")
 
 T = TypeVar("T")
 DataDir = typer.Option(..., "--data-dir", help="The node's data directory.")
@@ -95,7 +97,8 @@ def _errors() -> Iterator[None]:
         raise typer.Exit(1) from None
 
 
-def _run(fn: Callable[[], T]) -> T:
+def guarded(fn: Callable[[], T]) -> T:
+    """Run ``fn``; an expected failure becomes one line on stderr and exit status 1."""
     with _errors():
         return fn()
 
@@ -133,7 +136,7 @@ def init(
     """Create a node: identity, certificate, config, admin token, recovery backup."""
     from org_node.initialize import initialize
 
-    result = _run(
+    result = guarded(
         lambda: initialize(
             data_dir,
             org_id,
@@ -154,23 +157,6 @@ def init(
         "  -> move it OFFLINE now; with it and the manifest chain a wiped node recovers"
     )
     typer.echo(f"admin token (shown once, store it safely): {result.admin_token}")
-
-
-@app.command("run")
-def run(data_dir: Path = DataDir) -> None:
-    """Run the node: admin API, mutual-TLS peer API, gossip and the run engine."""
-    import logging
-
-    from org_node.serve import serve_node
-
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-
-    def ready(message: str) -> None:
-        typer.echo(message)
-        sys.stdout.flush()
-
-    _run(lambda: asyncio.run(serve_node(data_dir, on_ready=ready)))
-    typer.echo("stopped")
 
 
 @app.command("status")
@@ -212,7 +198,7 @@ def status(data_dir: Path = DataDir) -> None:
             "runs": runs,
         }
 
-    info = _run(gather)
+    info = guarded(gather)
     for key, value in info.items():
         if isinstance(value, list):
             typer.echo(f"{key}:")
@@ -248,7 +234,7 @@ def recover_cmd(
     from org_node.node import OrgNode, read_chain, recover_state
 
     passphrase = passphrase_file.read_bytes().strip() if passphrase_file else None
-    paths, token = _run(
+    paths, token = guarded(
         lambda: prepare_recovery(
             data_dir, backup, manifest, passphrase=passphrase, admin_port=admin_port
         )
@@ -276,7 +262,7 @@ def recover_cmd(
 
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), transient=True) as bar:
         bar.add_task("fetching checkpoint shards from the peers", total=None)
-        state = _run(lambda: asyncio.run(fetch()))
+        state = guarded(lambda: asyncio.run(fetch()))
     typer.echo(f"recovered the private state into {state}")
     typer.echo(f"new admin token (shown once): {token}")
     typer.echo(f"start the node with: fedweave run --data-dir {paths.root}")
@@ -292,7 +278,7 @@ def federation_found(
     """Make the unsigned founding manifest from the founders' member records."""
     from org_node.initialize import found_manifest
 
-    m = _run(lambda: found_manifest(federation, member, out, quorum=quorum))
+    m = guarded(lambda: found_manifest(federation, member, out, quorum=quorum))
     typer.echo(f"wrote {out}: federation {m.federation}, members {', '.join(m.member_ids)}")
     typer.echo("every founder must now run: fedweave federation sign --data-dir DIR " + str(out))
 
@@ -306,7 +292,7 @@ def federation_sign(
     """Add this org's signature to the founding manifest."""
     from org_node.initialize import sign_manifest
 
-    m = _run(lambda: sign_manifest(data_dir, manifest, out))
+    m = guarded(lambda: sign_manifest(data_dir, manifest, out))
     signers = [org for org, _ in m.signatures]
     missing = sorted(set(m.member_ids) - set(signers))
     typer.echo(f"signed; signatures: {', '.join(signers)}")
@@ -321,7 +307,7 @@ def federation_merge(
     """Join the signatures of copies signed separately."""
     from org_node.initialize import merge_signatures
 
-    m = _run(lambda: merge_signatures(copies, out))
+    m = guarded(lambda: merge_signatures(copies, out))
     typer.echo(f"wrote {out} with signatures of {', '.join(o for o, _ in m.signatures)}")
 
 
@@ -338,7 +324,7 @@ def federation_install(
     """Verify every founder's signature and install the federation in this node."""
     from org_node.initialize import install_manifest
 
-    m = _run(lambda: install_manifest(data_dir, manifest, backup_file=backup))
+    m = guarded(lambda: install_manifest(data_dir, manifest, backup_file=backup))
     typer.echo(
         json.dumps({"federation": m.federation, "members": list(m.member_ids), "digest": m.digest})
     )

@@ -7,8 +7,8 @@ import sys
 
 from typer.testing import CliRunner
 
+from api.cli import app
 from org_node import __version__
-from org_node.cli import app
 
 runner = CliRunner()
 
@@ -28,12 +28,17 @@ def test_help_lists_the_product() -> None:
 
 def test_console_script_runs() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "org_node.cli", "--version"],
+        [sys.executable, "-m", "api.cli", "--version"],
         capture_output=True,
         text=True,
         check=True,
     )
     assert out.stdout.startswith("fedweave ")
+
+
+def test_every_command_is_on_the_console_script() -> None:
+    names = {c.name for c in app.registered_commands} | {g.name for g in app.registered_groups}
+    assert {"init", "run", "status", "recover", "federation", "audit"} <= names
 
 
 def test_unknown_command_is_a_clean_error() -> None:

@@ -163,15 +163,3 @@ def test_recover_refuses_a_non_empty_dir(tmp_path: Path) -> None:
         ],
     )
     assert r.exit_code == 1 and "not empty" in one_line_error(r.output)
-
-
-def test_the_composition_root_resolves_the_admin_app_by_reference() -> None:
-    import pytest
-
-    from api.app import create_app
-    from org_node.node import NodeError
-    from org_node.serve import ADMIN_APP, resolve
-
-    assert resolve(ADMIN_APP) is create_app
-    with pytest.raises(NodeError, match="cannot load"):
-        resolve("api.app:no_such_factory")

@@ -95,7 +95,7 @@ def test_three_node_processes_train_two_rounds_and_stop_on_sigterm(tmp_path: Pat
     try:
         for org, d in dirs.items():
             procs[org] = subprocess.Popen(
-                [sys.executable, "-m", "org_node.cli", "run", "--data-dir", str(d)],
+                [sys.executable, "-m", "api.cli", "run", "--data-dir", str(d)],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 env=env,
@@ -161,7 +161,7 @@ def test_three_node_processes_train_two_rounds_and_stop_on_sigterm(tmp_path: Pat
             [
                 sys.executable,
                 "-m",
-                "org_node.cli",
+                "api.cli",
                 "recover",
                 "--data-dir",
                 str(fresh),

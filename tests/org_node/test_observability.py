@@ -40,9 +40,7 @@ def test_correlation_id_vectors(fed: str, run: str, rnd: int, stage: str, expect
     assert hashlib.sha256(raw + b"\x00" + stage.encode()).hexdigest()[:32] == expected
 
 
-names = st.text(
-    st.characters(exclude_characters="\x00", exclude_categories=["Cs"]), max_size=12
-)
+names = st.text(st.characters(exclude_characters="\x00", exclude_categories=["Cs"]), max_size=12)
 
 
 @given(names, names, st.integers(0, 2**40), names, names, names, st.integers(0, 2**40), names)

@@ -10,11 +10,8 @@ gossip, the run engine):
   federation members' (:func:`coordinator_free.tls.uvicorn_ssl_options`).
 
 This module is the composition root, the only place that knows every layer
-(``docs/ARCHITECTURE.md``, "Layers"). Since ``org_node`` must not import ``api``
-statically (the layering contracts), the admin app and its settings are resolved by
-reference at start-up (:data:`ADMIN_APP`, :data:`ADMIN_SETTINGS`, as uvicorn resolves
-``module:attribute``), so that no ``org_node`` module depends on ``api`` at import time.
-Both sockets are bound before anything starts, so a port in use is one
+(``docs/ARCHITECTURE.md``, "Layers"), which is why it lives in ``api``, the top
+layer. Both sockets are bound before anything starts, so a port in use is one
 clear error. SIGTERM or SIGINT stops the node gracefully: the run engine abandons the
 current stage (its state stays at the last finished round, from which a restart
 resumes), the node leaves the membership, then both servers close their connections
@@ -25,27 +22,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import logging
 import signal
 import socket
 from collections.abc import Callable, Generator
 from pathlib import Path
-from typing import Any
 
 import uvicorn
 from coordinator_free.tls import uvicorn_ssl_options, write_trust_bundle
 
+from api.app import create_app
+from api.settings import Settings
 from org_node.config import NodeConfig, NodePaths
 from org_node.db.engine import make_engine
 from org_node.node import NodeError, OrgNode
 
-__all__ = ["ADMIN_APP", "ADMIN_SETTINGS", "bind", "resolve", "serve_node"]
-
-ADMIN_APP = "api.app:create_app"
-"""``create_app(settings, node, engine=...)``: the admin API's app factory."""
-ADMIN_SETTINGS = "api.settings:Settings"
-"""The admin API's settings class."""
+__all__ = ["bind", "serve_node"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,15 +50,6 @@ class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
         yield
-
-
-def resolve(reference: str) -> Any:
-    """The attribute named by ``"module:attribute"``; :class:`NodeError` if there is none."""
-    module_name, _, attr = reference.partition(":")
-    try:
-        return getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise NodeError(f"cannot load {reference}: {exc}") from None
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -95,8 +78,7 @@ async def serve_node(
     if not paths.config.exists():
         raise NodeError(f"{data_dir} is not a node data directory: run `fedweave init`")
     net = NodeConfig.load(paths.config).network
-    create_app, settings_cls = resolve(ADMIN_APP), resolve(ADMIN_SETTINGS)
-    settings = settings_cls(
+    settings = Settings(
         data_dir=paths.root,
         admin_host=net.admin_host,
         admin_port=net.admin_port,

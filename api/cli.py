@@ -1,0 +1,45 @@
+"""The `fedweave` console script: the org node's commands plus ``fedweave run``.
+
+Every command but ``run`` lives in :mod:`org_node.cli`; ``run`` starts the whole node
+(admin API, peer API, gossip, run engine) through the composition root
+:mod:`api.serve`, which is why the console script points here, at the top layer.
+
+    fedweave run --data-dir DIR
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+import typer
+
+from org_node.cli import DataDir, app, guarded
+
+__all__ = ["app", "main", "run"]
+
+
+@app.command("run")
+def run(data_dir: Path = DataDir) -> None:
+    """Run the node: admin API, mutual-TLS peer API, gossip and the run engine."""
+    from api.serve import serve_node
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+    def ready(message: str) -> None:
+        typer.echo(message)
+        sys.stdout.flush()
+
+    guarded(lambda: asyncio.run(serve_node(data_dir, on_ready=ready)))
+    typer.echo("stopped")
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()
