@@ -1,0 +1,318 @@
+"""The harness's verdict: ``DIR/summary.json`` and the plaintext FedAvg check.
+
+:func:`build_summary` reads what the nodes left on disk once they are stopped — each
+org's engine state (the final global model), its egress log — and what the harness saw
+while following the run (:class:`~org_node.harness.runner.Observation`), and returns the
+summary: ``ok``, ``orgs``, ``rounds_completed``, ``backend``, ``final_model_sha256``
+(per org; equal for every surviving org), ``metrics`` (per org: final loss and
+accuracy), ``bytes_sent`` (per org, from its egress log), ``faults``, ``recoveries``,
+``audit_verified`` (per org, :func:`org_node.audit.verify_path`, what
+``fedweave audit verify`` runs), ``audit_reports`` and ``harness_check``.
+
+``harness_check`` (:func:`plaintext_fedavg`) recomputes the run in the clear: from the
+round-0 model, for each round, the plain sum of the packed updates the survivors
+exported in the harness-only debug mode (``FEDWEAVE_HARNESS_DEBUG_EXPORT``, refused by a
+node whose config lacks ``[debug] harness = true``), unpacked and stepped exactly as
+the run engine does (FedNova normalization, then the strategy); ``max_abs_diff`` is the
+largest coordinate difference between that model and the federated one. The secure sum
+differs from the plain one by its fixed-point rounding (masked) or its CKKS noise and
+result grid (``org_node.engine.RESULT_GRID_BITS``) only, so the tolerance is small.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from coordinator_free.errors import CoordinatorFreeError
+from coordinator_free.manifest import Manifest
+
+from org_node.harness.runner import Observation
+
+__all__ = [
+    "TOLERANCE",
+    "VerdictError",
+    "build_summary",
+    "plaintext_fedavg",
+    "write_summary",
+]
+
+TOLERANCE: dict[str, float] = {"masked": 1e-4, "ckks": 2e-3}
+"""Largest allowed ``|federated - plaintext|`` per coordinate, per backend."""
+
+
+class VerdictError(Exception):
+    """The exported updates or the engine state cannot be read (the message says why)."""
+
+
+def _final_state(data_dir: Path, run_key: str) -> Any:
+    from org_node.engine import STATE_FILE, EngineError, EngineState
+
+    path = data_dir / "runs" / run_key / STATE_FILE
+    try:
+        return EngineState.from_bytes(path.read_bytes())
+    except (OSError, EngineError):
+        return None
+
+
+def _export(obs: Observation, org: str, round0: int) -> np.ndarray:
+    """The packed update ``org`` exported for 0-based round ``round0`` (the copy taken
+    when it was wiped first: those updates were summed before the wipe)."""
+    name = Path(obs.run_key) / f"round-{round0:06d}.npy"
+    kept = obs.wiped_exports.get(org)
+    for base in ([kept] if kept is not None else []) + [obs.export_dir / org]:
+        if (base / name).exists():
+            return np.asarray(np.load(base / name), dtype=np.float64)
+    raise VerdictError(f"no exported update of {org} for round {round0 + 1}")
+
+
+def plaintext_fedavg(
+    obs: Observation, survivors: Mapping[int, Sequence[str]], rounds: int
+) -> dict[str, np.ndarray]:
+    """The model after ``rounds`` rounds of plain (unprotected) aggregation of the
+    exported updates of each round's ``survivors`` (1-based round -> orgs)."""
+    from org_node.engine import EngineConfig
+    from org_node.strategies import make_strategy, params_shapes, unpack_weighted
+    from org_node.tasks import initial_state
+
+    s = obs.scenario
+    config = EngineConfig(strategy=s.strategy, model_seed=s.seed)
+    model = {
+        k: np.asarray(v, dtype=np.float32)
+        for k, v in initial_state(s.task_ref, config.model_seed).items()
+    }
+    strategy = make_strategy(config.strategy, config.strategy_options)
+    names = sorted(model)
+    shapes = params_shapes([model[k] for k in names])
+    for r in range(rounds):
+        orgs = survivors.get(r + 1)
+        if not orgs:
+            raise VerdictError(f"the survivors of round {r + 1} were not observed")
+        total = np.sum([_export(obs, org, r) for org in sorted(orgs)], axis=0)
+        parts, weight = unpack_weighted(total, [*shapes, (1,)])
+        tau_eff = max(float(parts[-1][0]) / weight, 0.0) if weight > 0 else 0.0
+        summed = [p * tau_eff for p in parts[:-1]]
+        new = strategy.step([model[k] for k in names], summed, weight)
+        model = dict(zip(names, (np.asarray(p) for p in new), strict=True))
+    return model
+
+
+def _max_abs_diff(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> float:
+    if set(a) != set(b):
+        return math.inf
+    worst = 0.0
+    for k in a:
+        x, y = np.asarray(a[k], np.float64), np.asarray(b[k], np.float64)
+        if x.shape != y.shape:
+            return math.inf
+        if x.size:
+            worst = max(worst, float(np.max(np.abs(x - y))))
+    return worst
+
+
+def _egress(data_dir: Path) -> tuple[Path, int]:
+    from org_node.audit import LogFormatError, read_log
+
+    path = data_dir / "audit" / "egress.jsonl"
+    try:
+        records = read_log(path)
+    except (OSError, LogFormatError):
+        return path, 0
+    return path, sum(int(e.bytes) for e in records.entries())
+
+
+def _audit_report(obs: Observation, org: str, survivors: Mapping[int, Sequence[str]]) -> str:
+    """Write org's signed privacy audit report of the run into ``DIR/audit/ORG``."""
+    from coordinator_free.identity import OrgIdentity
+
+    from org_node.audit import (
+        AuditError,
+        EgressLog,
+        RoundFacts,
+        RunFacts,
+        SecAggFacts,
+        build_report,
+        save_report,
+    )
+    from org_node.policy import RunSpec
+
+    node = obs.nodes[org]
+    s = obs.scenario
+    identity = OrgIdentity.load(node.data_dir / "identity")
+    log = EgressLog(identity, node.data_dir / "audit" / "egress.jsonl")
+    try:
+        metrics = obs.metrics.get(org, {})
+        rounds = tuple(
+            RoundFacts(
+                round=r,
+                participants=tuple(s.names),
+                survivors=tuple(survivors[r]),
+                dropped=tuple(o for o in s.names if o not in survivors[r]),
+                recovered=tuple(o for o in s.names if o not in survivors[r]),
+                loss=metrics.get(r, {}).get("eval_loss"),
+                accuracy=metrics.get(r, {}).get("eval_accuracy"),
+            )
+            for r in sorted(survivors)
+        )
+        facts = RunFacts(
+            run=obs.run_key,
+            spec=RunSpec.from_dict(obs.spec),
+            policies={},
+            consents=(),
+            secure_aggregation=SecAggFacts(
+                s.backend, s.orgs, s.t, 64 if s.backend == "masked" else None, None
+            ),
+            rounds=rounds,
+        )
+        json_path, _html = save_report(build_report(log, facts), obs.out / "audit" / org)
+        return str(json_path)
+    except (AuditError, ValueError) as exc:
+        return f"not written: {exc}"
+    finally:
+        log.close()
+
+
+def _audit(obs: Observation, org: str) -> dict[str, Any]:
+    from org_node.audit import verify_path
+
+    node = obs.nodes[org]
+    path = node.data_dir / "audit" / "egress.jsonl"
+    wiped = any(r["org"] == org for r in obs.recoveries)
+    peers = (
+        []
+        if wiped
+        else [
+            n.data_dir / "audit" / "egress.jsonl"
+            for o, n in obs.nodes.items()
+            if o != org and (n.data_dir / "audit" / "egress.jsonl").exists()
+        ]
+    )
+    keys: dict[str, bytes] | None = None
+    with contextlib.suppress(OSError, ValueError, CoordinatorFreeError):
+        keys = Manifest.from_json((obs.out / "manifest.json").read_bytes()).public_keys()
+    result = verify_path(path, peer_logs=peers, trusted_keys=keys)
+    out: dict[str, Any] = {"ok": result.ok, "summary": result.summary}
+    if wiped:
+        out["note"] = (
+            "the log restarted with the wiped disk; peer-held heads of the old one not checked"
+        )
+    return out
+
+
+def build_summary(obs: Observation) -> dict[str, Any]:
+    """The verdict (see the module docstring); ``reason`` says what failed, if anything."""
+    s = obs.scenario
+    killed = {f["org"] for f in obs.faults if f["kind"] == "kill"}
+    surviving = [o for o in s.names if o not in killed]
+    reasons: list[str] = list(obs.errors)
+    states = {o: obs.states.get(o, "unknown") for o in s.names}
+    shas: dict[str, str | None] = {}
+    rounds_done: dict[str, int] = {}
+    models: dict[str, Any] = {}
+    from org_node.engine import model_to_bytes
+
+    for org in s.names:
+        state = _final_state(obs.nodes[org].data_dir, obs.run_key) if obs.run_key else None
+        if state is None:
+            shas[org] = None
+            rounds_done[org] = 0
+            continue
+        models[org] = state.model
+        shas[org] = hashlib.sha256(model_to_bytes(state.model)).hexdigest()
+        rounds_done[org] = int(state.round)
+    for org in surviving:
+        if states[org] != "completed":
+            reasons.append(f"{org} ended in state {states[org]!r}, not completed")
+    completed = min((rounds_done[o] for o in surviving), default=0)
+    if completed < s.rounds:
+        reasons.append(f"only {completed} of {s.rounds} rounds completed at every surviving org")
+    surviving_shas = {shas[o] for o in surviving}
+    if len(surviving_shas) != 1 or None in surviving_shas:
+        reasons.append("the surviving orgs' final models differ")
+    metrics: dict[str, dict[str, float | None]] = {}
+    for org in s.names:
+        per = obs.metrics.get(org, {})
+        last = per[max(per)] if per else {}
+        metrics[org] = {
+            "loss": last.get("eval_loss", last.get("train_loss")),
+            "accuracy": last.get("eval_accuracy"),
+            "round": float(max(per)) if per else None,
+        }
+    bytes_sent = {org: _egress(obs.nodes[org].data_dir)[1] for org in s.names}
+    audit = {org: _audit(obs, org) for org in s.names}
+    for org, result in audit.items():
+        if org in surviving and not result["ok"]:
+            reasons.append(f"audit verify failed at {org}: {result['summary']}")
+    tolerance = TOLERANCE[s.backend]
+    check: dict[str, Any] = {"max_abs_diff": None, "tolerance": tolerance, "ok": False}
+    try:
+        plain = plaintext_fedavg(obs, obs.survivors, completed)
+        reference = models[surviving[0]]
+        diff = _max_abs_diff(plain, reference)
+        check = {
+            "max_abs_diff": diff if math.isfinite(diff) else None,
+            "tolerance": tolerance,
+            "ok": bool(diff <= tolerance),
+            "rounds": completed,
+        }
+        if not check["ok"]:
+            reasons.append(
+                f"harness_check: the federated model differs from plaintext FedAvg by {diff:.3g}"
+                f" > {tolerance:g}"
+            )
+    except (VerdictError, KeyError, IndexError, ValueError) as exc:
+        check["error"] = str(exc)
+        reasons.append(f"harness_check: {exc}")
+    for rec in obs.recoveries:
+        if rec.get("outcome") != "restarted":
+            reasons.append(f"recovery of {rec['org']}: {rec.get('outcome', 'did not finish')}")
+        else:
+            rec["finished"] = states.get(rec["org"]) == "completed"
+            rec["final_round"] = rounds_done.get(rec["org"], 0)
+    reports = {
+        org: _audit_report(obs, org, obs.survivors)
+        for org in surviving
+        if obs.survivors and obs.nodes[org].data_dir.exists()
+    }
+    summary: dict[str, Any] = {
+        "ok": not reasons,
+        "orgs": list(s.names),
+        "rounds": s.rounds,
+        "rounds_completed": completed,
+        "rounds_completed_per_org": rounds_done,
+        "backend": s.backend,
+        "strategy": s.strategy,
+        "task": s.task,
+        "run_key": obs.run_key,
+        "states": states,
+        "surviving": surviving,
+        "final_model_sha256": {o: shas[o] for o in s.names},
+        "metrics": metrics,
+        "history": {
+            org: {str(r): v for r, v in sorted(per.items())} for org, per in obs.metrics.items()
+        },
+        "survivors": {str(r): list(v) for r, v in sorted(obs.survivors.items())},
+        "bytes_sent": bytes_sent,
+        "faults": obs.faults,
+        "recoveries": obs.recoveries,
+        "audit_verified": audit,
+        "audit_reports": reports,
+        "harness_check": check,
+        "scenario": s.to_dict(),
+        "elapsed_s": obs.elapsed_s,
+        "reason": "; ".join(reasons) if reasons else "",
+    }
+    return summary
+
+
+def write_summary(summary: Mapping[str, Any], out: Path) -> Path:
+    """Write ``out/summary.json`` (sorted keys, indented); returns its path."""
+    path = Path(out) / "summary.json"
+    path.write_text(json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n")
+    return path
