@@ -81,10 +81,9 @@ def _execute(scenario: object, out: Path, *, timeout: float | None, quiet: bool)
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from org_node.harness.plot import plot_progress
     from org_node.harness.runner import HarnessError, Interrupted, Observation, run_harness
     from org_node.harness.scenario import Scenario
-    from org_node.harness.verdict import build_summary, write_summary
+    from org_node.harness.verdict import finish
 
     assert isinstance(scenario, Scenario)
     console = Console(stderr=True)
@@ -114,11 +113,9 @@ def _execute(scenario: object, out: Path, *, timeout: float | None, quiet: bool)
     except HarnessError as exc:
         typer.echo(f"error: {exc}", err=True)
         return 1
-    summary = build_summary(obs)
-    path = write_summary(summary, out)
-    plot = plot_progress(obs.metrics, scenario.rounds, out / "progress.png")
-    typer.echo(f"summary: {path}")
-    typer.echo(f"plot: {plot}")
+    summary = finish(obs)
+    typer.echo(f"summary: {out / 'summary.json'}")
+    typer.echo(f"plot: {summary['plot']}")
     for org, report in sorted(summary["audit_reports"].items()):
         typer.echo(f"audit report of {org}: {report}")
     typer.echo(f"node logs: {out / 'logs'}")

@@ -318,11 +318,15 @@ def _create(scenario: Scenario, out: Path) -> dict[str, NodeProcess]:
     return nodes
 
 
-def _node_env(out: Path) -> dict[str, str]:
+def _node_env(out: Path, *, export: bool = True) -> dict[str, str]:
+    """The nodes' environment: the debug export on (``fedweave recover`` rebuilds a
+    plain config, which refuses it, so the harness turns it off there)."""
     from org_node.node import HARNESS_EXPORT_ENV
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env[HARNESS_EXPORT_ENV] = str(out / EXPORT_DIR)
+    env.pop(HARNESS_EXPORT_ENV, None)
+    if export:
+        env[HARNESS_EXPORT_ENV] = str(out / EXPORT_DIR)
     env.pop("FEDWEAVE_DATABASE_URL", None)  # embedded SQLite in each data directory
     return env
 
@@ -535,7 +539,7 @@ def _inject_wipe(procs: _Processes, obs: Observation, wipe: Wipe) -> None:
             "60",
         ),
         log,
-        _node_env(out),
+        _node_env(out, export=False),
     )
     try:
         rc = proc.wait(timeout=120)
