@@ -24,7 +24,9 @@ YAML_FILES = sorted([*DEPLOY.rglob("*.yml"), *DEPLOY.rglob("*.yaml")])
 TEXT_FILES = sorted(
     p for p in DEPLOY.rglob("*") if p.is_file() and p.suffix not in (".yml", ".yaml")
 )
-_INVOCATION = re.compile(r"(?:^|[\s/\"'(])fedweave((?:[ \t]+[^\s`|;&#)]+)+)")
+_INVOCATION = re.compile(r"(?:^|[\s\"'(]|bin/)fedweave((?:[ \t]+[^\s`|;&#)]+)+)")
+"""``fedweave ARGS`` as a command word or a ``.../bin/fedweave`` path, not as a
+directory name (``/var/lib/fedweave --shell ...`` is ``useradd``'s line)."""
 
 
 def _root() -> click.Group:
@@ -228,10 +230,13 @@ def test_the_scanner_reads_continuations_inline_code_and_yaml_lists() -> None:
         "Run `fedweave status --data-dir D` now.\n"
         "```bash\n"
         "fedweave init --org-id a \\\n    --data-dir /d   # comment --bogus\n"
+        "useradd --home-dir /var/lib/fedweave --shell /bin/false fedweave\n"
+        ".venv/bin/fedweave --version\n"
         "```\n"
         "the fedweave.toml file\n"
     )
     assert invocations_in_text(text, markdown=True) == [
         ["status", "--data-dir", "D"],
         ["init", "--org-id", "a", "--data-dir", "/d"],
+        ["--version"],
     ]

@@ -300,7 +300,7 @@ def build_summary(obs: Observation) -> dict[str, Any]:
         "history": {
             org: {str(r): v for r, v in sorted(per.items())} for org, per in obs.metrics.items()
         },
-        "survivors": {str(r): list(v) for r, v in sorted(obs.survivors.items())},
+        "survivors": {str(r): sorted(v) for r, v in sorted(obs.survivors.items())},
         "bytes_sent": bytes_sent,
         "faults": obs.faults,
         "recoveries": obs.recoveries,
