@@ -461,6 +461,7 @@ class RingReducer:
         stats: RingStats | None = None,
         on_step: Callable[[str, int], Awaitable[None]] | None = None,
         min_chunk: int = 1024,
+        start_grace: float = 0.0,
     ) -> np.ndarray:
         """The ring sum of every member's ``vector``, mod ``2^b``; a fresh array.
 
@@ -475,6 +476,10 @@ class RingReducer:
         bandwidth-bound: it is summed along the ring as a chain instead (reduce from
         the first member to the last, then pass the total on), ``2 (n - 1)`` messages
         in all rather than ``2 n (n - 1)``, and still at most two vectors sent per node.
+
+        ``start_grace`` is added to the first wait: the members do not all start at the
+        same moment (each leaves the previous stage when it has heard enough). A long
+        wait pings the sender each ``timeout``, so a dead member is blamed at once.
         """
         link = self._link(
             order,
@@ -501,7 +506,14 @@ class RingReducer:
             rlo, rhi = bounds[recv_index]
             chunk = await link.exchange(
                 link.send(succ, phase, step, send_index, acc[slo:shi]),
-                link.receive(pred, phase, step, recv_index, rhi - rlo, timeout),
+                link.receive(
+                    pred,
+                    phase,
+                    step,
+                    recv_index,
+                    rhi - rlo,
+                    timeout + (start_grace if (phase, step) == (_PHASE_SCATTER, 0) else 0.0),
+                ),
             )
             if phase == _PHASE_SCATTER:
                 np.add(acc[rlo:rhi], chunk, out=acc[rlo:rhi])
@@ -516,7 +528,9 @@ class RingReducer:
             if on_step is not None:
                 await on_step("scatter", 0)
             if pos > 0:
-                part = await link.receive(pred, _PHASE_CHAIN_REDUCE, 0, 0, length, timeout * pos)
+                part = await link.receive(
+                    pred, _PHASE_CHAIN_REDUCE, 0, 0, length, timeout * pos + start_grace
+                )
                 np.add(acc, part, out=acc)
             if pos < n - 1:
                 await link.send(succ, _PHASE_CHAIN_REDUCE, 0, 0, acc)
@@ -524,7 +538,7 @@ class RingReducer:
                 await on_step("gather", 0)
             if pos < n - 1:
                 acc[:] = await link.receive(
-                    pred, _PHASE_CHAIN_BROADCAST, 0, 0, length, timeout * (n + pos)
+                    pred, _PHASE_CHAIN_BROADCAST, 0, 0, length, timeout * (n + pos) + start_grace
                 )
             if pos < n - 2 or pos == n - 1:
                 await link.send(succ, _PHASE_CHAIN_BROADCAST, 0, 0, acc)
@@ -552,6 +566,7 @@ class RingReducer:
         stage: str = "reduce",
         timeout: float = 10.0,
         stats: RingStats | None = None,
+        start_grace: float = 0.0,
     ) -> np.ndarray:
         """The same sum through one hub, ``order[0]``: the star baseline of the benchmarks.
 
@@ -575,7 +590,7 @@ class RingReducer:
             return acc
         hub, me = order[0], self.endpoint.org_id
         length = acc.shape[0]
-        wait = timeout * n
+        wait = timeout * n + start_grace
         try:
             if me == hub:
 

@@ -1336,6 +1336,7 @@ class RoundEngine:
                         attempt=attempt,
                         timeout=cfg.step_timeout,
                         stats=counters.ring,
+                        start_grace=cfg.stage_timeout,
                     )
                 else:
                     acc = await self.ring.allreduce(
@@ -1348,6 +1349,7 @@ class RoundEngine:
                         stats=counters.ring,
                         on_step=self._step_hook(run, rnd),
                         min_chunk=cfg.ring_min_chunk,
+                        start_grace=cfg.stage_timeout,
                     )
             except RingBroken as exc:
                 logger.info("%s: ring attempt %d broke: %s", me, attempt, exc)
