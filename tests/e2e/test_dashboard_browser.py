@@ -2,11 +2,15 @@
 against three real node processes: the page shows the login prompt to a missing or
 wrong token, shows the two peers of org 1 once the token works (a peer's hostile
 display name as text), and its round timeline updates live when a round completes.
-A screenshot is saved under the test's tmp dir."""
+Then org 3's node is killed: the page names it as the likely culprit, and so does
+``GET /v1/node`` (what ``fedweave status`` prints) at both survivors. A screenshot is
+saved under the test's tmp dir."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -138,7 +142,7 @@ def test_dashboard_shows_peers_and_updates_when_a_round_completes(
         assert browser.find_elements(By.CSS_SELECTOR, "#timeline .round") == []
 
         # a run: the page follows its event stream and draws each completed round
-        spec = {"task": "tabular", "rounds": 2, "participants": list(ORGS), "threshold": 2}
+        spec = {"task": "tabular", "rounds": 4, "participants": list(ORGS), "threshold": 2}
         run_ids = nodes.propose_and_accept("dashboard-demo", spec)
         wait_until(
             "the page to follow the accepted run's events",
@@ -171,6 +175,27 @@ def test_dashboard_shows_peers_and_updates_when_a_round_completes(
             ),
         )
         assert browser.find_element(By.ID, "audit-facts").get_attribute("data-ok") == "true"
+
+        # org 3's node dies mid-run: the survivors go on and name it
+        dead = ORGS[2]
+        os.killpg(nodes.procs[dead].pid, signal.SIGKILL)
+        nodes.procs[dead].wait(timeout=10)
+        wait_until(
+            "the killed node named as the culprit",
+            lambda: browser.find_element(By.ID, "culprit").get_attribute("data-org") == dead,
+            timeout=45,
+        )
+        assert visible(browser, "culprit")
+        assert browser.find_elements(By.CSS_SELECTOR, "#culprit-evidence li")
+        for org in ORGS[:2]:
+            with nodes.client(org) as c:
+
+                def named(c: Any = c) -> dict[str, Any] | None:
+                    found: dict[str, Any] | None = c.get("/v1/node").json()["culprit"]
+                    return found if found is not None and found["org"] == dead else None
+
+                culprit = wait_until(f"{org} naming {dead}", named)
+            assert culprit["score"] >= 2.0 and culprit["evidence"], culprit
         shot = tmp_path / "dashboard.png"
         assert browser.save_screenshot(str(shot))
         assert shot.stat().st_size > 10_000
