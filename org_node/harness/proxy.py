@@ -44,12 +44,9 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, dela
             queue.put_nowait((loop.time() + delay, data))
             if not data:
                 break
-        await sender
+        await sender  # the end of this direction is passed on as a half-close
     except (OSError, asyncio.IncompleteReadError):
         sender.cancel()
-    finally:
-        with contextlib.suppress(OSError, RuntimeError):
-            writer.close()
 
 
 class DelayRelays:
@@ -81,11 +78,16 @@ class DelayRelays:
                 except OSError:
                     writer.close()
                     return
-                await asyncio.gather(
-                    _pipe(reader, up_writer, self.delay),
-                    _pipe(up_reader, writer, self.delay),
-                    return_exceptions=True,
-                )
+                try:
+                    await asyncio.gather(
+                        _pipe(reader, up_writer, self.delay),
+                        _pipe(up_reader, writer, self.delay),
+                        return_exceptions=True,
+                    )
+                finally:
+                    for w in (writer, up_writer):
+                        with contextlib.suppress(OSError, RuntimeError):
+                            w.close()
 
             self._servers.append(await asyncio.start_server(handle, "127.0.0.1", listen))
 

@@ -206,6 +206,34 @@ def _audit(obs: Observation, org: str) -> dict[str, Any]:
     return out
 
 
+def _metrics(obs: Observation, org: str, model: Mapping[str, np.ndarray] | None) -> dict[str, Any]:
+    """The org's final loss and accuracy: those its node recorded for its last round
+    (its local model on the task's held-out split), and those of the final global model
+    it holds, evaluated by the harness on the same split. An org that rejoined by
+    adopting the federation's model (after a wipe) recorded no round of its own since:
+    its ``loss`` and ``accuracy`` are then the global model's."""
+    from org_node.tasks import TaskError, evaluate
+
+    per = obs.metrics.get(org, {})
+    last = per[max(per)] if per else {}
+    out: dict[str, Any] = {
+        "loss": last.get("eval_loss", last.get("train_loss")),
+        "accuracy": last.get("eval_accuracy"),
+        "round": max(per) if per else None,
+        "final_model_loss": None,
+        "final_model_accuracy": None,
+    }
+    if model is not None:
+        with contextlib.suppress(TaskError, ValueError, RuntimeError):
+            result = evaluate(obs.scenario.task_ref, {k: np.asarray(v) for k, v in model.items()})
+            out["final_model_loss"] = result.get("loss")
+            out["final_model_accuracy"] = result.get("accuracy")
+    if out["loss"] is None:
+        out["loss"], out["accuracy"] = out["final_model_loss"], out["final_model_accuracy"]
+        out["source"] = "final global model (no local round recorded)"
+    return out
+
+
 def build_summary(obs: Observation) -> dict[str, Any]:
     """The verdict (see the module docstring); ``reason`` says what failed, if anything."""
     s = obs.scenario
@@ -236,15 +264,7 @@ def build_summary(obs: Observation) -> dict[str, Any]:
     surviving_shas = {shas[o] for o in surviving}
     if len(surviving_shas) != 1 or None in surviving_shas:
         reasons.append("the surviving orgs' final models differ")
-    metrics: dict[str, dict[str, float | None]] = {}
-    for org in s.names:
-        per = obs.metrics.get(org, {})
-        last = per[max(per)] if per else {}
-        metrics[org] = {
-            "loss": last.get("eval_loss", last.get("train_loss")),
-            "accuracy": last.get("eval_accuracy"),
-            "round": float(max(per)) if per else None,
-        }
+    metrics = {org: _metrics(obs, org, models.get(org)) for org in s.names}
     bytes_sent = {org: _egress(obs.nodes[org].data_dir)[1] for org in s.names}
     audit = {org: _audit(obs, org) for org in s.names}
     for org, result in audit.items():

@@ -239,3 +239,43 @@ def test_plot_progress_writes_a_png(tmp_path: Path) -> None:
     data = path.read_bytes()
     assert data.startswith(b"\x89PNG") and data.endswith(b"IEND\xaeB`\x82")
     assert struct.unpack(">II", data[16:24]) == (900, 380)
+
+
+# --------------------------------------------------------------------------- delay relay
+
+
+def test_delay_relay_passes_bytes_both_ways_and_frees_its_port() -> None:
+    import socket
+    import threading
+
+    from org_node.harness.proxy import DelayRelays
+    from org_node.harness.runner import free_ports, port_is_free
+
+    server = socket.create_server(("127.0.0.1", 0))
+    target = server.getsockname()[1]
+
+    def echo() -> None:
+        conn, _ = server.accept()
+        with conn:
+            while data := conn.recv(65536):
+                conn.sendall(bytes(b ^ 0xFF for b in data))
+
+    thread = threading.Thread(target=echo, daemon=True)
+    thread.start()
+    (listen,) = free_ports(1)
+    relays = DelayRelays({listen: target}, delay_ms=20)
+    relays.start()
+    try:
+        assert not port_is_free(listen)
+        payload = bytes(range(256)) * 40
+        with socket.create_connection(("127.0.0.1", listen), timeout=10) as c:
+            c.sendall(payload)
+            c.shutdown(socket.SHUT_WR)
+            got = b""
+            while chunk := c.recv(65536):
+                got += chunk
+        assert got == bytes(b ^ 0xFF for b in payload)
+    finally:
+        relays.stop()
+        server.close()
+    assert port_is_free(listen)
