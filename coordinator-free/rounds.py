@@ -125,7 +125,7 @@ OBSERVATION_KINDS = frozenset(
         "missing",  # ``peer``'s message of ``stage`` had not arrived when the stage ended
         "unreachable",  # a send to ``peer`` failed (``detail``: the transport error)
         "refused",  # this node refused ``peer``'s message of ``stage`` (``detail``: why)
-        "stale",  # a message for a round one side had already closed (normal when late)
+        "stale",  # a late message (round closed) or a second copy: normal under retries
         "mismatch",  # ``peer`` disagreed on a hash (member list, model) at ``stage``
         "suspect",  # the ring of ``stage`` broke and ``peer`` was blamed
         "left",  # ``peer`` said it left the round
@@ -1538,8 +1538,9 @@ class RoundEngine:
 
 
 def _refusal_kind(exc: Refused) -> str:
-    """``stale`` for a message of a round already closed on one side, else ``refused``."""
-    return "stale" if exc.reason is RefusalReason.STALE else "refused"
+    """``stale`` for a message of a round already closed on one side or a second copy
+    of one (a send retried after a lost reply), else ``refused``."""
+    return "stale" if exc.reason in (RefusalReason.STALE, RefusalReason.REPLAY) else "refused"
 
 
 def _known_tag(tag: str, config: RoundConfig) -> bool:

@@ -13,8 +13,8 @@ still treated as untrusted text):
 * ``fedweave_stage_retries_total{stage}`` — stages tried again (ready re-sends, ring
   attempts);
 * ``fedweave_refusals_total{stage,peer}`` — messages refused, by stage and peer;
-* ``fedweave_stale_messages_total{stage}`` — messages for a round already closed
-  (a peer finished first: late, not wrong);
+* ``fedweave_stale_messages_total{stage}`` — messages for a round already closed, or
+  second copies of one (a peer finished first, a send retried: late, not wrong);
 * ``fedweave_dropouts_total{peer}`` — rounds a peer was dropped from;
 * ``fedweave_peer_timeouts_total{stage,peer}`` — messages that never arrived, sends
   that failed;
@@ -197,7 +197,7 @@ class StageMetrics:
                 ),
                 (
                     "fedweave_stale_messages_total",
-                    "Round messages for a round already closed on one side (late, not wrong).",
+                    "Round messages late (round closed) or repeated (retried): not wrong.",
                     self.stale,
                     ("stage",),
                 ),
