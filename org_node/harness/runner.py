@@ -117,7 +117,7 @@ class NodeProcess:
     def admin_url(self) -> str:
         return f"http://127.0.0.1:{self.admin_port}"
 
-    def client(self, timeout: float = 30.0) -> httpx.Client:
+    def client(self, timeout: float | None = 30.0) -> httpx.Client:
         return httpx.Client(
             base_url=self.admin_url,
             headers={"Authorization": f"Bearer {self.token}"},
@@ -146,6 +146,8 @@ class Observation:
     """org -> a copy of its exported updates taken when it was wiped."""
     timed_out: bool = False
     elapsed_s: float = 0.0
+    listening: set[str] = field(default_factory=set)
+    """Orgs whose event stream the harness reads."""
     t0: float = field(default_factory=time.monotonic)
 
     @property
@@ -373,7 +375,7 @@ def _check(response: httpx.Response, what: str) -> dict[str, Any]:
 
 
 def _propose_and_accept(obs: Observation) -> None:
-    """Propose at org1, relay the proposal to every other org, accept and start at each."""
+    """Propose at org1, relay the proposal to every other org, accept it at each."""
     s = obs.scenario
     spec = {
         "task": s.task_ref,
@@ -398,14 +400,18 @@ def _propose_and_accept(obs: Observation) -> None:
         node = obs.nodes[org]
         with node.client() as c:
             _check(c.post(f"/v1/runs/{node.run_id}/accept", json={}), f"accept at {org}")
-    for org in s.names:
+    from org_node.engine import RunPlan
+
+    obs.run_key = RunPlan.from_spec(RUN_NAME, spec).run_key
+
+
+def _start_run(obs: Observation) -> None:
+    """Start the accepted run at every org through its own API."""
+    for org in obs.scenario.names:
         node = obs.nodes[org]
         with node.client() as c:
             _check(c.post(f"/v1/runs/{node.run_id}/start", json={}), f"start at {org}")
             node.state = "running"
-    from org_node.engine import RunPlan
-
-    obs.run_key = RunPlan.from_spec(RUN_NAME, spec).run_key
 
 
 # --------------------------------------------------------------------------- following
@@ -415,10 +421,11 @@ def _follow_events(node: NodeProcess, run_id: str, obs: Observation, stop: threa
     """Read the org's event stream; record each round's survivors."""
     try:
         with (
-            node.client(timeout=None) as c,  # type: ignore[arg-type]
+            node.client(timeout=None) as c,
             c.stream("GET", f"/v1/runs/{run_id}/events") as response,
         ):
             kind = ""
+            obs.listening.add(node.org)
             for line in response.iter_lines():
                 if stop.is_set():
                     return
@@ -574,19 +581,27 @@ def _inject_wipe(procs: _Processes, obs: Observation, wipe: Wipe) -> None:
     record["outcome"] = "restarted" if node.run_id else "restarted, but the run did not resume"
 
 
+def _listen(obs: Observation, stop: threading.Event) -> None:
+    """One event-stream reader per org, subscribed before the run starts."""
+    for nd in obs.nodes.values():
+        threading.Thread(
+            target=_follow_events, args=(nd, nd.run_id, obs, stop), daemon=True
+        ).start()
+    end = time.monotonic() + 5
+    while time.monotonic() < end and len(obs.listening) < len(obs.nodes):
+        time.sleep(0.05)
+
+
 def _follow(
-    procs: _Processes, obs: Observation, timeout: float, progress: ProgressFn | None
+    procs: _Processes,
+    obs: Observation,
+    timeout: float,
+    progress: ProgressFn | None,
+    stop: threading.Event,
 ) -> None:
     s = obs.scenario
     kills = list(s.kills)
     wipes = list(s.wipes)
-    stop = threading.Event()
-    threads = [
-        threading.Thread(target=_follow_events, args=(nd, nd.run_id, obs, stop), daemon=True)
-        for nd in obs.nodes.values()
-    ]
-    for t in threads:
-        t.start()
     end = time.monotonic() + timeout
     try:
         while True:
@@ -617,8 +632,7 @@ def _follow(
                 break
             time.sleep(0.1)
     finally:
-        stop.set()
-    obs.states = {org: node.state for org, node in obs.nodes.items()}
+        obs.states = {org: node.state for org, node in obs.nodes.items()}
 
 
 # --------------------------------------------------------------------------- entry point
@@ -645,6 +659,7 @@ def run_harness(
         (out / sub).mkdir(parents=True, exist_ok=True)
     obs = Observation(scenario, out)
     procs = _Processes()
+    stop = threading.Event()
     relays: DelayRelays | None = None
     limit = timeout or 60.0 + 30.0 * (
         scenario.rounds + len(scenario.kills) + 2 * len(scenario.wipes)
@@ -665,9 +680,12 @@ def run_harness(
             if on_started is not None:
                 on_started(obs, procs.pids)
             _propose_and_accept(obs)
-            _follow(procs, obs, limit, progress)
+            _listen(obs, stop)
+            _start_run(obs)
+            _follow(procs, obs, limit, progress, stop)
             _collect_metrics(obs)
         finally:
+            stop.set()
             with _no_signals():
                 procs.stop_all()
                 if relays is not None:

@@ -171,6 +171,11 @@ def _audit_report(obs: Observation, org: str, survivors: Mapping[int, Sequence[s
             ),
             rounds=rounds,
         )
+        if log.entries and (not log.heads or log.heads[-1].index < log.entries[-1].index):
+            # the node signs its head after each round; traffic after its last round
+            # (catching up, shard repair) is closed by a head signed now, as the org
+            # does when it writes a report of a stopped node
+            log.sign_head(obs.run_key, max(survivors, default=0))
         json_path, _html = save_report(build_report(log, facts), obs.out / "audit" / org)
         return str(json_path)
     except (AuditError, ValueError) as exc:
@@ -265,8 +270,14 @@ def build_summary(obs: Observation) -> dict[str, Any]:
     if len(surviving_shas) != 1 or None in surviving_shas:
         reasons.append("the surviving orgs' final models differ")
     metrics = {org: _metrics(obs, org, models.get(org)) for org in s.names}
-    bytes_sent = {org: _egress(obs.nodes[org].data_dir)[1] for org in s.names}
+    # reports first (each may close its log with a signed head), then verify the logs
+    reports = {
+        org: _audit_report(obs, org, obs.survivors)
+        for org in surviving
+        if obs.survivors and obs.nodes[org].data_dir.exists()
+    }
     audit = {org: _audit(obs, org) for org in s.names}
+    bytes_sent = {org: _egress(obs.nodes[org].data_dir)[1] for org in s.names}
     for org, result in audit.items():
         if org in surviving and not result["ok"]:
             reasons.append(f"audit verify failed at {org}: {result['summary']}")
@@ -298,11 +309,6 @@ def build_summary(obs: Observation) -> dict[str, Any]:
         else:
             rec["finished"] = states.get(rec["org"]) == "completed"
             rec["final_round"] = rounds_done.get(rec["org"], 0)
-    reports = {
-        org: _audit_report(obs, org, obs.survivors)
-        for org in surviving
-        if obs.survivors and obs.nodes[org].data_dir.exists()
-    }
     summary: dict[str, Any] = {
         "ok": not reasons,
         "orgs": list(s.names),
