@@ -1,0 +1,195 @@
+"""The client commands (``fedweave runs``, ``peers``, ``audit events``) against the real
+admin API app with a fake node, in process (Starlette's test client as the transport)."""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from typer.testing import CliRunner
+
+import org_node.cli as cli
+from org_node.db.models import Role
+from tests.api.conftest import RUN_SPEC, Api, make_api, migrated_sqlite
+
+__all__ = ["migrated_sqlite"]
+
+URL = "http://node.test"
+
+
+@pytest.fixture
+def client_api(
+    tmp_path: Path, migrated_sqlite: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Api]:
+    for api in make_api(tmp_path, template=migrated_sqlite):
+
+        def in_process(base_url: str, token: str, app: Any = api.app) -> TestClient:
+            assert base_url == URL
+            return TestClient(app, base_url=base_url, headers={"Authorization": f"Bearer {token}"})
+
+        monkeypatch.setattr(cli, "http_client", in_process)
+        monkeypatch.delenv("FEDWEAVE_URL", raising=False)
+        monkeypatch.delenv("FEDWEAVE_TOKEN", raising=False)
+        yield api
+
+
+def invoke(api: Api, *args: str, role: Role = Role.ADMIN) -> Any:
+    runner = CliRunner()
+    return runner.invoke(cli.app, [*args, "--url", URL, "--token", api.tokens[role]])
+
+
+def _propose(api: Api, tmp_path: Path, name: str = "r1") -> str:
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps(RUN_SPEC))
+    r = invoke(api, "runs", "propose", "--name", name, "--spec", str(spec))
+    assert r.exit_code == 0, r.output
+    assert f"proposed run {name} (" in r.output
+    return str(r.output.split("(")[1].split(")")[0])
+
+
+def test_propose_list_accept_start_show(client_api: Api, tmp_path: Path) -> None:
+    run_id = _propose(client_api, tmp_path)
+    r = invoke(client_api, "runs", "list")
+    assert r.exit_code == 0, r.output
+    assert run_id in r.output and "proposed" in r.output and "org-b" in r.output
+    r = invoke(client_api, "runs", "accept", "r1", "--reason", "ok by the board")
+    assert r.exit_code == 0, r.output
+    assert r.output.strip() == f"run r1 ({run_id}): accepted"
+    r = invoke(client_api, "runs", "start", run_id[:10])
+    assert r.exit_code == 0, r.output
+    assert "running" in r.output
+    assert client_api.node.calls == [("accepted", run_id), ("started", run_id)]
+    r = invoke(client_api, "runs", "show", run_id, role=Role.AUDITOR)
+    assert r.exit_code == 0, r.output
+    assert "state: running" in r.output
+    assert "ok by the board" in r.output
+    assert "no round metrics yet" in r.output
+
+
+def test_show_prints_metrics_per_round(client_api: Api, tmp_path: Path) -> None:
+    from sqlmodel import Session
+
+    from org_node.db.models import RunMetric
+
+    run_id = _propose(client_api, tmp_path)
+    with Session(client_api.engine) as session:
+        for rnd, loss in ((1, 0.75), (2, 0.5)):
+            session.add(RunMetric(run_id=run_id, round=rnd, name="loss", value=loss))
+            session.add(RunMetric(run_id=run_id, round=rnd, name="epsilon_spent", value=rnd * 1.5))
+        session.commit()
+    r = invoke(client_api, "runs", "show", "r1")
+    assert r.exit_code == 0, r.output
+    lines = [line for line in r.output.splitlines() if "0.75" in line or "0.5 " in line]
+    assert len(lines) == 2
+    assert "epsilon_spent" in r.output and "loss" in r.output
+
+
+def test_propose_from_flags(client_api: Api) -> None:
+    r = invoke(
+        client_api,
+        "runs",
+        "propose",
+        "--name",
+        "flags",
+        "--task",
+        "tabular",
+        "--rounds",
+        "2",
+        "--participant",
+        "org-a",
+        "--participant",
+        "org-b",
+        "--threshold",
+        "2",
+    )
+    assert r.exit_code == 0, r.output
+    body = client_api.client.get("/v1/runs", headers=client_api.h()).json()
+    assert body["data"][0]["spec"]["participants"] == ["org-a", "org-b"]
+    assert body["data"][0]["spec"]["rounds"] == 2
+
+
+def test_invalid_spec_is_one_line(client_api: Api) -> None:
+    r = invoke(client_api, "runs", "propose", "--name", "x", "--task", "t", "--rounds", "2")
+    assert r.exit_code == 1
+    assert "participants" in r.output
+
+
+def test_wrong_token(client_api: Api) -> None:
+    r = CliRunner().invoke(cli.app, ["runs", "list", "--url", URL, "--token", "nope-secret"])
+    assert r.exit_code == 1
+    assert r.output.strip() == "error: authentication failed: check --token"
+    assert "nope-secret" not in r.output
+
+
+def test_token_from_env_is_never_printed(client_api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FEDWEAVE_URL", URL)
+    monkeypatch.setenv("FEDWEAVE_TOKEN", client_api.tokens[Role.ADMIN])
+    r = CliRunner().invoke(cli.app, ["peers"])
+    assert r.exit_code == 0, r.output
+    assert "org-b" in r.output and "alive" in r.output
+    assert client_api.tokens[Role.ADMIN] not in r.output
+
+
+def test_conflict_names_current_state(client_api: Api, tmp_path: Path) -> None:
+    run_id = _propose(client_api, tmp_path)
+    assert invoke(client_api, "runs", "abort", run_id).exit_code == 0
+    r = invoke(client_api, "runs", "start", run_id)
+    assert r.exit_code == 1
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ")
+    assert "aborted" in lines[0]
+
+
+def test_auditor_may_not_propose(client_api: Api, tmp_path: Path) -> None:
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps(RUN_SPEC))
+    r = invoke(client_api, "runs", "propose", "--name", "r", "--spec", str(spec), role=Role.AUDITOR)
+    assert r.exit_code == 1
+    assert r.output.startswith("error: forbidden")
+
+
+def test_unknown_run(client_api: Api) -> None:
+    r = invoke(client_api, "runs", "accept", "nosuchrun")
+    assert r.exit_code == 1
+    assert r.output.strip() == "error: no run 'nosuchrun' at this node"
+
+
+def test_audit_events_filtered(client_api: Api, tmp_path: Path) -> None:
+    run_id = _propose(client_api, tmp_path)
+    invoke(client_api, "runs", "accept", run_id)
+    r = invoke(
+        client_api, "audit", "events", "--run", run_id, "--kind", "run.accept", role=Role.AUDITOR
+    )
+    assert r.exit_code == 0, r.output
+    assert "(1 of 1)" in r.output and "run.accept" in r.output
+
+
+def test_no_node_answers() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    r = CliRunner().invoke(cli.app, ["runs", "list", "--url", url, "--token", "t"])
+    assert r.exit_code == 1
+    assert r.output.strip() == f"error: no node answers at {url}"
+
+
+def test_url_from_data_dir(tmp_path: Path) -> None:
+    from org_node.initialize import initialize
+
+    initialize(tmp_path / "n", "org-a", peer_port=18998, admin_port=18999)
+    assert cli.admin_url(None, tmp_path / "n") == "http://127.0.0.1:18999"
+    assert cli.admin_url("http://x:1/", tmp_path / "n") == "http://x:1"
+    with pytest.raises(cli.ClientError, match="--url"):
+        cli.admin_url(None, None)
+
+
+def test_missing_token() -> None:
+    r = CliRunner().invoke(cli.app, ["peers", "--url", URL], env={"FEDWEAVE_TOKEN": ""})
+    assert r.exit_code == 1
+    assert "no token" in r.output
