@@ -293,6 +293,7 @@ def _create(scenario: Scenario, out: Path) -> dict[str, NodeProcess]:
                 ),
                 engine=EngineConfig(
                     strategy=scenario.strategy,
+                    strategy_options=scenario.strategy_options,
                     model_seed=scenario.seed,
                     checkpoint_every=1,
                     ready_timeout_s=20.0,

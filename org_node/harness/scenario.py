@@ -177,6 +177,12 @@ class Scenario:
         """The task's name in :data:`org_node.tasks.BUILTIN_TASKS`."""
         return TASKS[self.task]
 
+    @property
+    def strategy_options(self) -> dict[str, object]:
+        """The strategy's options: DiLoCo's inner loop runs ``local_steps`` steps (its
+        default ``H = 500`` is for real training, not for a harness round)."""
+        return {"inner_steps": self.local_steps} if self.strategy == "diloco" else {}
+
     def validate(self) -> None:
         """Refuse an impossible scenario with one line saying why."""
         n, r = self.orgs, self.rounds

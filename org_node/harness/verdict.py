@@ -83,7 +83,9 @@ def plaintext_fedavg(
     from org_node.tasks import initial_state
 
     s = obs.scenario
-    config = EngineConfig(strategy=s.strategy, model_seed=s.seed)
+    config = EngineConfig(
+        strategy=s.strategy, strategy_options=s.strategy_options, model_seed=s.seed
+    )
     model = {
         k: np.asarray(v, dtype=np.float32)
         for k, v in initial_state(s.task_ref, config.model_seed).items()
@@ -284,7 +286,9 @@ def build_summary(obs: Observation) -> dict[str, Any]:
     tolerance = TOLERANCE[s.backend]
     check: dict[str, Any] = {"max_abs_diff": None, "tolerance": tolerance, "ok": False}
     try:
-        ref_org = next(o for o in surviving if o in models)
+        ref_org = next((o for o in surviving if o in models), None)
+        if ref_org is None:
+            raise VerdictError("no surviving org holds a final model")
         reference = models[ref_org]
         plain = plaintext_fedavg(obs, obs.survivors, rounds_done[ref_org])
         diff = _max_abs_diff(plain, reference)
@@ -300,7 +304,7 @@ def build_summary(obs: Observation) -> dict[str, Any]:
                 f"harness_check: the federated model differs from plaintext FedAvg by {diff:.3g}"
                 f" > {tolerance:g}"
             )
-    except (VerdictError, KeyError, IndexError, ValueError, StopIteration) as exc:
+    except (VerdictError, KeyError, IndexError, ValueError) as exc:
         check["error"] = str(exc)
         reasons.append(f"harness_check: {exc}")
     for rec in obs.recoveries:

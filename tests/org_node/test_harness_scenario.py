@@ -74,6 +74,10 @@ def test_a_valid_scenario_fills_names_and_threshold() -> None:
     d = s.to_dict()
     assert d["kills"] == ["org2@2:reduce"] and d["threshold"] == 3
     assert Scenario(orgs=3, rounds=1, task="digits").task_ref == "digits"
+    assert s.strategy_options == {}
+    assert Scenario(orgs=3, rounds=1, strategy="diloco", local_steps=4).strategy_options == {
+        "inner_steps": 4
+    }
 
 
 @pytest.mark.parametrize(
