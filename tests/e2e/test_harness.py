@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from org_node.config import NodeConfig
@@ -129,6 +130,17 @@ def _pids_under(out: Path) -> list[int]:
     return found
 
 
+def _answers(data_dir: Path) -> bool:
+    """Whether the node of ``data_dir`` (federation installed) answers on its admin port."""
+    try:
+        if not (data_dir / "federation" / "chain.json").exists():
+            return False
+        net = NodeConfig.load(data_dir / "fedweave.toml").network
+        return httpx.get(f"http://127.0.0.1:{net.admin_port}/healthz", timeout=1).is_success
+    except (OSError, ValueError, httpx.HTTPError):
+        return False
+
+
 def test_ctrl_c_leaves_no_process_and_no_port(tmp_path: Path) -> None:
     out = tmp_path / "interrupted"
     code = (
@@ -146,9 +158,8 @@ def test_ctrl_c_leaves_no_process_and_no_port(tmp_path: Path) -> None:
     )
     try:
         end = time.monotonic() + 120
-        logs = [out / "logs" / f"org{i}.log" for i in (1, 2, 3)]
         while time.monotonic() < end:
-            if all(p.exists() and "ready:" in p.read_text(errors="replace") for p in logs):
+            if all(_answers(out / "nodes" / f"org{i}") for i in (1, 2, 3)):
                 break
             assert harness.poll() is None, harness.communicate()
             time.sleep(0.2)
