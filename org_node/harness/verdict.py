@@ -131,48 +131,26 @@ def _egress(data_dir: Path) -> tuple[Path, int]:
 
 
 def _audit_report(obs: Observation, org: str, survivors: Mapping[int, Sequence[str]]) -> str:
-    """Write org's signed privacy audit report of the run into ``DIR/audit/ORG``."""
+    """Write org's signed privacy audit report of the run into ``DIR/audit/ORG``; the
+    facts are assembled as the node assembles them (:mod:`org_node.audit.facts`), from
+    the survivors the harness observed."""
     from coordinator_free.identity import OrgIdentity
 
-    from org_node.audit import (
-        AuditError,
-        EgressLog,
-        RoundFacts,
-        RunFacts,
-        SecAggFacts,
-        build_report,
-        save_report,
-    )
+    from org_node.audit import AuditError, EgressLog, build_report, save_report
+    from org_node.audit.facts import assemble_run_facts, observed_rounds
     from org_node.policy import RunSpec
 
     node = obs.nodes[org]
     s = obs.scenario
-    identity = OrgIdentity.load(node.data_dir / "identity")
-    log = EgressLog(identity, node.data_dir / "audit" / "egress.jsonl")
     try:
-        metrics = obs.metrics.get(org, {})
-        rounds = tuple(
-            RoundFacts(
-                round=r,
-                participants=tuple(s.names),
-                survivors=tuple(survivors[r]),
-                dropped=tuple(o for o in s.names if o not in survivors[r]),
-                recovered=tuple(o for o in s.names if o not in survivors[r]),
-                loss=metrics.get(r, {}).get("eval_loss"),
-                accuracy=metrics.get(r, {}).get("eval_accuracy"),
-            )
-            for r in sorted(survivors)
-        )
-        facts = RunFacts(
-            run=obs.run_key,
-            spec=RunSpec.from_dict(obs.spec),
-            policies={},
-            consents=(),
-            secure_aggregation=SecAggFacts(
-                s.backend, s.orgs, s.t, 64 if s.backend == "masked" else None, None
-            ),
-            rounds=rounds,
-        )
+        identity = OrgIdentity.load(node.data_dir / "identity")
+        log = EgressLog(identity, node.data_dir / "audit" / "egress.jsonl")
+    except (CoordinatorFreeError, AuditError, OSError) as exc:
+        return f"not written: {exc}"
+    try:
+        spec = RunSpec.from_dict(obs.spec)
+        rounds = observed_rounds(s.names, survivors, obs.metrics.get(org, {}))
+        facts = assemble_run_facts(obs.run_key, spec, rounds, ring_bits=64)
         if log.entries and (not log.heads or log.heads[-1].index < log.entries[-1].index):
             # the node signs its head after each round; traffic after its last round
             # (catching up, shard repair) is closed by a head signed now, as the org

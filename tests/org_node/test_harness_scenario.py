@@ -283,3 +283,38 @@ def test_delay_relay_passes_bytes_both_ways_and_frees_its_port() -> None:
         relays.stop()
         server.close()
     assert port_is_free(listen)
+
+
+def test_the_verdict_fails_and_says_why_when_the_models_differ(tmp_path: Path) -> None:
+    """Two orgs that end with different models, no audit log, and an export that does not
+    add up: ``ok`` is false and ``reason`` names each failed check."""
+    from org_node.engine import STATE_FILE, EngineState
+    from org_node.harness.runner import NodeProcess
+    from org_node.harness.verdict import build_summary
+    from org_node.tasks import initial_state
+
+    obs = _observation(tmp_path, orgs=2, rounds=1)
+    base = initial_state("tabular", 0)
+    size = _model_size()
+    for i, org in enumerate(obs.scenario.names):
+        node = NodeProcess(org, i, tmp_path / "nodes" / org, 1000 + i, 2000 + i, 1000 + i)
+        obs.nodes[org] = node
+        model = {k: v + np.float32(i + 1) for k, v in base.items()}
+        state = EngineState(obs.run_key, 1, model, {"round": 1, "arrays": {}})
+        path = node.data_dir / "runs" / obs.run_key / STATE_FILE
+        path.parent.mkdir(parents=True)
+        path.write_bytes(state.to_bytes())
+        _export(obs, org, 0, np.concatenate([np.zeros(size), [3.0], [1.0]]))
+    obs.states = {"org1": "completed", "org2": "completed"}
+    obs.survivors = {1: ("org1", "org2")}
+    summary = build_summary(obs)
+    assert summary["ok"] is False
+    shas = summary["final_model_sha256"]
+    assert shas["org1"] and shas["org2"] and shas["org1"] != shas["org2"]
+    assert summary["rounds_completed"] == 1
+    assert "the surviving orgs' final models differ" in summary["reason"]
+    assert "audit verify failed at org1" in summary["reason"]
+    check = summary["harness_check"]
+    # zero updates leave the round-0 model; org1 holds it plus 1 everywhere
+    assert check["ok"] is False and check["max_abs_diff"] == pytest.approx(1.0)
+    assert "harness_check" in summary["reason"]
