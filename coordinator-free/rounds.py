@@ -40,7 +40,15 @@ one, so a peer that heard less can converge. A round of :meth:`RoundEngine.run_r
 
 The cost per node is ``O(n)`` small signed messages for each of the ready, share and
 unmask stages (the pairwise shares of Bonawitz et al. make that inherent) plus about
-``2 (n - 1) / n`` times the vector along the ring. After the strategy steps,
+``2 (n - 1) / n`` times the vector along the ring. Above
+``RoundConfig.secagg_plus_above`` members the masked sum runs as SecAgg+ (Bell et
+al., CCS'20, §3): ShareKeys go to the ``k = O(log n)`` graph neighbours only, each
+node masks with ``k`` pairwise seeds and reconstructs each secret from ``k // 2 + 1``
+neighbourhood shares, so the share stage costs ``O(k)`` messages per node and the
+cryptography ``O(n k)`` instead of ``O(n^2)``; ``U1`` is then always settled by the
+view agreement (matching hashes from the neighbours alone prove nothing about the
+rest), and the sum stays exact: every survivor's pairwise masks cancel or are
+removed from its neighbours' reconstructed keys. After the strategy steps,
 :meth:`RoundEngine.check_model_hash` sends the digest of the next model to the
 participants and raises :class:`ModelHashMismatch` when any differs, stopping the run
 loudly.
@@ -52,6 +60,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import math
 import struct
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -205,6 +214,12 @@ class RoundConfig:
         along the ring as a chain (few messages) rather than chunked (see ``ring``).
     topology: ``"ring"``, or ``"star"`` (every masked vector through the first member
         of the ring order: the baseline the overlay benchmark compares against).
+    secagg_plus_above: with more members than this, the masked sum runs as SecAgg+
+        (Bell et al., CCS'20, §3): each org sends ShareKeys to, masks with and has its
+        secrets reconstructed by only its :meth:`neighbours_for` neighbours of the
+        round's graph (:mod:`secure_agg.graph`), so the share stage costs ``O(n k)``
+        messages instead of ``O(n^2)`` and masking and unmasking ``O(k)`` work per
+        secret; ``None`` always uses the complete graph of Bonawitz et al.
     """
 
     ready_timeout: float = 5.0
@@ -218,6 +233,7 @@ class RoundConfig:
     lookahead_rounds: int = 2
     ring_min_chunk: int = 1024
     topology: str = "ring"
+    secagg_plus_above: int | None = 32
 
     def __post_init__(self) -> None:
         for name in (
@@ -244,6 +260,15 @@ class RoundConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"RoundConfig.{name} must be at least 1")
 
+        if self.secagg_plus_above is not None and (
+            isinstance(self.secagg_plus_above, bool)
+            or not isinstance(self.secagg_plus_above, int)
+            or self.secagg_plus_above < 3
+        ):
+            raise ValueError(
+                "RoundConfig.secagg_plus_above must be None or an int >= 3, "
+                f"got {self.secagg_plus_above!r}"
+            )
         if self.topology not in ("ring", "star"):
             raise ValueError(
                 f"RoundConfig.topology must be 'ring' or 'star', got {self.topology!r}"
@@ -252,6 +277,35 @@ class RoundConfig:
     def threshold_for(self, n_participants: int) -> int:
         """``t`` for a round with ``n_participants`` agreed participants."""
         return self.threshold if self.threshold is not None else n_participants // 2 + 1
+
+    def neighbours_for(self, n_members: int) -> int | None:
+        """SecAgg+'s ``k`` for ``n_members`` members, or ``None`` for the complete graph.
+
+        ``k = ceil(3 log2 n)`` rounded up to even (an even ``k`` gives a ``k``-regular
+        Harary graph for every ``n``). Bell et al., CCS'20, Thm. 3.6 / §3.2 show that
+        ``k = O(log n)`` neighbours keep the round correct and private with
+        overwhelming probability when a bounded fraction of the members drop out or
+        are corrupt, because a random ``O(log n)``-regular graph stays connected after
+        removing them and each org's secrets remain reconstructable by a majority of
+        its neighbourhood; the constant 3 keeps ``k >= 16`` from about 40 members on.
+        ``None`` at or below :attr:`secagg_plus_above` members (or when ``k`` would
+        reach ``n - 1``: the graph would be complete anyway).
+        """
+        if self.secagg_plus_above is None or n_members <= self.secagg_plus_above:
+            return None
+        k = math.ceil(3 * math.log2(n_members))
+        k += k % 2
+        return k if k < n_members - 1 else None
+
+    def share_threshold_for(self, n_members: int) -> int:
+        """The Shamir threshold of each org's secrets: :meth:`threshold_for` with the
+        complete graph; with SecAgg+ a majority of the closed neighbourhood,
+        ``k // 2 + 1 > (k + 1) / 2``, so the "never both shares" argument of
+        :class:`secure_agg.protocol.ProtocolConfig` holds within every neighbourhood."""
+        k = self.neighbours_for(n_members)
+        if k is None:
+            return self.threshold_for(n_members)
+        return k // 2 + 1
 
 
 @dataclass(frozen=True)
@@ -268,6 +322,7 @@ class RoundResult:
     ring_bytes_sent: payload bytes of ring chunks among ``bytes_sent``.
     ring_attempts: how many times the ring ran.
     stage_times: seconds spent in each stage.
+    neighbours: SecAgg+'s ``k`` the round ran with; ``None``: the complete graph.
     """
 
     run: str
@@ -282,6 +337,7 @@ class RoundResult:
     ring_bytes_sent: int
     ring_attempts: int
     stage_times: dict[str, float]
+    neighbours: int | None = None
 
 
 @dataclass(frozen=True)
@@ -289,7 +345,8 @@ class SessionContext:
     """What a masked-sum session is built from.
 
     participants: ``U0``, every org invited to the round, sorted (the same on every
-    node: the federation's members); threshold: ``t``; vector: this org's input.
+    node: the federation's members); threshold: ``t`` of each org's Shamir sharing;
+    vector: this org's input; neighbours: SecAgg+'s ``k`` (``None``: complete graph).
     """
 
     federation: str
@@ -299,6 +356,7 @@ class SessionContext:
     participants: tuple[str, ...]
     threshold: int
     vector: np.ndarray
+    neighbours: int | None = None
 
 
 class MaskedSum(Protocol):
@@ -320,7 +378,8 @@ class MaskedSum(Protocol):
         ...
 
     def share_keys(self, participants: frozenset[str]) -> Mapping[str, bytes]:
-        """Given this node's view of the ready orgs, the share message for each other one."""
+        """Given this node's view of the ready orgs, the share message for each one that
+        holds this org's shares (every other one, or only its SecAgg+ neighbours)."""
         ...
 
     def receive_share(self, sender: str, data: bytes) -> None:
@@ -397,6 +456,7 @@ class SecAggSession:
             threshold=ctx.threshold,
             vector_length=int(x.shape[0]),
             bits=bits,
+            neighbours=ctx.neighbours,
         )
         self._x = x
         self.peer = SecAggPeer(config, ctx.org_id, sign, verify, rng=rng)
@@ -1197,8 +1257,18 @@ class RoundEngine:
         t = cfg.threshold_for(len(u0))
         if not 2 <= t <= len(u0):
             raise RoundFailed("ready", f"threshold {t} does not fit {len(u0)} members")
+        k = cfg.neighbours_for(len(u0))
         session = self.session_factory(
-            SessionContext(self.endpoint.federation, run, rnd, me, u0, t, vector)
+            SessionContext(
+                self.endpoint.federation,
+                run,
+                rnd,
+                me,
+                u0,
+                cfg.share_threshold_for(len(u0)),
+                vector,
+                k,
+            )
         )
         h0 = view_hash("members", u0)
         advert = session.advertise()
@@ -1263,16 +1333,20 @@ class RoundEngine:
             outgoing = session.share_keys(view1)
         except (SecAggError, ValueError) as exc:
             raise RoundFailed("share", f"cannot share keys: {exc}") from exc
+        # the holders of this org's shares, who also send theirs here (the graph is
+        # undirected): every other ready org, or only the SecAgg+ neighbours
+        holders = frozenset(outgoing) & (view1 - {me})
+        sparse = holders != view1 - {me}
         unshared = await self._broadcast(
             counters,
-            sorted(view1 - {me}),
+            sorted(holders),
             KIND_SHARE,
-            {o: h1 + outgoing[o] for o in view1 if o != me},
+            {o: h1 + outgoing[o] for o in holders},
             run=run,
             round=rnd,
             stage="share",
         )
-        expected_shares = view1 - {me} - unshared
+        expected_shares = holders - unshared
         await state.inbox.wait_any(
             [("share",), ("gone",)],
             lambda: expected_shares - state.gone() <= state.inbox.get(("share",)).keys(),
@@ -1285,13 +1359,23 @@ class RoundEngine:
         lap("share")
 
         # 3. agree on the participants U1: settled at once when every share came with
-        # this node's view hash, by explicit view agreement otherwise
+        # this node's view hash, by explicit view agreement otherwise. With SecAgg+ the
+        # shares come from the neighbours only, so matching hashes prove nothing about
+        # the rest: the view agreement always runs, and a node proposes no holder of its
+        # shares whose own shares did not reach it (their masks would not cancel)
         await self._enter(run, rnd, "agree-ready")
-        if shares.keys() == view1 - {me} and all(p[:_HASH] == h1 for p in shares.values()):
+        if (
+            not sparse
+            and shares.keys() == view1 - {me}
+            and all(p[:_HASH] == h1 for p in shares.values())
+        ):
             u1 = view1
             state.decided["ready"] = (u1, True)
         else:
-            u1, _ = await self._agree(state, counters, "ready", view1 - unshared)
+            proposal = view1 - unshared
+            if sparse:
+                proposal -= expected_shares - shares.keys()
+            u1, _ = await self._agree(state, counters, "ready", proposal)
             if len(u1) < t:
                 raise RoundFailed("ready", f"{len(u1)} participants agreed, fewer than t={t}")
             shares = state.inbox.get(("share",))
@@ -1301,9 +1385,11 @@ class RoundEngine:
                 session.receive_share, org, payload[_HASH:], "share", run, rnd
             ):
                 share_set.add(org)
-        u2 = frozenset(share_set)
-        if len(u2) < t:
-            raise RoundFailed("share", f"{len(u2)} orgs shared their keys, fewer than t={t}")
+        # the ring sums the masked inputs of U1 less the holders whose shares this node
+        # refused (with the complete graph: exactly the orgs whose shares it holds)
+        members = u1 - ((holders & u1) - share_set)
+        if len(members) < t:
+            raise RoundFailed("share", f"{len(members)} orgs shared their keys, fewer than t={t}")
         lap("agree-ready")
 
         # 4. masked input and the ring
@@ -1313,7 +1399,6 @@ class RoundEngine:
         except (SecAggError, ValueError) as exc:
             raise RoundFailed("mask", f"cannot mask the input: {exc}") from exc
         lap("mask")
-        members = u2
         total: np.ndarray | None = None
         attempt = 0
         while total is None:
@@ -1460,6 +1545,7 @@ class RoundEngine:
             ring_bytes_sent=counters.ring.bytes_sent,
             ring_attempts=attempt,
             stage_times=times,
+            neighbours=k,
         )
 
     def _accept(

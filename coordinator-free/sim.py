@@ -238,6 +238,7 @@ class RoundOutcome:
             "survivors": len(first.survivors) if first else 0,
             "dropped": list(first.dropped) if first else [],
             "ring_attempts": first.ring_attempts if first else 0,
+            "neighbours": first.neighbours if first else None,
             "seconds": round(self.seconds, 3),
             "busiest_bytes": self.busiest_bytes(),
             "failures": dict(sorted(self.failures.items())),
@@ -548,7 +549,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             f"round {row['round']}: {row['finished']} finished, {row['failed']} failed, "
             f"{row['survivors']} survivors, dropped {row['dropped']}, "
-            f"{row['ring_attempts']} ring runs, {row['seconds']}s, "
+            f"{row['ring_attempts']} ring runs, SecAgg+ k={row['neighbours']}, "
+            f"{row['seconds']}s, "
             f"busiest node sent {row['busiest_bytes']} B"
             + (f", PROBLEMS: {row['problems']}" if row["problems"] else "")
         )

@@ -330,3 +330,19 @@ def test_a_fault_free_round_settles_without_any_view_exchange() -> None:
         # the ring, so no view is ever sent
         assert res.messages_sent <= 3 * (n - 1) + 2 * (n - 1) + 2
         assert res.ring_attempts == 1
+
+
+def test_secagg_plus_neighbours_grow_as_three_log2_n_rounded_up_to_even() -> None:
+    cfg = RoundConfig()
+    assert cfg.neighbours_for(32) is None  # at or below secagg_plus_above: complete graph
+    assert cfg.neighbours_for(40) == 16  # ceil(3 * 5.32) = 16
+    assert cfg.neighbours_for(200) == 24  # ceil(3 * 7.64) = 23, rounded up to even
+    assert cfg.neighbours_for(256) == 24
+    assert cfg.share_threshold_for(200) == 13  # a majority of the 25-org neighbourhood
+    assert cfg.share_threshold_for(20) == cfg.threshold_for(20) == 11
+    # k would reach n - 1: the graph is complete anyway
+    assert RoundConfig(secagg_plus_above=3).neighbours_for(12) is None
+    assert RoundConfig(secagg_plus_above=None).neighbours_for(1000) is None
+    for bad in (2, True, 4.5):
+        with pytest.raises(ValueError, match="secagg_plus_above"):
+            RoundConfig(secagg_plus_above=bad)  # type: ignore[arg-type]
