@@ -167,13 +167,14 @@ class _Processes:
 
     def popen(self, args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
         log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "ab") as out:
-            proc = subprocess.Popen(
-                args, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        with open(log, "ab") as out, self.lock:
+            # appended as soon as it exists, so that a Ctrl-C right after still stops it
+            self.procs.append(
+                subprocess.Popen(
+                    args, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                )
             )
-        with self.lock:
-            self.procs.append(proc)
-        return proc
+            return self.procs[-1]
 
     @staticmethod
     def kill9(proc: subprocess.Popen[bytes]) -> None:
