@@ -72,7 +72,8 @@ from sqlalchemy import Engine, update
 from sqlmodel import Session
 
 from org_node import __version__
-from org_node.audit import EgressLog
+from org_node.audit import AuditError, EgressLog, RunFacts
+from org_node.audit.facts import node_report, node_run_facts, record_round
 from org_node.ckks_rounds import CkksAggregator
 from org_node.config import NodeConfig, NodePaths
 from org_node.db.engine import default_database_url, make_engine, migrate
@@ -700,6 +701,10 @@ class OrgNode:
             session.commit()
         with contextlib.suppress(Exception):
             self.egress.sign_head(report.run_key, report.round)
+        try:
+            record_round(self.paths.run_dir(report.run_key), report, self._participants)
+        except (OSError, AuditError) as exc:
+            logger.warning("%s: round %d not added to the round log: %s", run_id, report.round, exc)
         self._share_model(report)
         self._events.publish(
             run_id,
@@ -800,6 +805,28 @@ class OrgNode:
             return row.id
 
     # -- checkpoints -----------------------------------------------------------------
+
+    def run_facts(self, run_id: str) -> RunFacts:
+        """The facts of run ``run_id``'s privacy report, from this node's database, round
+        log and engine config (:func:`org_node.audit.facts.node_run_facts`)."""
+        return node_run_facts(
+            self.db,
+            self.paths.root,
+            run_id,
+            org_id=self.org_identity.org_id,
+            config=self.config.engine,
+        )
+
+    def run_report(self, run_id: str) -> Mapping[str, Any]:
+        """The signed privacy report of run ``run_id`` (:class:`~org_node.services.RunReports`)."""
+        return node_report(
+            self.db,
+            self.paths.root,
+            run_id,
+            identity=self.org_identity,
+            config=self.config.engine,
+            log=self.egress,
+        )
 
     def checkpoints(self) -> list[CheckpointInfo]:
         rep = self.replicator

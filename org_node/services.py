@@ -18,7 +18,7 @@ import asyncio
 import itertools
 import threading
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -32,6 +32,7 @@ __all__ = [
     "NodeServices",
     "RunEvent",
     "RunEventBus",
+    "RunReports",
     "ServiceError",
     "ServiceRefused",
     "ShardReport",
@@ -229,6 +230,20 @@ class NodeServices(Protocol):
     def restore_checkpoint(self, checkpoint_id: str) -> CheckpointInfo: ...
 
 
+@runtime_checkable
+class RunReports(Protocol):
+    """A node that writes the signed privacy report of a run (``docs/SECURITY.md``,
+    "Privacy audit"); the API's ``/v1/audit/runs/{id}/report`` routes need it."""
+
+    def run_report(self, run_id: str) -> Mapping[str, Any]:
+        """The report of ``run_id``, built now from the node's database and egress log.
+
+        Raises ``org_node.audit.facts.UnknownRunId`` for an unknown run and
+        ``org_node.audit.ReportError`` when the run has no signed head yet.
+        """
+        ...
+
+
 class StaticNode:
     """A node with an identity and (optionally) a manifest, and no round engine.
 
@@ -242,10 +257,12 @@ class StaticNode:
         manifest: Manifest | None = None,
         *,
         events: RunEventBus | None = None,
+        reports: Callable[[str], Mapping[str, Any]] | None = None,
     ) -> None:
         self._identity = identity
         self._manifest = manifest
         self._events = events or RunEventBus()
+        self._reports = reports
         self.calls: list[tuple[str, str]] = []
         """Run hooks called so far, as ``(hook, run_id)``; the engine attaches later."""
 
@@ -306,3 +323,10 @@ class StaticNode:
 
     def restore_checkpoint(self, checkpoint_id: str) -> CheckpointInfo:
         raise UnknownCheckpoint(f"no checkpoint {checkpoint_id!r}")
+
+    def run_report(self, run_id: str) -> Mapping[str, Any]:
+        """The report from ``reports`` (e.g. :func:`org_node.audit.facts.node_report`
+        bound to the node's database and identity); refused without one."""
+        if self._reports is None:
+            raise ServiceRefused("this node has no egress log to report from")
+        return self._reports(run_id)

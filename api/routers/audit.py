@@ -1,27 +1,41 @@
-"""``/v1/audit``: the hash-chained audit log — filtered, paginated events and a report.
+"""``/v1/audit``: the hash-chained audit log — filtered, paginated events and a report —
+and the signed privacy report of each run.
 
-The report counts events and bytes by peer and by kind over a filter, and re-verifies
-the chain over the whole log (every ``prev_hash`` is its predecessor's ``entry_hash``,
-every ``entry_hash`` recomputes). Signed chain heads and the compliance report belong
-to the audit log module and extend this report.
+The ``/report`` totals count events and bytes by peer and by kind over a filter, and
+re-verify the chain over the whole log (every ``prev_hash`` is its predecessor's
+``entry_hash``, every ``entry_hash`` recomputes).
+
+The privacy report of a run (``docs/SECURITY.md``, "Privacy audit"; schema
+``org_node/audit/schema/report-v1.json``) is built by the node from its database and
+signed egress log (:class:`org_node.services.RunReports`):
+``POST /v1/audit/runs/{run_id}/report`` generates and stores it, ``GET`` returns the
+stored JSON and ``GET .../report.html`` the same report as one self-contained page.
+An unknown run is 404; a run whose messages no signed head covers yet is 409.
 """
 
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Query, Response, status
+from fastapi.responses import HTMLResponse
 from pydantic import BaseModel
 from pydantic_core import to_json
 from sqlmodel import col, func, select
 
-from api.deps import PageDep, SessionDep, require_roles
-from api.routers import AUDIT_READERS, ERRORS
-from org_node.db.models import AuditEvent, AuditEventsPublic, AuditHead
+from api.deps import NodeDep, PageDep, SessionDep, SettingsDep, require_roles
+from api.routers import AUDIT_READERS, ERRORS, conflict, not_found
+from api.settings import Settings
+from org_node.audit.facts import UnknownRunId
+from org_node.audit.html import render_html
+from org_node.audit.report import ReportError, report_to_bytes
+from org_node.db.models import AuditEvent, AuditEventsPublic, AuditHead, Run
 from org_node.db.repo import GENESIS_HASH, audit_entry_hash
+from org_node.services import RunReports, ServiceError
 
-__all__ = ["AuditReport", "router"]
+__all__ = ["AuditReport", "report_dir", "router"]
 
 router = APIRouter(
     prefix="/v1/audit",
@@ -75,8 +89,14 @@ def _filters(
     kind: str | None,
     since: datetime | None,
     until: datetime | None,
+    round: int | None = None,
+    privacy_class: str | None = None,
 ) -> list[Any]:
     cond: list[Any] = []
+    if round is not None:
+        cond.append(AuditEvent.round == round)
+    if privacy_class is not None:
+        cond.append(AuditEvent.privacy_class == privacy_class)
     if run is not None:
         cond.append(AuditEvent.run == run)
     if peer is not None:
@@ -99,13 +119,24 @@ def list_events(
     kind: _Name = None,
     since: _Time = None,
     until: _Time = None,
+    round: Annotated[int | None, Query(ge=0, le=2**31 - 1)] = None,
+    privacy_class: _Name = None,
 ) -> Response:
-    """Audit events in log order, filtered by run, peer, kind and time.
+    """Audit events in log order, filtered by run, round, peer, kind, privacy class and
+    time.
 
     The hot path of a compliance export: rows are read as plain column tuples (no ORM
     objects) and encoded straight to JSON.
     """
-    cond = _filters(run, peer, kind, _instant(since, "since"), _instant(until, "until"))
+    cond = _filters(
+        run,
+        peer,
+        kind,
+        _instant(since, "since"),
+        _instant(until, "until"),
+        round,
+        privacy_class,
+    )
     count = session.exec(select(func.count()).select_from(AuditEvent).where(*cond)).one()
     table = AuditEvent.__table__  # type: ignore[attr-defined]
     result = session.execute(
@@ -161,3 +192,76 @@ def report(
         first_bad_entry=bad,
         head_ok=head_ok,
     )
+
+
+# --------------------------------------------------------------------------- run reports
+
+
+def report_dir(settings: Settings) -> Path:
+    """Where the node keeps the privacy reports the API generated."""
+    return settings.data_dir / "audit" / "reports"
+
+
+def _known_run(session: Any, run_id: str) -> None:
+    if not 0 < len(run_id) <= 32 or session.get(Run, run_id) is None:
+        raise not_found("run")
+
+
+def _stored(settings: Settings, run_id: str, suffix: str) -> Path:
+    path = report_dir(settings) / f"{run_id}{suffix}"
+    if not path.is_file():
+        raise HTTPException(
+            status_code=status.HTTP_404_NOT_FOUND,
+            detail=f"no report of run {run_id} yet: POST /v1/audit/runs/{run_id}/report",
+        )
+    return path
+
+
+_REPORT_JSON: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"application/json": {}}, "description": "The signed report"}
+}
+
+
+@router.post(
+    "/runs/{run_id}/report",
+    status_code=status.HTTP_201_CREATED,
+    response_class=Response,
+    responses={201: _REPORT_JSON[200]},
+)
+def generate_report(
+    run_id: str, session: SessionDep, node: NodeDep, settings: SettingsDep
+) -> Response:
+    """Build the run's signed privacy report now, store it (JSON and HTML), return it."""
+    _known_run(session, run_id)
+    if not isinstance(node, RunReports):
+        raise conflict("this node does not write privacy reports")
+    try:
+        report = node.run_report(run_id)
+    except UnknownRunId:
+        raise not_found("run") from None
+    except ReportError as exc:
+        raise conflict(f"cannot report run {run_id} yet: {exc}") from None
+    except ServiceError as exc:
+        raise conflict(str(exc)) from None
+    body = report_to_bytes(report)
+    out = report_dir(settings)
+    out.mkdir(parents=True, exist_ok=True)
+    for suffix, data in ((".json", body), (".html", render_html(report).encode("utf-8"))):
+        tmp = out / f"{run_id}{suffix}.tmp"
+        tmp.write_bytes(data)
+        tmp.replace(out / f"{run_id}{suffix}")
+    return Response(body, status_code=status.HTTP_201_CREATED, media_type="application/json")
+
+
+@router.get("/runs/{run_id}/report", response_class=Response, responses=_REPORT_JSON)
+def read_report(run_id: str, session: SessionDep, settings: SettingsDep) -> Response:
+    """The stored report of the run, as signed (the verifiable JSON form)."""
+    _known_run(session, run_id)
+    return Response(_stored(settings, run_id, ".json").read_bytes(), media_type="application/json")
+
+
+@router.get("/runs/{run_id}/report.html", response_class=HTMLResponse)
+def read_report_html(run_id: str, session: SessionDep, settings: SettingsDep) -> HTMLResponse:
+    """The stored report as one self-contained HTML page (no external references)."""
+    _known_run(session, run_id)
+    return HTMLResponse(_stored(settings, run_id, ".html").read_text(encoding="utf-8"))

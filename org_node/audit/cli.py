@@ -3,8 +3,10 @@
 ``fedweave audit verify PATH [--peer-log P ...] [--key ORG=HEX ...]`` checks a log or a
 report (:func:`org_node.audit.verify.verify_path`) and exits 0 with a one-line summary
 or 1 naming the first broken entry. :func:`write_run_report` is what ``fedweave audit
-report RUN`` runs once the node has opened its egress log and gathered the run's facts:
-it writes the JSON and HTML pair, or exits 1 for a run the log does not know.
+report RUN --data-dir DIR --out DIR`` runs once it has opened the node's egress log and
+gathered the run's facts from the node's database (:mod:`org_node.audit.facts`, offline:
+the node need not run): it writes the JSON and HTML pair, or exits 1 for a run the node
+does not know.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from org_node.audit.log import EgressLog
 from org_node.audit.report import ReportError, RunFacts, UnknownRun, build_report, save_report
 from org_node.audit.verify import main as verify_main
 
-__all__ = ["audit_app", "parse_keys", "write_run_report"]
+__all__ = ["audit_app", "parse_keys", "report", "write_run_report"]
 
 audit_app = typer.Typer(
     name="audit",
@@ -80,3 +82,51 @@ def write_run_report(log: EgressLog, facts: RunFacts, out_dir: Path) -> int:
         return 1
     typer.echo(f"{json_path}\n{html_path}")
     return 0
+
+
+@audit_app.command("report")
+def report(
+    run: Annotated[str, typer.Argument(help="The run id (as `fedweave runs list` shows it).")],
+    data_dir: Annotated[Path, typer.Option("--data-dir", help="The node's data directory.")],
+    out: Annotated[Path, typer.Option("--out", help="Directory for the JSON and HTML pair.")],
+) -> None:
+    """Write the run's signed privacy report from the node's data directory (offline)."""
+    from coordinator_free.errors import CoordinatorFreeError
+    from coordinator_free.identity import OrgIdentity
+
+    from org_node.audit.facts import UnknownRunId, node_run_facts
+    from org_node.config import ConfigError, NodeConfig, NodePaths
+    from org_node.db.engine import (
+        DB_FILENAME,
+        DatabaseError,
+        default_database_url,
+        make_engine,
+    )
+
+    paths = NodePaths(data_dir)
+    try:
+        config = NodeConfig.load(paths.config)
+        identity = OrgIdentity.load(paths.identity_dir)
+    except (ConfigError, CoordinatorFreeError, OSError) as exc:
+        typer.echo(f"error: {data_dir} is not a usable node data directory: {exc}", err=True)
+        raise typer.Exit(1) from None
+    if not (paths.root / DB_FILENAME).exists():
+        typer.echo(f"unknown run: no run {run!r} at this node (no database yet)", err=True)
+        raise typer.Exit(1)
+    db = make_engine(default_database_url(paths.root))
+    try:
+        facts = node_run_facts(db, paths.root, run, org_id=identity.org_id, config=config.engine)
+    except UnknownRunId as exc:
+        typer.echo(f"unknown run: {exc}", err=True)
+        raise typer.Exit(1) from None
+    except (ReportError, DatabaseError, ValueError) as exc:
+        typer.echo(f"cannot report run {run!r}: {exc}", err=True)
+        raise typer.Exit(1) from None
+    finally:
+        db.dispose()
+    log = EgressLog(identity, paths.egress_log)
+    try:
+        code = write_run_report(log, facts, out)
+    finally:
+        log.close()
+    raise typer.Exit(code)

@@ -1,0 +1,319 @@
+"""The facts of a run's privacy report, assembled from what the node itself recorded.
+
+``docs/SECURITY.md``, "Privacy audit": a report (:func:`org_node.audit.report.build_report`)
+joins the egress log with :class:`~org_node.audit.report.RunFacts`. This module builds
+those facts in one place, for the node (``POST /v1/audit/runs/{id}/report``,
+``fedweave audit report``) and for the test harness alike:
+
+* the run spec, this org's consent and the policies in force — the node's database
+  (``run`` and ``policy`` tables);
+* secure aggregation — the spec (backend, n, t) and the engine config (ring bits, L2 clip);
+* differential privacy — the distributed Skellam mechanism the engine charges each round
+  (rebuilt from the engine config and the model size, as the engine builds it), once per
+  round the node recorded an ``epsilon_spent`` metric;
+* rounds — the round log the node appends after every completed round
+  (:func:`record_round`: survivors, dropped and recovered orgs, model hash, loss and
+  accuracy), or, for the harness, the survivors it observed (:func:`observed_rounds`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine
+from sqlmodel import Session, col, select
+
+from org_node.audit.log import EgressLog, format_time
+from org_node.audit.report import (
+    ConsentRecord,
+    DpFacts,
+    ReportError,
+    RoundFacts,
+    RunFacts,
+    SecAggFacts,
+    build_report,
+    round_facts_from_engine,
+)
+from org_node.policy import Policy, RunSpec
+
+__all__ = [
+    "ROUNDS_FILE",
+    "UnknownRunId",
+    "assemble_run_facts",
+    "consents_of",
+    "dp_facts",
+    "node_report",
+    "node_run_facts",
+    "observed_rounds",
+    "policies_in_force",
+    "read_rounds",
+    "record_round",
+]
+
+ROUNDS_FILE = "audit-rounds.jsonl"
+"""Per run directory: one JSON line of :class:`RoundFacts` per completed round."""
+
+
+class UnknownRunId(ReportError, LookupError):
+    """The node's database holds no run with this id (the API answers 404)."""
+
+    def __init__(self, run_id: str) -> None:
+        super().__init__(f"no run {run_id!r} at this node")
+        self.run_id = run_id
+
+
+# --------------------------------------------------------------------------- rounds
+
+
+def record_round(run_dir: Path, report: Any, participants: Sequence[str]) -> RoundFacts:
+    """Append the facts of a completed round (an engine ``RoundReport``) to the run's
+    round log, replacing an earlier line of the same round (a round redone after a
+    restart); returns them."""
+    facts = round_facts_from_engine(report, participants)
+    path = Path(run_dir) / ROUNDS_FILE
+    kept = [r for r in read_rounds(run_dir) if r.round != facts.round]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps(asdict(r), sort_keys=True) for r in (*kept, facts)]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    tmp.replace(path)
+    return facts
+
+
+def _round_from_json(doc: Mapping[str, Any]) -> RoundFacts:
+    values: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in doc.items()}
+    try:
+        return RoundFacts(**values)
+    except TypeError as exc:
+        raise ReportError(f"a line of the round log is not a round: {exc}") from None
+
+
+def read_rounds(run_dir: Path) -> tuple[RoundFacts, ...]:
+    """The rounds in the run's round log, by round (none when there is no log)."""
+    path = Path(run_dir) / ROUNDS_FILE
+    if not path.exists():
+        return ()
+    rounds: dict[int, RoundFacts] = {}
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            raise ReportError(f"{path.name} line {number} is not JSON") from None
+        r = _round_from_json(doc)
+        rounds[r.round] = r
+    return tuple(rounds[k] for k in sorted(rounds))
+
+
+def observed_rounds(
+    participants: Sequence[str],
+    survivors: Mapping[int, Sequence[str]],
+    metrics: Mapping[int, Mapping[str, float]] | None = None,
+) -> tuple[RoundFacts, ...]:
+    """Rounds from survivors observed from outside (1-based round -> orgs); a dropped
+    org of a completed round was recovered (its mask keys rebuilt from Shamir shares)."""
+    metrics = metrics or {}
+    out = []
+    for r in sorted(survivors):
+        alive = tuple(survivors[r])
+        dropped = tuple(o for o in participants if o not in alive)
+        per = metrics.get(r, {})
+        out.append(
+            RoundFacts(
+                round=r,
+                participants=tuple(participants),
+                survivors=alive,
+                dropped=dropped,
+                recovered=dropped,
+                loss=per.get("eval_loss", per.get("loss")),
+                accuracy=per.get("eval_accuracy", per.get("accuracy")),
+            )
+        )
+    return tuple(out)
+
+
+# --------------------------------------------------------------------------- database
+
+
+def policies_in_force(session: Session) -> dict[str, Policy]:
+    """Every enabled policy of the org, by name."""
+    from org_node.db.models import PolicyRecord
+
+    rows = session.exec(
+        select(PolicyRecord).where(col(PolicyRecord.enabled)).order_by(col(PolicyRecord.id))
+    ).all()
+    return {
+        row.name: Policy(
+            min_participants=row.min_participants,
+            required_backend=row.required_backend,
+            min_threshold=row.min_threshold,
+            max_epsilon=row.max_epsilon,
+            allowed_tasks=None if row.allowed_tasks is None else tuple(row.allowed_tasks),
+            allowed_peers=None if row.allowed_peers is None else tuple(row.allowed_peers),
+        )
+        for row in rows
+    }
+
+
+def consents_of(row: Any, org_id: str) -> tuple[ConsentRecord, ...]:
+    """This org's recorded decision on the run (none while it is only proposed)."""
+    if row.decided_at is None or row.decided_by is None:
+        return ()
+    decision = "declined" if row.state == "declined" else "accepted"
+    return (
+        ConsentRecord(
+            org=org_id,
+            decision=decision,
+            decided_at=format_time(row.decided_at.timestamp()),
+            decided_by=row.decided_by,
+            reason=row.decision_reason or "",
+        ),
+    )
+
+
+def dp_facts(spec: RunSpec, config: Any, model_size: int, rounds_charged: int) -> DpFacts | None:
+    """The DP of a run with an ``epsilon``: the engine's distributed Skellam round
+    (``org_node.engine.RunEngine``: codec on ``ring_bits`` with room for the noise, the
+    mechanism of a ``model_size + 1 (+1 with FedNova)`` vector), charged
+    ``rounds_charged`` times; None for a run without DP."""
+    if spec.epsilon is None:
+        return None
+    from org_node.privacy import skellam_round_for
+    from secure_agg.codec import FixedPointCodec
+    from secure_agg.dp import DistributedSkellam
+
+    n = len(spec.participants)
+    sigma = config.noise_multiplier * config.l2_clip
+    codec = FixedPointCodec(
+        bits=config.ring_bits,
+        clip=max(config.clip, config.l2_clip),
+        max_summands=n,
+        frac_bits=config.frac_bits if config.frac_bits is not None else 24,
+        noise_bound=20.0 * sigma / math.sqrt(n),
+    )
+    dp = DistributedSkellam(config.l2_clip, config.noise_multiplier, n, codec.scale)
+    dim = model_size + 1 + int(config.fednova)
+    mechanism = skellam_round_for(dp, dim)
+    return DpFacts(
+        mechanisms=(mechanism,) * rounds_charged,
+        delta=config.delta,
+        l2_clip=config.l2_clip,
+        epsilon_budget=spec.epsilon,
+    )
+
+
+def assemble_run_facts(
+    run_key: str,
+    spec: RunSpec,
+    rounds: Sequence[RoundFacts],
+    *,
+    policies: Mapping[str, Policy] | None = None,
+    consents: Sequence[ConsentRecord] = (),
+    ring_bits: int | None = 64,
+    l2_clip: float | None = None,
+    dp: DpFacts | None = None,
+    anomalies: Sequence[str] = (),
+) -> RunFacts:
+    """The :class:`RunFacts` of ``run_key`` (the federation-wide run key the egress log
+    names); secure aggregation from the spec (CKKS has no ring)."""
+    masked = spec.backend == "masked"
+    return RunFacts(
+        run=run_key,
+        spec=spec,
+        policies=dict(policies or {}),
+        consents=tuple(consents),
+        secure_aggregation=SecAggFacts(
+            spec.backend,
+            len(spec.participants),
+            spec.threshold,
+            ring_bits if masked else None,
+            l2_clip if masked else None,
+        ),
+        rounds=tuple(rounds),
+        dp=dp,
+        anomalies=tuple(anomalies),
+    )
+
+
+def node_run_facts(
+    db: Engine, data_dir: Path, run_id: str, *, org_id: str, config: Any
+) -> RunFacts:
+    """The facts of run ``run_id`` from the node's database and data directory
+    (``config``: the node's :class:`org_node.engine.EngineConfig`).
+
+    Raises :class:`UnknownRunId` for a run the database does not hold.
+    """
+    from org_node.db.models import Run, RunMetric
+    from org_node.engine import STATE_FILE, EngineError, EngineState, run_key
+    from secure_agg.errors import SecAggError
+
+    with Session(db) as session:
+        row = session.get(Run, run_id) if 0 < len(run_id) <= 32 else None
+        if row is None:
+            raise UnknownRunId(run_id)
+        spec = RunSpec.from_dict(row.spec)
+        key = run_key(row.name, row.spec)
+        policies = policies_in_force(session)
+        consents = consents_of(row, org_id)
+        charged = len(
+            session.exec(
+                select(RunMetric.round).where(
+                    RunMetric.run_id == run_id, RunMetric.name == "epsilon_spent"
+                )
+            ).all()
+        )
+    run_dir = Path(data_dir) / "runs" / key
+    rounds = read_rounds(run_dir)
+    anomalies: list[str] = []
+    dp = None
+    if spec.epsilon is not None:
+        try:
+            state = EngineState.from_bytes((run_dir / STATE_FILE).read_bytes())
+            size = sum(int(getattr(v, "size", 0)) for v in state.model.values())
+            dp = dp_facts(spec, config, size, charged)
+        except (OSError, EngineError, SecAggError) as exc:
+            anomalies.append(f"the DP accounting could not be rebuilt: {exc}")
+    l2_clip = config.l2_clip if spec.epsilon is not None else None
+    return assemble_run_facts(
+        key,
+        spec,
+        rounds,
+        policies=policies,
+        consents=consents,
+        ring_bits=config.ring_bits,
+        l2_clip=l2_clip,
+        dp=dp,
+        anomalies=anomalies,
+    )
+
+
+def node_report(
+    db: Engine,
+    data_dir: Path,
+    run_id: str,
+    *,
+    identity: Any,
+    config: Any,
+    log: EgressLog | None = None,
+) -> dict[str, Any]:
+    """The signed privacy report of run ``run_id``: :func:`node_run_facts` joined with
+    the node's egress log (``log``, or the one in ``data_dir`` opened for the call).
+
+    Raises :class:`UnknownRunId` (no such run), :class:`~org_node.audit.report.UnknownRun`
+    (the run sent nothing yet) or :class:`~org_node.audit.report.ReportError` (no signed
+    head covers the run's last message yet).
+    """
+    facts = node_run_facts(db, data_dir, run_id, org_id=identity.org_id, config=config)
+    if log is not None:
+        return build_report(log, facts)
+    opened = EgressLog(identity, Path(data_dir) / "audit" / "egress.jsonl")
+    try:
+        return build_report(opened, facts)
+    finally:
+        opened.close()
