@@ -36,6 +36,7 @@ import typer
 
 from org_node import __version__
 from org_node.audit.cli import audit_app
+from org_node.harness.cli import harness
 
 app = typer.Typer(
     name="fedweave",
@@ -55,6 +56,7 @@ federation_app = typer.Typer(
 )
 app.add_typer(federation_app, name="federation")
 app.add_typer(audit_app, name="audit")
+app.command("harness")(harness)
 runs_app = typer.Typer(
     help="Runs at a running node, over its admin API.",
     no_args_is_help=True,
