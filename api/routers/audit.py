@@ -260,7 +260,15 @@ def read_report(run_id: str, session: SessionDep, settings: SettingsDep) -> Resp
     return Response(_stored(settings, run_id, ".json").read_bytes(), media_type="application/json")
 
 
-@router.get("/runs/{run_id}/report.html", response_class=HTMLResponse)
+_REPORT_HTML: dict[int | str, dict[str, Any]] = {
+    200: {
+        "content": {"text/html": {"schema": {"type": "string"}}},
+        "description": "The report as one self-contained HTML page",
+    }
+}
+
+
+@router.get("/runs/{run_id}/report.html", response_class=Response, responses=_REPORT_HTML)
 def read_report_html(run_id: str, session: SessionDep, settings: SettingsDep) -> HTMLResponse:
     """The stored report as one self-contained HTML page (no external references)."""
     _known_run(session, run_id)
