@@ -196,7 +196,7 @@ def test_events_filter_by_round_and_class(api: Api) -> None:
     from org_node.db.repo import append_audit_event
 
     with Session(api.engine) as session:
-        for rnd, cls in ((1, "masked_update"), (2, "masked_update"), (2, "metadata")):
+        for rnd, cls in ((1, "masked_vector_chunk"), (2, "masked_vector_chunk"), (2, "metadata")):
             append_audit_event(
                 session, stage="round", kind="agg.chunk", run="r", round=rnd, privacy_class=cls
             )
