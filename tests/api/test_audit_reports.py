@@ -270,3 +270,103 @@ def test_offline_cli_report(tmp_path: Path) -> None:
     )
     assert bad.exit_code == 1
     assert "unknown run" in bad.output
+
+
+def test_running_nodes_report_their_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three in-process nodes run two masked rounds; org-a's admin API then builds the
+    report from what its node recorded: both rounds with their model hashes, signed."""
+    import asyncio
+    import sys
+    import types
+
+    import httpx
+    from coordinator_free.memory import InMemoryNetwork
+
+    from api.app import create_app
+    from api.settings import Settings
+    from org_node.db.engine import default_database_url, make_engine
+    from org_node.db.repo import create_token
+    from tests.org_node.test_node_inprocess import (
+        ORGS,
+        make_federation,
+        start_nodes,
+        tiny_task,
+    )
+
+    module = types.ModuleType("fw_tiny_report_task")
+    module.task = tiny_task  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "fw_tiny_report_task", module)
+    dirs = make_federation(tmp_path)
+    tokens = {}
+    for org in ORGS:
+        engine = make_engine(default_database_url(dirs[org]))
+        with Session(engine) as s:
+            _, tokens[org] = create_token(
+                s, "auditor", Role.AUDITOR if org == "org-a" else Role.ADMIN
+            )
+            _, admin = create_token(s, "admin", Role.ADMIN)
+            s.commit()
+        engine.dispose()
+        tokens[org + "/admin"] = admin
+    spec = {
+        "task": "fw_tiny_report_task:task",
+        "rounds": 2,
+        "participants": list(ORGS),
+        "threshold": 2,
+        "backend": "masked",
+    }
+
+    async def scenario() -> tuple[httpx.Response, httpx.Response]:
+        nodes = await start_nodes(dirs, InMemoryNetwork())
+        clients = {
+            org: httpx.AsyncClient(
+                transport=httpx.ASGITransport(
+                    app=create_app(Settings(data_dir=dirs[org]), node, engine=node.db)
+                ),
+                base_url="http://admin",
+                headers={"Authorization": f"Bearer {tokens[org + '/admin']}"},
+            )
+            for org, node in nodes.items()
+        }
+        try:
+            ids = {}
+            for org, c in clients.items():
+                ids[org] = (
+                    await c.post("/v1/runs", json={"name": "audited", "spec": spec})
+                ).json()["id"]
+                assert (await c.post(f"/v1/runs/{ids[org]}/accept", json={})).status_code == 200
+            for org, c in clients.items():
+                assert (await c.post(f"/v1/runs/{ids[org]}/start", json={})).status_code == 200
+            for _ in range(300):
+                states = {
+                    (await c.get(f"/v1/runs/{ids[o]}")).json()["state"] for o, c in clients.items()
+                }
+                if states == {"completed"}:
+                    break
+                await asyncio.sleep(0.05)
+            assert states == {"completed"}
+            auditor = {"Authorization": f"Bearer {tokens['org-a']}"}
+            a = clients["org-a"]
+            made = await a.post(f"/v1/audit/runs/{ids['org-a']}/report", headers=auditor)
+            html = await a.get(f"/v1/audit/runs/{ids['org-a']}/report.html", headers=auditor)
+            return made, html
+        finally:
+            for c in clients.values():
+                await c.aclose()
+            for node in nodes.values():
+                await node.stop()
+
+    made, html = asyncio.run(scenario())
+    assert made.status_code == 201, made.text
+    report = made.json()
+    assert [r["round"] for r in report["rounds"]] == [1, 2]
+    assert all(len(r["model_hash"]) == 64 for r in report["rounds"])
+    assert report["traffic"]["total"]["messages"] > 0
+    assert verify_report(report, trusted_keys={"org-a": identity_of(dirs["org-a"])}).ok
+    assert html.status_code == 200 and "<svg" in html.text
+
+
+def identity_of(data_dir: Path) -> bytes:
+    from org_node.config import NodePaths
+
+    return OrgIdentity.load(NodePaths(data_dir).identity_dir).public_key
