@@ -193,3 +193,19 @@ def test_missing_token() -> None:
     r = CliRunner().invoke(cli.app, ["peers", "--url", URL], env={"FEDWEAVE_TOKEN": ""})
     assert r.exit_code == 1
     assert "no token" in r.output
+
+
+def test_audit_fetch_writes_json_and_html(client_api: Api, tmp_path: Path) -> None:
+    from tests.api.test_audit_reports import Run, _reporting_node
+
+    run = Run(client_api, tmp_path / "node")
+    client_api.app.state.node = _reporting_node(client_api, tmp_path / "node", run.log)
+    out = tmp_path / "reports"
+    r = invoke(client_api, "audit", "fetch", run.id, "--out", str(out), role=Role.AUDITOR)
+    assert r.exit_code == 0, r.output
+    report = json.loads((out / f"report-{run.id}.json").read_text())
+    assert report["run"]["id"] == run.key
+    assert "<html" in (out / f"report-{run.id}.html").read_text().lower()
+    missing = invoke(client_api, "audit", "fetch", "nosuchrun", "--out", str(out))
+    assert missing.exit_code == 1
+    assert missing.output.strip() == "error: not found: run not found"
