@@ -11,6 +11,8 @@ those facts in one place, for the node (``POST /v1/audit/runs/{id}/report``,
 * differential privacy — the distributed Skellam mechanism the engine charges each round
   (rebuilt from the engine config and the model size, as the engine builds it), once per
   round the node recorded an ``epsilon_spent`` metric;
+* shards held — the checkpoint shards in the node's shard store whose owner is another
+  org (the federation's global-model history is no org's and is left out);
 * rounds — the round log the node appends after every completed round
   (:func:`record_round`: survivors, dropped and recovered orgs, model hash, loss and
   accuracy), or, for the harness, the survivors it observed (:func:`observed_rounds`).
@@ -36,6 +38,7 @@ from org_node.audit.report import (
     RoundFacts,
     RunFacts,
     SecAggFacts,
+    ShardHeld,
     build_report,
     round_facts_from_engine,
 )
@@ -53,6 +56,7 @@ __all__ = [
     "policies_in_force",
     "read_rounds",
     "record_round",
+    "shards_held_in",
 ]
 
 ROUNDS_FILE = "audit-rounds.jsonl"
@@ -208,6 +212,35 @@ def dp_facts(spec: RunSpec, config: Any, model_size: int, rounds_charged: int) -
     )
 
 
+def shards_held_in(shard_root: Path) -> tuple[ShardHeld, ...]:
+    """Every checkpoint shard the node's store (``shard_root``) holds for another org,
+    by owner, set version and index (none when the store does not exist)."""
+    from coordinator_free.shards import GLOBAL_OWNER, ShardStore
+
+    root = Path(shard_root)
+    if not root.is_dir():
+        return ()
+    store = ShardStore(root)
+    out: list[ShardHeld] = []
+    for owner_dir in sorted(p for p in root.iterdir() if p.is_dir()):
+        try:
+            owner = bytes.fromhex(owner_dir.name).decode("utf-8")
+        except ValueError:
+            continue
+        if owner == GLOBAL_OWNER:
+            continue
+        for held in store.list(owner):
+            m = held.manifest
+            for index in held.indices:
+                if 0 <= index < len(m.shard_hashes):
+                    out.append(
+                        ShardHeld(
+                            owner, m.version, index, m.shard_size, m.shard_hashes[index].hex()
+                        )
+                    )
+    return tuple(out)
+
+
 def assemble_run_facts(
     run_key: str,
     spec: RunSpec,
@@ -218,6 +251,7 @@ def assemble_run_facts(
     ring_bits: int | None = 64,
     l2_clip: float | None = None,
     dp: DpFacts | None = None,
+    shards_held: Sequence[ShardHeld] = (),
     anomalies: Sequence[str] = (),
 ) -> RunFacts:
     """The :class:`RunFacts` of ``run_key`` (the federation-wide run key the egress log
@@ -237,6 +271,7 @@ def assemble_run_facts(
         ),
         rounds=tuple(rounds),
         dp=dp,
+        shards_held=tuple(shards_held),
         anomalies=tuple(anomalies),
     )
 
@@ -289,6 +324,7 @@ def node_run_facts(
         ring_bits=config.ring_bits,
         l2_clip=l2_clip,
         dp=dp,
+        shards_held=shards_held_in(Path(data_dir) / "shards"),
         anomalies=anomalies,
     )
 

@@ -362,6 +362,8 @@ def test_running_nodes_report_their_run(tmp_path: Path, monkeypatch: pytest.Monk
     assert [r["round"] for r in report["rounds"]] == [1, 2]
     assert all(len(r["model_hash"]) == 64 for r in report["rounds"])
     assert report["traffic"]["total"]["messages"] > 0
+    owners = {s["owner"] for s in report["shards_held"]}
+    assert owners and owners <= {"org-b", "org-c"}
     assert verify_report(report, trusted_keys={"org-a": identity_of(dirs["org-a"])}).ok
     assert html.status_code == 200 and "<svg" in html.text
 
