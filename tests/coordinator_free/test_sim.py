@@ -218,3 +218,28 @@ def test_a_split_during_the_key_shares_is_detected_never_summed() -> None:
         for reason in first.failures.values()
     )
     assert second.problems() == [] and len(second.results) == 6
+
+
+def test_forty_peers_run_secagg_plus_and_sum_exactly_despite_a_kill() -> None:
+    """Above ``secagg_plus_above`` members the engine runs SecAgg+ (Bell et al., CCS'20):
+    k = 16 neighbours for 40 members; a member killed in the ring is unmasked from its
+    neighbourhood's shares alone and the survivors' sum is still exact."""
+    base = SimConfig(peers=40, length=16, seed=5).engine_config()
+    rc = RoundConfig(
+        ready_timeout=base.ready_timeout,
+        stage_timeout=base.stage_timeout,
+        step_timeout=base.step_timeout,
+        send_timeout=base.send_timeout,
+        secagg_plus_above=16,
+    )
+    config = SimConfig(peers=40, length=16, seed=5, round_config=rc)
+    killed = "org-17"
+    (out,) = run_rounds(config, [FaultSpec(killed, Fault.KILL, "reduce", round=1)], rounds=1)
+    assert out.problems() == []
+    res = out.results["org-00"]
+    assert res.neighbours == 16
+    assert killed in res.dropped and killed not in res.survivors
+    assert len(res.survivors) == 39 and len(out.results) == 39
+    assert (res.sum == out.expected(res.survivors)).all()
+    # each node sent ShareKeys to its 16 neighbours only, not to all 39 others
+    assert all(r.neighbours == 16 for r in out.results.values())
