@@ -30,13 +30,14 @@ from dataclasses import dataclass, field
 from coordinator_free.endpoint import Endpoint
 from coordinator_free.gossip import Gossip, GossipConfig
 from coordinator_free.identity import OrgIdentity
-from coordinator_free.membership import Membership, MemberStatus, SwimConfig
+from coordinator_free.membership import EventKind, Membership, MemberStatus, SwimConfig
 from coordinator_free.memory import InMemoryNetwork
 
 from bench.common import Report, run_main
 
 __all__ = [
     "FEDERATION",
+    "Detection",
     "SimCluster",
     "default_period",
     "main",
@@ -164,31 +165,101 @@ async def wait_until(predicate: object, *, timeout_s: float, poll_s: float = 0.0
     return True
 
 
-async def _detection(n: int, seed: int, period_s: float, max_periods: int) -> float:
+@dataclass(frozen=True)
+class Detection:
+    """How one crashed member was detected (SWIM §3.1 and §4.2).
+
+    first_suspect_s / first_dead_s: seconds from the crash until the first member
+    held the victim SUSPECT / DEAD (SWIM's first detection: expected ``e / (e - 1)``
+    periods until some member probes it, independent of ``n``; DEAD adds the
+    suspicion timeout). all_dead_s: until every live member held it DEAD
+    (dissemination, expected ``O(log n)`` periods more). period_s: the configured
+    period; actual_period_s: the periods the members really ran over the same time
+    (on one loaded core the loop cannot run hundreds of members on time, so the
+    actual period is longer: ``dilation`` = actual / configured). The ``*_periods``
+    figures divide by the actual period, so starvation does not pass for protocol
+    cost.
+    """
+
+    n: int
+    period_s: float
+    actual_period_s: float
+    first_suspect_s: float
+    first_dead_s: float
+    all_dead_s: float
+
+    @property
+    def dilation(self) -> float:
+        return self.actual_period_s / self.period_s
+
+    @property
+    def first_suspect_periods(self) -> float:
+        return self.first_suspect_s / self.actual_period_s
+
+    @property
+    def first_dead_periods(self) -> float:
+        return self.first_dead_s / self.actual_period_s
+
+    @property
+    def disseminate_periods(self) -> float:
+        """Periods from the first DEAD until every live member holds it DEAD."""
+        return (self.all_dead_s - self.first_dead_s) / self.actual_period_s
+
+    @property
+    def all_dead_periods(self) -> float:
+        return self.all_dead_s / self.actual_period_s
+
+
+async def _detection(n: int, seed: int, period_s: float, max_periods: int) -> Detection:
     cluster = await SimCluster.start(n, seed=seed, swim=swim_config(period_s))
     try:
         await asyncio.sleep(2 * period_s)
         victim = random.Random(seed).choice(cluster.orgs)
+        queues = {
+            org: cluster.memberships[org].subscribe() for org in cluster.orgs if org != victim
+        }
+        first: dict[EventKind, float] = {}
+
+        def seen() -> bool:
+            now = time.perf_counter()
+            for queue in queues.values():
+                while not queue.empty():
+                    event = queue.get_nowait()
+                    if event.org_id == victim and event.kind in (EventKind.SUSPECT, EventKind.DEAD):
+                        first.setdefault(event.kind, now)
+            return cluster.all_see(victim, MemberStatus.DEAD)
+
+        others = [m for o, m in cluster.memberships.items() if o != victim]
+        periods_before = sum(m.periods for m in others)
         t0 = time.perf_counter()
         await cluster.crash(victim)
-        ok = await wait_until(
-            lambda: cluster.all_see(victim, MemberStatus.DEAD),
-            timeout_s=max_periods * period_s,
-            poll_s=period_s / 10,
-        )
+        ok = await wait_until(seen, timeout_s=max_periods * period_s, poll_s=period_s / 20)
+        t_all = time.perf_counter()
         if not ok:
             raise RuntimeError(f"{victim} not declared DEAD by all within {max_periods} periods")
-        return time.perf_counter() - t0
+        ran = (sum(m.periods for m in others) - periods_before) / len(others)
+        # a DEAD learnt without a SUSPECT first (by gossip) still implies a suspicion
+        t_dead = first.get(EventKind.DEAD, t_all)
+        t_suspect = min(first.get(EventKind.SUSPECT, t_dead), t_dead)
+        return Detection(
+            n=n,
+            period_s=period_s,
+            actual_period_s=max(period_s, (t_all - t0) / max(ran, 1.0)),
+            first_suspect_s=t_suspect - t0,
+            first_dead_s=t_dead - t0,
+            all_dead_s=t_all - t0,
+        )
     finally:
         await cluster.close()
 
 
 def measure_detection(
     n: int, seed: int, *, period_s: float | None = None, max_periods: int = 200
-) -> float:
-    """Seconds from crashing one of ``n`` members until every live member holds it DEAD.
+) -> Detection:
+    """Crash one of ``n`` members; time its first suspicion, first DEAD and all-DEAD.
 
-    The period is fixed (``default_period(n)`` unless given); divide by it for periods.
+    The period is fixed (``default_period(n)`` unless given); see :class:`Detection`
+    for the figures in periods and the loop's time dilation.
     """
     return asyncio.run(_detection(n, seed, period_s or default_period(n), max_periods))
 
@@ -246,14 +317,32 @@ def _body(report: Report) -> None:
     sizes = [16, 64] if report.quick else [16, 64, 256]
     for n in sizes:
         period = default_period(n)
-        seconds = measure_detection(n, seed=1)
-        bound = swim_config(period).suspicion_timeout(n) / period + 2 * math.log2(n) + 4
+        det = measure_detection(n, seed=1)
+        suspicion = swim_config(period).suspicion_timeout(n) / period
         report.add(
-            f"swim_detect[n={n}]",
-            seconds / period,
+            f"swim_first_suspect[n={n}]",
+            det.first_suspect_periods,
             "periods",
-            target=f"<= {bound:.0f}",
-            note=f"{seconds:.2f}s at period {period}s; bound: suspicion timeout + 2 log2 n + 4",
+            target="<= 3",
+            note=f"first member to suspect the crashed one ({det.first_suspect_s:.2f}s); SWIM "
+            f"expects e/(e-1) = 1.58 periods, flat in n; actual period "
+            f"{det.actual_period_s:.3f}s = {det.dilation:.2f} x {period}s",
+        )
+        report.add(
+            f"swim_first_dead[n={n}]",
+            det.first_dead_periods,
+            "periods",
+            target=f"<= {suspicion + 4:.0f}",
+            note=f"first DEAD ({det.first_dead_s:.2f}s): first suspicion + the suspicion timeout "
+            f"({suspicion:.1f} periods, grows with log10 n by design)",
+        )
+        report.add(
+            f"swim_disseminate[n={n}]",
+            det.disseminate_periods,
+            "periods",
+            target=f"<= {2 * math.log2(n) + 4:.0f}",
+            note=f"first DEAD until all live members hold it DEAD (all-agree at "
+            f"{det.all_dead_s:.2f}s); expected O(log n), bound 2 log2 n + 4",
         )
         rate = measure_message_rate(n, periods=10, seed=1)
         report.add(
