@@ -18,7 +18,7 @@ fedweave runs list | show RUN | propose --name N --spec spec.json
 fedweave runs accept|decline|start|pause|resume|abort RUN
 fedweave peers
 fedweave audit events [--run R] [--round N] [--peer P] [--class C]
-fedweave audit fetch RUN --out DIR   (generate the report at the node and download it)
+fedweave audit fetch RUN --out DIR   (the node generates the report; both files downloaded)
 
 Every error is one readable line on stderr and a non-zero exit status.
 """
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -419,6 +420,13 @@ class ApiClient:
 
     def request(self, method: str, path: str, *, json_body: Any = None, params: Any = None) -> Any:
         """Send one request; the decoded JSON body, or the text for non-JSON answers."""
+        r = self.send(method, path, json_body=json_body, params=params)
+        if r.headers.get("content-type", "").startswith("application/json"):
+            return r.json()
+        return r.text
+
+    def send(self, method: str, path: str, *, json_body: Any = None, params: Any = None) -> Any:
+        """Send one request; the successful ``httpx.Response`` as it came."""
         import httpx
 
         try:
@@ -433,9 +441,7 @@ class ApiClient:
             raise ClientError("authentication failed: check --token")
         if r.status_code >= 400:
             raise ClientError(_detail(r))
-        if r.headers.get("content-type", "").startswith("application/json"):
-            return r.json()
-        return r.text
+        return r
 
     def get(self, path: str, **params: Any) -> Any:
         return self.request("GET", path, params={k: v for k, v in params.items() if v is not None})
@@ -730,13 +736,16 @@ def audit_fetch(
 ) -> None:
     """Have the node generate the run's privacy report, and download it (JSON and HTML)."""
     with _client(url, token, data_dir) as client:
-        report = client.post(f"/v1/audit/runs/{run}/report")
-        html = client.get(f"/v1/audit/runs/{run}/report.html")
+        made = client.send("POST", f"/v1/audit/runs/{run}/report")
+        html = client.send("GET", f"/v1/audit/runs/{run}/report.html")
+        key = str(made.json()["run"]["id"])
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", key):
+            raise typer.BadParameter(f"the node named the run {key!r}: not a file name")
         out.mkdir(parents=True, exist_ok=True)
-        json_path = out / f"report-{run}.json"
-        html_path = out / f"report-{run}.html"
-        json_path.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
-        html_path.write_text(str(html), encoding="utf-8")
+        json_path = out / f"{key}.audit.json"
+        html_path = out / f"{key}.audit.html"
+        json_path.write_bytes(made.content)  # the signed bytes, as the node wrote them
+        html_path.write_bytes(html.content)
     typer.echo(f"{json_path}\n{html_path}")
 
 

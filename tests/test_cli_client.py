@@ -203,9 +203,12 @@ def test_audit_fetch_writes_json_and_html(client_api: Api, tmp_path: Path) -> No
     out = tmp_path / "reports"
     r = invoke(client_api, "audit", "fetch", run.id, "--out", str(out), role=Role.AUDITOR)
     assert r.exit_code == 0, r.output
-    report = json.loads((out / f"report-{run.id}.json").read_text())
+    from org_node.audit.verify import verify_path
+
+    report = json.loads((out / f"{run.key}.audit.json").read_text())
     assert report["run"]["id"] == run.key
-    assert "<html" in (out / f"report-{run.id}.html").read_text().lower()
+    assert "<html" in (out / f"{run.key}.audit.html").read_text().lower()
+    assert verify_path(out / f"{run.key}.audit.json").ok
     missing = invoke(client_api, "audit", "fetch", "nosuchrun", "--out", str(out))
     assert missing.exit_code == 1
     assert missing.output.strip() == "error: not found: run not found"
