@@ -14,8 +14,15 @@ those facts in one place, for the node (``POST /v1/audit/runs/{id}/report``,
 * shards held — the checkpoint shards in the node's shard store whose owner is another
   org (the federation's global-model history is no org's and is left out);
 * rounds — the round log the node appends after every completed round
-  (:func:`record_round`: survivors, dropped and recovered orgs, model hash, loss and
-  accuracy), or, for the harness, the survivors it observed (:func:`observed_rounds`).
+  (:func:`record_round`: survivors, dropped and recovered orgs, model hash and the
+  peers that agreed on it, loss and accuracy); what was observed from outside
+  (:func:`observed_rounds`) only fills rounds or metrics the log lacks
+  (:func:`merge_rounds`).
+
+:func:`org_run_facts` assembles the same facts from an org's data directory by the
+federation-wide run key (what a caller outside the node, such as the test harness,
+knows of the run): this org's consent comes from its database, the rounds from its
+round log.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +57,11 @@ __all__ = [
     "assemble_run_facts",
     "consents_of",
     "dp_facts",
+    "merge_rounds",
     "node_report",
     "node_run_facts",
     "observed_rounds",
+    "org_run_facts",
     "policies_in_force",
     "read_rounds",
     "record_round",
@@ -125,8 +134,8 @@ def observed_rounds(
     metrics = metrics or {}
     out = []
     for r in sorted(survivors):
-        alive = tuple(survivors[r])
-        dropped = tuple(o for o in participants if o not in alive)
+        alive = tuple(sorted(survivors[r]))
+        dropped = tuple(sorted(o for o in participants if o not in alive))
         per = metrics.get(r, {})
         out.append(
             RoundFacts(
@@ -140,6 +149,23 @@ def observed_rounds(
             )
         )
     return tuple(out)
+
+
+def merge_rounds(
+    recorded: Sequence[RoundFacts], observed: Sequence[RoundFacts]
+) -> tuple[RoundFacts, ...]:
+    """The node's recorded rounds, with observed rounds only where the log has none;
+    a recorded round without loss or accuracy takes the observed value."""
+    seen = {r.round: r for r in observed}
+    out = {r.round: r for r in observed}
+    for r in recorded:
+        o = seen.get(r.round)
+        out[r.round] = replace(
+            r,
+            loss=r.loss if r.loss is not None or o is None else o.loss,
+            accuracy=r.accuracy if r.accuracy is not None or o is None else o.accuracy,
+        )
+    return tuple(out[k] for k in sorted(out))
 
 
 # --------------------------------------------------------------------------- database
@@ -165,8 +191,9 @@ def policies_in_force(session: Session) -> dict[str, Policy]:
     }
 
 
-def consents_of(row: Any, org_id: str) -> tuple[ConsentRecord, ...]:
-    """This org's recorded decision on the run (none while it is only proposed)."""
+def consents_of(row: Any, org_id: str, role: str = "") -> tuple[ConsentRecord, ...]:
+    """This org's recorded decision on the run (none while it is only proposed);
+    ``role``: the role of the token that decided, when known."""
     if row.decided_at is None or row.decided_by is None:
         return ()
     decision = "declined" if row.state == "declined" else "accepted"
@@ -177,8 +204,31 @@ def consents_of(row: Any, org_id: str) -> tuple[ConsentRecord, ...]:
             decided_at=format_time(row.decided_at.timestamp()),
             decided_by=row.decided_by,
             reason=row.decision_reason or "",
+            decided_by_role=role,
         ),
     )
+
+
+def _token_role(session: Session, name: str | None) -> str:
+    """The role of the API token named ``name`` ("" when no such token is held)."""
+    from org_node.db.models import ApiToken
+
+    if not name:
+        return ""
+    row = session.exec(select(ApiToken).where(ApiToken.name == name)).first()
+    return "" if row is None else str(row.role)
+
+
+def _consents_by_key(session: Session, run_key_: str, org_id: str) -> tuple[ConsentRecord, ...]:
+    """This org's decision on the run whose federation-wide key is ``run_key_`` (each org
+    stores the run under its own local id, so the key is recomputed per row)."""
+    from org_node.db.models import Run
+    from org_node.engine import run_key
+
+    for row in session.exec(select(Run).order_by(col(Run.created_at))).all():
+        if run_key(row.name, row.spec) == run_key_:
+            return consents_of(row, org_id, _token_role(session, row.decided_by))
+    return ()
 
 
 def dp_facts(spec: RunSpec, config: Any, model_size: int, rounds_charged: int) -> DpFacts | None:
@@ -295,7 +345,7 @@ def node_run_facts(
         spec = RunSpec.from_dict(row.spec)
         key = run_key(row.name, row.spec)
         policies = policies_in_force(session)
-        consents = consents_of(row, org_id)
+        consents = consents_of(row, org_id, _token_role(session, row.decided_by))
         charged = len(
             session.exec(
                 select(RunMetric.round).where(
@@ -326,6 +376,48 @@ def node_run_facts(
         dp=dp,
         shards_held=shards_held_in(Path(data_dir) / "shards"),
         anomalies=anomalies,
+    )
+
+
+def org_run_facts(
+    data_dir: Path,
+    run_key: str,
+    spec: RunSpec,
+    *,
+    org_id: str,
+    observed: Sequence[RoundFacts] = (),
+    ring_bits: int | None = 64,
+    db: Engine | None = None,
+) -> RunFacts:
+    """The facts of the run keyed ``run_key`` from the org's data directory: its
+    consent and policies from its database (``db``, or the default SQLite file of
+    ``data_dir`` when it exists), its rounds from the round log
+    (:func:`merge_rounds` with ``observed``), the shards it holds."""
+    from org_node.db.engine import DB_FILENAME, default_database_url, make_engine
+
+    root = Path(data_dir)
+    consents: tuple[ConsentRecord, ...] = ()
+    policies: dict[str, Policy] = {}
+    engine = db
+    if engine is None and (root / DB_FILENAME).exists():
+        engine = make_engine(default_database_url(root))
+    if engine is not None:
+        try:
+            with Session(engine) as session:
+                consents = _consents_by_key(session, run_key, org_id)
+                policies = policies_in_force(session)
+        finally:
+            if db is None:
+                engine.dispose()
+    rounds = merge_rounds(read_rounds(root / "runs" / run_key), observed)
+    return assemble_run_facts(
+        run_key,
+        spec,
+        rounds,
+        policies=policies,
+        consents=consents,
+        ring_bits=ring_bits,
+        shards_held=shards_held_in(root / "shards"),
     )
 
 

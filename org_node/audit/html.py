@@ -260,12 +260,17 @@ def render_html(report: Mapping[str, Any], *, verification: str | None = None) -
             (
                 [p["org"]]
                 + (
-                    ["no record", "", "", ""]
+                    [p.get("consent_note", "not recorded here"), "", "", ""]
                     if p["consent"] is None
                     else [
                         p["consent"]["decision"],
                         p["consent"]["decided_at"],
-                        p["consent"]["decided_by"],
+                        p["consent"]["decided_by"]
+                        + (
+                            f" ({p['consent']['decided_by_role']})"
+                            if p["consent"].get("decided_by_role")
+                            else ""
+                        ),
                         p["consent"]["reason"],
                     ]
                 )
@@ -378,8 +383,12 @@ def render_html(report: Mapping[str, Any], *, verification: str | None = None) -
                     _names(r["survivors"]),
                     _names(r["dropped"]),
                     _names(r["recovered"]),
-                    r["model_hash"][:16] + "…" if r["model_hash"] else "—",
-                    "yes" if r["model_hash_agreed"] else "NO: " + _names(r["disagreeing_peers"]),
+                    r["model_hash"][:16] + "…" if r["model_hash"] else "not recorded",
+                    "not recorded"
+                    if r["model_hash_agreed"] is None
+                    else "yes"
+                    if r["model_hash_agreed"]
+                    else "NO: " + _names(r["disagreeing_peers"]),
                     "—" if r["loss"] is None else r["loss"],
                     "—" if r["accuracy"] is None else r["accuracy"],
                 ]
@@ -421,17 +430,24 @@ def render_html(report: Mapping[str, Any], *, verification: str | None = None) -
             numeric=(1, 2),
         )
     )
-    labels = sorted({r["round"] for r in traffic["per_round"]}, key=lambda v: (v is None, v or 0))
-    classes = sorted({r["class"] for r in traffic["per_round"]})
-    cell = {(r["round"], r["class"]): r["bytes"] for r in traffic["per_round"]}
+    rows = traffic["per_round"]
+    labels = sorted(
+        {(r["round"], r.get("attempt", 1)) for r in rows},
+        key=lambda v: (v[0] is None, v[0] or 0, v[1]),
+    )
+    classes = sorted({r["class"] for r in rows})
+    cell: dict[tuple[Any, int, str], int] = {}
+    for r in rows:
+        key = (r["round"], r.get("attempt", 1), r["class"])
+        cell[key] = cell.get(key, 0) + r["bytes"]
     parts.append(
         "<figure>"
         + bar_chart_svg(
             "Bytes sent per round by privacy class",
-            "round (— : outside the run's rounds)",
+            "run round (— : outside the run's rounds; /a: attempt a of a retried round)",
             "bytes",
-            ["—" if r is None else str(r) for r in labels],
-            {c: [float(cell.get((r, c), 0)) for r in labels] for c in classes},
+            ["—" if r is None else (str(r) if a == 1 else f"{r}/{a}") for r, a in labels],
+            {c: [float(cell.get((r, a, c), 0)) for r, a in labels] for c in classes},
         )
         + "<figcaption>Bytes sent per round, stacked by privacy class.</figcaption></figure>"
     )

@@ -51,6 +51,7 @@ from org_node.policy import Policy, RunSpec, check_run_against_policy
 from org_node.privacy import GaussianRound, RdpAccountant, SkellamRound
 
 __all__ = [
+    "PROTOCOL_ATTEMPTS",
     "REPORT_DOMAIN",
     "REPORT_SCHEMA_ID",
     "SCHEMA_PATH",
@@ -69,6 +70,7 @@ __all__ = [
     "report_signing_bytes",
     "report_to_bytes",
     "round_facts_from_engine",
+    "run_round_of",
     "run_segment",
     "save_report",
     "section_digests",
@@ -90,6 +92,12 @@ SECTIONS = (
     "anomalies",
     "log",
 )
+
+
+PROTOCOL_ATTEMPTS = 8
+"""Protocol rounds the engine reserves per run round (``org_node.engine.ATTEMPTS``):
+attempt ``a`` (0-based) of run round ``r`` (1-based) goes on the wire as protocol round
+``(r - 1) * PROTOCOL_ATTEMPTS + a``; the egress log records the protocol round."""
 
 
 class ReportError(AuditError):
@@ -122,13 +130,15 @@ def _finite(value: float | None, what: str) -> float | None:
 
 @dataclass(frozen=True)
 class ConsentRecord:
-    """One org's decision on the run: ``accepted`` or ``declined``, when and by whom."""
+    """One org's decision on the run: ``accepted`` or ``declined``, when and by whom
+    (``decided_by``: the API token's name; ``decided_by_role``: its role, "" unknown)."""
 
     org: str
     decision: str
     decided_at: str
     decided_by: str
     reason: str = ""
+    decided_by_role: str = ""
 
     def __post_init__(self) -> None:
         if self.decision not in ("accepted", "declined"):
@@ -241,18 +251,31 @@ def run_segment(records: Sequence[tuple[str, Any]], run: str) -> list[tuple[str,
     return list(records[first : end + 1])
 
 
+def run_round_of(protocol_round: int) -> tuple[int, int]:
+    """``(run round, attempt)``, both 1-based, of a protocol round on the wire."""
+    if protocol_round < 0:
+        raise ReportError(f"protocol round {protocol_round} is negative")
+    return protocol_round // PROTOCOL_ATTEMPTS + 1, protocol_round % PROTOCOL_ATTEMPTS + 1
+
+
 def traffic_of(entries: Iterable[EgressEntry], run: str) -> dict[str, Any]:
-    """Messages and bytes per peer, per class and per round (``None``: not of ``run``)."""
+    """Messages and bytes per peer, per class and per round.
+
+    ``per_round`` names the run round (1, 2, ...; :func:`run_round_of` maps the protocol
+    round the log records back to it), with ``attempt`` only for a retried attempt
+    (> 1); ``round`` is ``None`` for traffic not of ``run``.
+    """
     rows = list(entries)
     peers: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     classes: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    rounds: dict[tuple[int, str], list[int]] = defaultdict(lambda: [0, 0])
+    rounds: dict[tuple[int, int, str], list[int]] = defaultdict(lambda: [0, 0])
     forbidden = 0
     for e in rows:
+        r, attempt = run_round_of(e.round) if e.run == run and e.round >= 0 else (-1, 1)
         for acc in (
             peers[e.peer],
             classes[e.privacy_class],
-            rounds[(e.round if e.run == run else -1, e.privacy_class)],
+            rounds[(r, attempt, e.privacy_class)],
         ):
             acc[0] += 1
             acc[1] += e.bytes
@@ -268,8 +291,14 @@ def traffic_of(entries: Iterable[EgressEntry], run: str) -> dict[str, Any]:
             {"class": c, "messages": m, "bytes": b} for c, (m, b) in sorted(classes.items())
         ],
         "per_round": [
-            {"round": None if r < 0 else r, "class": c, "messages": m, "bytes": b}
-            for (r, c), (m, b) in sorted(rounds.items())
+            {
+                "round": None if r < 0 else r,
+                **({"attempt": a} if a > 1 else {}),
+                "class": c,
+                "messages": m,
+                "bytes": b,
+            }
+            for (r, a, c), (m, b) in sorted(rounds.items())
         ],
         "forbidden_messages": forbidden,
     }
@@ -351,6 +380,40 @@ def _anomalies(
     return out
 
 
+def _consent(record: ConsentRecord) -> dict[str, str]:
+    body = {k: v for k, v in asdict(record).items() if k != "org"}
+    if not body["decided_by_role"]:
+        del body["decided_by_role"]
+    return body
+
+
+def _consent_note(org: str, reporter: str, facts: RunFacts) -> str:
+    """Why a participant has no consent record in this report, and what this org holds
+    instead: a node sends its (masked or encrypted) update only for a run its org
+    accepted, so an org among a round's survivors has accepted the run."""
+    if org == reporter:
+        return "no decision recorded in this org's database"
+    took_part = sorted(r.round for r in facts.rounds if org in r.survivors)
+    if took_part:
+        return (
+            f"not recorded here; its update was aggregated in round {took_part[0]}, "
+            "which its node sends only for a run its org accepted"
+        )
+    return "not recorded here"
+
+
+def _round_row(r: RoundFacts) -> dict[str, Any]:
+    """A round of the report: org lists sorted (survivors come in ring order), and
+    ``model_hash_agreed`` None when no model hash was recorded for the round."""
+    row: dict[str, Any] = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(r).items()}
+    for key in ("survivors", "dropped", "recovered", "agreeing_peers", "disagreeing_peers"):
+        row[key] = sorted(row[key])
+    row["model_hash_agreed"] = (
+        None if not r.model_hash and not r.disagreeing_peers else not r.disagreeing_peers
+    )
+    return row
+
+
 def section_digests(doc: Mapping[str, Any]) -> dict[str, str]:
     """SHA-256 (hex) of the canonical JSON of each section of ``doc``."""
     return {name: hashlib.sha256(canonical(doc[name])).hexdigest() for name in SECTIONS}
@@ -391,6 +454,12 @@ def build_report(log: EgressLog, facts: RunFacts) -> dict[str, Any]:
     unknown = sorted(set(consents) - set(facts.spec.participants))
     if unknown:
         raise ReportError(f"consent records of orgs outside the run: {', '.join(unknown)}")
+    participants = [
+        {"org": org, "consent": _consent(consents[org])}
+        if org in consents
+        else {"org": org, "consent": None, "consent_note": _consent_note(org, log.org, facts)}
+        for org in facts.spec.participants
+    ]
     doc: dict[str, Any] = {
         "schema": REPORT_SCHEMA_ID,
         "org": log.org,
@@ -401,26 +470,10 @@ def build_report(log: EgressLog, facts: RunFacts) -> dict[str, Any]:
             "policies": policy_rows,
             "violations_total": sum(len(r["violations"]) for r in policy_rows),
         },
-        "participants": [
-            {
-                "org": org,
-                "consent": (
-                    None
-                    if org not in consents
-                    else {k: v for k, v in asdict(consents[org]).items() if k != "org"}
-                ),
-            }
-            for org in facts.spec.participants
-        ],
+        "participants": participants,
         "secure_aggregation": asdict(facts.secure_aggregation),
         "differential_privacy": _dp_section(facts.dp),
-        "rounds": [
-            {
-                **{k: list(v) if isinstance(v, tuple) else v for k, v in asdict(r).items()},
-                "model_hash_agreed": not r.disagreeing_peers,
-            }
-            for r in facts.rounds
-        ],
+        "rounds": [_round_row(r) for r in facts.rounds],
         "traffic": traffic_of(entries, facts.run),
         "shards_held": [asdict(s) for s in facts.shards_held],
         "anomalies": _anomalies(facts, policy_rows, log.refusals),
@@ -566,15 +619,16 @@ def round_facts_from_engine(report: Any, participants: Sequence[str]) -> RoundFa
     survivor's model hash matched this node's, so all survivors agreed.
     """
     metrics = dict(report.metrics)
-    survivors = tuple(report.survivors)
+    survivors = tuple(sorted(report.survivors))
+    dropped = tuple(sorted(report.dropped))
     return RoundFacts(
         round=int(report.round),
         participants=tuple(participants),
         survivors=survivors,
-        dropped=tuple(report.dropped),
-        recovered=tuple(report.dropped),
+        dropped=dropped,
+        recovered=dropped,
         model_hash=str(report.model_hash),
         agreeing_peers=survivors,
-        loss=metrics.get("loss"),
-        accuracy=metrics.get("accuracy"),
+        loss=metrics.get("eval_loss", metrics.get("loss")),
+        accuracy=metrics.get("eval_accuracy", metrics.get("accuracy")),
     )

@@ -17,6 +17,7 @@ from coordinator_free.wire import Envelope
 from org_node.audit.html import bar_chart_svg, line_chart_svg, render_html
 from org_node.audit.log import EgressLog
 from org_node.audit.report import (
+    PROTOCOL_ATTEMPTS,
     REPORT_SCHEMA_ID,
     SCHEMA_PATH,
     SECTIONS,
@@ -31,6 +32,7 @@ from org_node.audit.report import (
     UnknownRun,
     build_report,
     round_facts_from_engine,
+    run_round_of,
     save_report,
     validate_report,
 )
@@ -53,15 +55,17 @@ def send(log: EgressLog, peer: str, kind: str, payload: bytes, run: str, rnd: in
 
 
 def populated_log(tmp: Path) -> tuple[EgressLog, dict[str, int]]:
-    """Run r: two rounds to b and c, with membership traffic and another run interleaved."""
+    """Run r: two rounds to b and c, with membership traffic and another run interleaved;
+    the log records the protocol round ((run round - 1) * PROTOCOL_ATTEMPTS + attempt)."""
     log = EgressLog(identity("a"), tmp / "a.log")
     sent: dict[str, int] = {"b": 0, "c": 0}
     send(log, "b", "round.ready", b"early", "other-run", 1)
     log.sign_head("other-run", 1)
     for rnd in (1, 2):
         for peer in ("b", "c"):
-            sent[peer] += send(log, peer, "round.ready", b"k" * 40, "r", rnd)
-            sent[peer] += send(log, peer, "agg.chunk", b"m" * (100 * rnd), "r", rnd)
+            wire_round = (rnd - 1) * PROTOCOL_ATTEMPTS
+            sent[peer] += send(log, peer, "round.ready", b"k" * 40, "r", wire_round)
+            sent[peer] += send(log, peer, "agg.chunk", b"m" * (100 * rnd), "r", wire_round)
         sent["b"] += send(log, "b", "swim.ping", b"p", "", 0)
         log.sign_head("r", rnd)
     return log, sent
