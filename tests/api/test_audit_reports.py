@@ -22,13 +22,17 @@ from org_node.audit.facts import (
     UnknownRunId,
     node_report,
     node_run_facts,
+    observed_rounds,
+    org_run_facts,
     read_rounds,
     record_round,
 )
 from org_node.audit.log import EgressLog
+from org_node.audit.report import build_report
 from org_node.audit.verify import verify_report
 from org_node.db.models import Role, RunMetric
-from org_node.engine import STATE_FILE, EngineConfig, EngineState, RoundReport, run_key
+from org_node.engine import ATTEMPTS, STATE_FILE, EngineConfig, EngineState, RoundReport, run_key
+from org_node.policy import RunSpec
 from org_node.services import NodeIdentityInfo, StaticNode
 from tests.api.conftest import ORG, Api, identity, propose_run
 
@@ -74,8 +78,9 @@ class Run:
         run_dir = data_dir / "runs" / self.key
         for rnd, survivors in ((1, (ORG, *PEERS)), (2, (ORG, "org-b"))):
             for peer in PEERS[: 3 - rnd]:
-                _send(self.log, peer, "round.ready", b"k" * 40, self.key, rnd)
-                _send(self.log, peer, "agg.chunk", b"m" * 100, self.key, rnd)
+                wire_round = (rnd - 1) * ATTEMPTS  # the protocol round of attempt 1
+                _send(self.log, peer, "round.ready", b"k" * 40, self.key, wire_round)
+                _send(self.log, peer, "agg.chunk", b"m" * 100, self.key, wire_round)
             if heads:
                 self.log.sign_head(self.key, rnd)
             record_round(run_dir, _round_report(self.key, rnd, survivors), (ORG, *PEERS))
@@ -372,3 +377,43 @@ def identity_of(data_dir: Path) -> bytes:
     from org_node.config import NodePaths
 
     return OrgIdentity.load(NodePaths(data_dir).identity_dir).public_key
+
+
+def test_report_holds_this_orgs_consent_the_hashes_and_run_rounds(api: Api, run: Run) -> None:
+    r = api.client.post(f"/v1/audit/runs/{run.id}/report", headers=api.h(Role.AUDITOR))
+    assert r.status_code == 201, r.text
+    report: dict[str, Any] = r.json()
+    by_org = {p["org"]: p for p in report["participants"]}
+    mine = by_org[ORG]["consent"]
+    assert mine["decided_by_role"] == "admin" and mine["decided_by"]
+    assert by_org["org-b"]["consent"] is None
+    assert "round 1" in by_org["org-b"]["consent_note"]
+    assert by_org["org-b"]["consent_note"].startswith("not recorded here")
+    for row in report["rounds"]:
+        assert row["model_hash"] == hashlib.sha256(f"model {row['round']}".encode()).hexdigest()
+        assert row["model_hash_agreed"] is True
+        assert row["survivors"] == sorted(row["survivors"])
+    per_round = {x["round"] for x in report["traffic"]["per_round"]}
+    assert per_round == {1, 2}
+    assert verify_report(report, trusted_keys={ORG: identity(ORG).public_key}).ok
+
+
+def test_org_run_facts_reads_the_consent_by_run_key_and_the_round_log(
+    api: Api, run: Run, tmp_path: Path
+) -> None:
+    spec = RunSpec.from_dict(api.client.get(f"/v1/runs/{run.id}", headers=api.h()).json()["spec"])
+    observed = observed_rounds(spec.participants, {1: ("org-c", ORG, "org-b")}, {1: {"loss": 9.0}})
+    facts = org_run_facts(
+        tmp_path / "node", run.key, spec, org_id=ORG, observed=observed, db=api.engine
+    )
+    assert [c.org for c in facts.consents] == [ORG]
+    assert facts.consents[0].decision == "accepted" and facts.consents[0].reason == "ok"
+    assert facts.consents[0].decided_by_role == "admin"
+    # the node's round log wins: its model hash and its own loss
+    assert [r.round for r in facts.rounds] == [1, 2]
+    assert facts.rounds[0].model_hash == hashlib.sha256(b"model 1").hexdigest()
+    assert facts.rounds[0].loss == 1.0 and facts.rounds[1].dropped == ("org-c",)
+    other = org_run_facts(tmp_path / "node", "0" * 32, spec, org_id=ORG, db=api.engine)
+    assert other.consents == () and other.rounds == ()
+    report = build_report(run.log, facts)
+    assert report["participants"][0]["consent"]["decision"] == "accepted"

@@ -36,6 +36,7 @@ from org_node.audit.report import (
     save_report,
     validate_report,
 )
+from org_node.audit.verify import verify_report
 from org_node.policy import Policy, RunSpec
 from org_node.privacy import GaussianRound, RdpAccountant
 
@@ -358,3 +359,87 @@ def test_round_facts_from_the_run_engine_report() -> None:
     facts_ = round_facts_from_engine(rr, ORGS)
     assert facts_.round == 3 and facts_.recovered == ("c",) and facts_.loss == 0.5
     assert facts_.participants == ORGS and facts_.accuracy == 0.9
+
+
+def test_protocol_rounds_map_back_to_run_rounds_and_attempts() -> None:
+    engine = pytest.importorskip("org_node.engine")
+    assert PROTOCOL_ATTEMPTS == engine.ATTEMPTS
+    assert [run_round_of(p) for p in (0, 8, 16)] == [(1, 1), (2, 1), (3, 1)]
+    assert run_round_of(9) == (2, 2) and run_round_of(7) == (1, 8)
+    with pytest.raises(ReportError, match="negative"):
+        run_round_of(-1)
+
+
+def test_traffic_per_round_names_run_rounds_with_retries_apart(tmp_path: Path) -> None:
+    log, _ = populated_log(tmp_path)
+    send(log, "b", "agg.chunk", b"r" * 10, "r", PROTOCOL_ATTEMPTS + 1)  # round 2, attempt 2
+    log.sign_head("r", 2)
+    report = build_report(log, facts())
+    rows = report["traffic"]["per_round"]
+    assert {r["round"] for r in rows} == {None, 1, 2}  # never the wire's 0, 8, 9
+    retried = [r for r in rows if "attempt" in r]
+    assert [(r["round"], r["attempt"], r["messages"]) for r in retried] == [(2, 2, 1)]
+    assert all(r.get("attempt", 1) >= 1 for r in rows)
+    validate_report(report)
+    page = render_html(report)
+    assert ">2/2<" in page and ">8<" not in page.split("Bytes sent per round")[1].split("</svg>")[0]
+    assert verify_report(report, trusted_keys={"a": identity("a").public_key}).ok
+
+
+def test_survivors_are_sorted_whatever_the_ring_order(tmp_path: Path) -> None:
+    log, _ = populated_log(tmp_path)
+    ring = (RoundFacts(1, ORGS, ("c", "a", "b"), agreeing_peers=("c", "a", "b")),)
+    report = build_report(log, facts(rounds=ring))
+    row = report["rounds"][0]
+    assert row["survivors"] == ["a", "b", "c"] and row["agreeing_peers"] == ["a", "b", "c"]
+    assert row["participants"] == list(ORGS)
+
+
+def test_a_round_without_a_model_hash_is_not_reported_as_agreed(tmp_path: Path) -> None:
+    log, _ = populated_log(tmp_path)
+    rounds = (
+        RoundFacts(1, ORGS, ORGS),
+        RoundFacts(2, ORGS, ORGS, model_hash="cd" * 32, agreeing_peers=ORGS),
+    )
+    report = build_report(log, facts(rounds=rounds))
+    assert [r["model_hash_agreed"] for r in report["rounds"]] == [None, True]
+    assert report["rounds"][1]["model_hash"] == "cd" * 32  # in full in the JSON
+    validate_report(report)
+    page = render_html(report)
+    assert "not recorded" in page and "cdcdcdcdcdcdcdcd…" in page and "cd" * 32 not in page
+
+
+def test_participants_without_a_record_here_say_what_this_org_holds(tmp_path: Path) -> None:
+    log, _ = populated_log(tmp_path)
+    mine = ConsentRecord("a", "accepted", "2026-01-01T00:00:00Z", "ops", decided_by_role="admin")
+    report = build_report(log, facts(consents=(mine,)))
+    by_org = {p["org"]: p for p in report["participants"]}
+    assert by_org["a"]["consent"]["decided_by_role"] == "admin"
+    assert "consent_note" not in by_org["a"]
+    # b and c took part in round 1: their acceptance is evidenced, not recorded here
+    for org in ("b", "c"):
+        assert by_org[org]["consent"] is None
+        assert by_org[org]["consent_note"].startswith("not recorded here")
+        assert "round 1" in by_org[org]["consent_note"]
+    validate_report(report)
+    page = render_html(report)
+    assert "ops (admin)" in page and "aggregated in round 1" in page
+    alone = build_report(log, facts(consents=(), rounds=()))
+    notes = {p["org"]: p["consent_note"] for p in alone["participants"]}
+    assert notes == {
+        "a": "no decision recorded in this org's database",
+        "b": "not recorded here",
+        "c": "not recorded here",
+    }
+
+
+def test_recorded_rounds_win_over_observed_ones() -> None:
+    from org_node.audit.facts import merge_rounds, observed_rounds
+
+    observed = observed_rounds(ORGS, {1: ("c", "a", "b"), 2: ("b", "a")}, {1: {"loss": 0.9}})
+    assert observed[0].survivors == ORGS and observed[1].dropped == ("c",)
+    recorded = (RoundFacts(1, ORGS, ORGS, model_hash="ab" * 32, agreeing_peers=ORGS),)
+    merged = merge_rounds(recorded, observed)
+    assert [r.round for r in merged] == [1, 2]
+    assert merged[0].model_hash == "ab" * 32 and merged[0].loss == 0.9
+    assert merged[1] == observed[1]
