@@ -4,14 +4,19 @@
 Schema 2020-12, checked by :func:`validate_report`). A report holds, per section:
 
 * ``run`` — the run spec and every policy in force with its violations (none, or each);
-* ``participants`` — the orgs and their consent records;
+* ``participants`` — the orgs and their consent records; an org whose decision this
+  org does not hold has ``consent: null`` and a ``consent_note`` saying what it holds
+  instead (its update aggregated in a round: a node sends one only for a run its org
+  accepted);
 * ``secure_aggregation`` — backend and parameters (n, t, ring bits, clipping);
 * ``differential_privacy`` — mechanism, parameters and ε(δ) per round and in total,
   composed by :class:`org_node.privacy.RdpAccountant` (Mironov 2017; Balle et al. 2020);
-* ``rounds`` — survivors, dropouts and recoveries, the model hash and whether every
-  peer agreed, loss and accuracy;
-* ``traffic`` — messages and bytes sent per peer, per privacy class and per round,
-  computed from the log records below (verification recomputes it);
+* ``rounds`` — survivors, dropouts and recoveries (sorted), the model hash (hex, in
+  full) and whether every peer agreed (null when no hash was recorded), loss and
+  accuracy;
+* ``traffic`` — messages and bytes sent per peer, per privacy class and per run round
+  (a retried attempt apart), computed from the log records below (verification
+  recomputes it);
 * ``shards_held`` — checkpoint shards this org holds for other orgs;
 * ``anomalies`` — policy violations, model-hash disagreements, refused messages, and
   whatever the node reported;
