@@ -132,12 +132,13 @@ def _egress(data_dir: Path) -> tuple[Path, int]:
 
 def _audit_report(obs: Observation, org: str, survivors: Mapping[int, Sequence[str]]) -> str:
     """Write org's signed privacy audit report of the run into ``DIR/audit/ORG``; the
-    facts are assembled as the node assembles them (:mod:`org_node.audit.facts`), from
-    the survivors the harness observed."""
+    facts are assembled as the node assembles them (:func:`org_node.audit.facts.org_run_facts`:
+    its consent and policies from its database, its rounds from its round log), with the
+    survivors the harness observed filling only what the node did not record."""
     from coordinator_free.identity import OrgIdentity
 
     from org_node.audit import AuditError, EgressLog, build_report, save_report
-    from org_node.audit.facts import assemble_run_facts, observed_rounds
+    from org_node.audit.facts import observed_rounds, org_run_facts
     from org_node.policy import RunSpec
 
     node = obs.nodes[org]
@@ -150,7 +151,7 @@ def _audit_report(obs: Observation, org: str, survivors: Mapping[int, Sequence[s
     try:
         spec = RunSpec.from_dict(obs.spec)
         rounds = observed_rounds(s.names, survivors, obs.metrics.get(org, {}))
-        facts = assemble_run_facts(obs.run_key, spec, rounds, ring_bits=64)
+        facts = org_run_facts(node.data_dir, obs.run_key, spec, org_id=org, observed=rounds)
         if log.entries and (not log.heads or log.heads[-1].index < log.entries[-1].index):
             # the node signs its head after each round; traffic after its last round
             # (catching up, shard repair) is closed by a head signed now, as the org
