@@ -318,3 +318,17 @@ def test_the_verdict_fails_and_says_why_when_the_models_differ(tmp_path: Path) -
     # zero updates leave the round-0 model; org1 holds it plus 1 everywhere
     assert check["ok"] is False and check["max_abs_diff"] == pytest.approx(1.0)
     assert "harness_check" in summary["reason"]
+
+
+def test_fedweave_harness_is_on_the_console_app(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from api.cli import app
+
+    out = tmp_path / "demo"
+    result = CliRunner().invoke(
+        app, ["harness", "--orgs", "4", "--rounds", "2", "--kill", "org5@1", "--out", str(out)]
+    )
+    assert result.exit_code == 2
+    assert "refused: --kill org5@1:train: unknown org 'org5'" in result.output
+    assert not out.exists()
