@@ -94,6 +94,7 @@ from org_node.engine import (
     model_from_bytes,
     model_to_bytes,
 )
+from org_node.observability import Observability
 from org_node.privacy import PrivacyError
 from org_node.runs import InvalidTransition, RunAction, RunState, next_state
 from org_node.services import (
@@ -193,6 +194,12 @@ class OrgNode:
             lookahead_rounds=2 * ATTEMPTS,
         )
         self._events = events or RunEventBus()
+        self.observability = Observability(
+            identity.org_id,
+            self.chain[-1].federation if self.chain else "",
+            attempts_per_round=ATTEMPTS,
+        )
+        """Stage metrics, peer fault scores and the round timeline (dashboard, /metrics)."""
         self.debug_export = self._debug_export()
         self.egress = EgressLog(identity, self.paths.egress_log)
         self.endpoint: Endpoint | None = None
@@ -295,6 +302,7 @@ class OrgNode:
             self.round_config,
             live=self._live,
         )
+        self.observability.attach(self.rounds)
         self.ckks = CkksAggregator(endpoint, timeout=self.round_config.stage_timeout * 3)
         await endpoint.start()
         self.membership = await Membership.create(endpoint, manifest.member_ids, self.swim)
