@@ -47,7 +47,10 @@ if not (Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists()):
         allow_module_level=True,
     )
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed")
-from selenium.common.exceptions import NoAlertPresentException  # noqa: E402
+from selenium.common.exceptions import (  # noqa: E402
+    NoAlertPresentException,
+    StaleElementReferenceException,
+)
 from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 
@@ -70,9 +73,15 @@ def browser(tmp_path: Path) -> Iterator[Any]:
 
 
 def wait_until(what: str, probe: Callable[[], T | None], timeout: float = 30.0) -> T:
+    """Poll ``probe`` until it returns something truthy. The page redraws on every live
+    update, so an element found by one call can be replaced before the next: a stale
+    element means "look again", not a failure."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        value = probe()
+        try:
+            value = probe()
+        except StaleElementReferenceException:
+            value = None
         if value:
             return value
         time.sleep(0.1)
@@ -120,17 +129,24 @@ def test_dashboard_shows_peers_and_updates_when_a_round_completes(
             found = {r.get_attribute("data-org"): r for r in rows}
             return found if set(found) == set(ORGS[1:]) else None
 
-        rows = wait_until("two peers", peer_rows)
+        wait_until("two peers", peer_rows)
         assert not visible(browser, "login")
         # the hostile display name is text, never markup
-        assert rows[ORGS[1]].find_elements(By.TAG_NAME, "td")[1].text == HOSTILE
+        name = wait_until(
+            "the second org's name",
+            lambda: (peer_rows() or {})[ORGS[1]].find_elements(By.TAG_NAME, "td")[1].text,
+        )
+        assert name == HOSTILE
         assert browser.find_elements(By.TAG_NAME, "img") == []
         with pytest.raises(NoAlertPresentException):
             browser.switch_to.alert.text  # noqa: B018
-        topology = {
-            g.get_attribute("data-org")
-            for g in browser.find_elements(By.CSS_SELECTOR, "#topology g.peer")
-        }
+        topology = wait_until(
+            "the topology",
+            lambda: {
+                g.get_attribute("data-org")
+                for g in browser.find_elements(By.CSS_SELECTOR, "#topology g.peer")
+            },
+        )
         assert topology == set(ORGS[1:])
         assert me in browser.find_element(By.ID, "topology").text
         wait_until(
@@ -156,17 +172,20 @@ def test_dashboard_shows_peers_and_updates_when_a_round_completes(
             lambda: browser.find_elements(By.CSS_SELECTOR, "#events li[data-kind=round]"),
             timeout=45,
         )
-        done = wait_until(
-            "a completed round in the timeline",
-            lambda: browser.find_elements(
-                By.CSS_SELECTOR, "#timeline .round[data-state=completed]"
-            ),
-        )
-        assert done[0].find_elements(By.CSS_SELECTOR, "svg.stagebar rect")
-        peers_in_grid = {
-            tr.get_attribute("data-org")
-            for tr in done[0].find_elements(By.CSS_SELECTOR, "table.grid tbody tr")
-        }
+
+        def completed_round() -> tuple[int, set[str | None]] | None:
+            done = browser.find_elements(By.CSS_SELECTOR, "#timeline .round[data-state=completed]")
+            if not done:
+                return None
+            bars = len(done[0].find_elements(By.CSS_SELECTOR, "svg.stagebar rect"))
+            grid = {
+                tr.get_attribute("data-org")
+                for tr in done[0].find_elements(By.CSS_SELECTOR, "table.grid tbody tr")
+            }
+            return bars, grid
+
+        bars, peers_in_grid = wait_until("a completed round in the timeline", completed_round)
+        assert bars > 0
         assert peers_in_grid == set(ORGS[1:])
         wait_until(
             "the run's round counter",
