@@ -177,9 +177,22 @@ def init(
     typer.echo(f"admin token (shown once, store it safely): {result.admin_token}")
 
 
+def culprit_line(node: dict[str, Any]) -> str:
+    """``GET /v1/node``'s likely culprit as one line: who, score, round, evidence."""
+    suspect = node.get("culprit")
+    if not suspect:
+        return "none"
+    evidence = "; ".join(str(e) for e in suspect.get("evidence", [])) or "no evidence listed"
+    return (
+        f"{suspect['org']} (score {float(suspect['score']):.2f}, round {suspect['round']}): "
+        f"{evidence}"
+    )
+
+
 @app.command("status")
-def status(data_dir: Path = DataDir) -> None:
-    """The node's identity, federation, runs, and whether it is running."""
+def status(data_dir: Path = DataDir, token: TokenOpt = None) -> None:
+    """The node's identity, federation, runs, whether it is running, and (with a token)
+    the peer it blames for a recent slow or failed round."""
     import httpx
     from sqlmodel import Session, col, select
 
@@ -207,12 +220,23 @@ def status(data_dir: Path = DataDir) -> None:
                         f"{row.name} ({row.id[:8]}): {row.state}, round {row.current_round}"
                     )
             engine.dispose()
+        culprit = "(pass --token to ask the running node)" if running else "(node not running)"
+        if running and token:
+            try:
+                api = ApiClient(admin_url(None, data_dir), token)
+                try:
+                    culprit = culprit_line(api.get("/v1/node"))
+                finally:
+                    api.close()
+            except ClientError as exc:
+                culprit = f"(could not ask the node: {exc})"
         return {
             "org": config.node.org_id,
             "federation": chain[-1].federation if chain else "(none installed)",
             "members": list(chain[-1].member_ids) if chain else [],
             "manifest_version": chain[-1].version if chain else None,
             "node": "running" if running else "not running",
+            "culprit": culprit,
             "runs": runs,
         }
 

@@ -212,3 +212,21 @@ def test_audit_fetch_writes_json_and_html(client_api: Api, tmp_path: Path) -> No
     missing = invoke(client_api, "audit", "fetch", "nosuchrun", "--out", str(out))
     assert missing.exit_code == 1
     assert missing.output.strip() == "error: not found: run not found"
+
+
+def test_status_culprit_line() -> None:
+    from org_node.cli import culprit_line
+
+    assert culprit_line({"culprit": None}) == "none"
+    line = culprit_line(
+        {
+            "culprit": {
+                "org": "org3",
+                "score": 4.5,
+                "round": 2,
+                "run": "k",
+                "evidence": ["timeout in reduce", "no unmask shares"],
+            }
+        }
+    )
+    assert line == "org3 (score 4.50, round 2): timeout in reduce; no unmask shares"
