@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import select
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,33 +17,12 @@ import pytest
 
 from org_node.config import NodeConfig
 from org_node.engine import STATE_FILE, EngineState, RunPlan, TrainingConfig, model_hash
+from org_node.harness.runner import free_ports, port_is_free
 from org_node.initialize import found_manifest, initialize, install_manifest, sign_manifest
 
 pytestmark = pytest.mark.e2e
 
 ORGS = ("hospital-a", "hospital-b", "hospital-c")
-
-
-def free_ports(n: int) -> list[int]:
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
-def port_is_free(port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
 
 
 def wait_for_line(proc: subprocess.Popen[bytes], needle: bytes, timeout: float) -> bytes:
