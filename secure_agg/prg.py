@@ -87,8 +87,14 @@ def add_mask(target: np.ndarray, seed: bytes, sign: int = 1) -> None:
 FUSED_CHUNK_BYTES = 1 << 18
 
 
-def add_masks(target: np.ndarray, masks: Sequence[tuple[bytes, int]]) -> None:
+def add_masks(
+    target: np.ndarray, masks: Sequence[tuple[bytes, int]], *, base: np.ndarray | None = None
+) -> None:
     """Add ``sum(sign * expand(seed))`` over ``masks`` to ``target`` in place, mod ``2^bits``.
+
+    With ``base`` (a ring array of the same dtype and length), ``target`` receives
+    ``base + sum(...)`` instead, and its previous contents are ignored: the first mask
+    is folded straight from ``base``, which saves the caller a copy pass.
 
     Equal to calling :func:`add_mask` once per ``(seed, sign)``, but fused: ``target``
     is walked once, in cache-sized slices, and each slice receives the next keystream
@@ -110,17 +116,25 @@ def add_masks(target: np.ndarray, masks: Sequence[tuple[bytes, int]]) -> None:
     check_ring(target, bits)
     if not target.flags.c_contiguous or not target.flags.writeable:
         raise RingError("target must be C-contiguous and writeable")
+    if base is not None:
+        check_ring(base, bits, target.shape[0])
+        if base.dtype != target.dtype:
+            raise RingError("base must have the target's dtype")
     for _, sign in masks:
         if isinstance(sign, bool) or sign not in (1, -1):
             raise ConfigError(f"sign must be +1 or -1, got {sign!r}")
     streams = [(_keystream(seed), np.add if sign == 1 else np.subtract) for seed, sign in masks]
     if not streams or target.shape[0] == 0:
+        if base is not None:
+            np.copyto(target, base)
         return
     words_per_chunk = FUSED_CHUNK_BYTES // target.dtype.itemsize
     scratch = np.empty(min(words_per_chunk, target.shape[0]), dtype=target.dtype)
     for start in range(0, target.shape[0], words_per_chunk):
         part = target[start : start + words_per_chunk]
         mask = scratch[: part.shape[0]]
+        first = part if base is None else base[start : start + words_per_chunk]
         for encryptor, op in streams:
             _fill(encryptor, mask)
-            op(part, mask, out=part)
+            op(first, mask, out=part)
+            first = part

@@ -586,14 +586,14 @@ class SecAggPeer:
             raise BadVector(f"input of {self.me}: {exc}") from None
         own = self._own()
         assert self._u2 is not None
-        y = x.copy()
+        y = np.empty_like(x)
         masks: list[tuple[bytes, int]] = [(own.b, 1)]
         for j in sorted(self._u2 - {self.me}):
             seed = pairwise_mask_seed(
                 agree(own.s.private, self._adverts[j].s_pk), cfg.ctx, self.me, j
             )
             masks.append((seed, cfg.mask_sign(self.me, j)))
-        prg.add_masks(y, masks)
+        prg.add_masks(y, masks, base=x)
         self._masked = True
         return y
 

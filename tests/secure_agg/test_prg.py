@@ -106,6 +106,9 @@ def test_fused_masks_equal_one_mask_at_a_time(bits: int) -> None:
     assert not np.array_equal(fused, base)
     add_masks(fused, [(seed, -sign) for seed, sign in masks])
     np.testing.assert_array_equal(fused, base)
+    into = np.full_like(base, 7)
+    add_masks(into, masks, base=base)
+    np.testing.assert_array_equal(into, one_by_one)
 
 
 def test_fused_masks_reject_a_bad_sign_before_touching_the_target() -> None:

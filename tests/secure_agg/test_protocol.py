@@ -237,9 +237,11 @@ def test_masked_input_costs_k_plus_one_expansions(monkeypatch: pytest.MonkeyPatc
     calls: list[int] = []
     real = prg.add_masks
 
-    def counting(target: np.ndarray, masks: Sequence[tuple[bytes, int]]) -> None:
+    def counting(
+        target: np.ndarray, masks: Sequence[tuple[bytes, int]], base: np.ndarray | None = None
+    ) -> None:
         calls.extend(sign for _, sign in masks)
-        real(target, masks)
+        real(target, masks, base=base)
 
     inputs = random_inputs(cfg, np.random.default_rng(1))
     monkeypatch.setattr(prg, "add_masks", counting)
