@@ -124,19 +124,8 @@ def create_app(
     if rounds is not None and hasattr(rounds, "add_observer"):
         found.attach(rounds)
 
-    for module in (
-        node_routes,
-        tokens,
-        datasets,
-        policies,
-        runs,
-        federation,
-        peers,
-        checkpoints,
-        audit,
-        dashboard,
-    ):
-        app.include_router(module.router)
+    for router in ROUTERS:
+        app.include_router(router)
     app.include_router(dashboard.page_router)
 
     @app.exception_handler(Exception)
