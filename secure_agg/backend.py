@@ -127,7 +127,8 @@ class MaskedBackend:
 
     def protect(self, x: np.ndarray) -> bytes:
         """``y = encode(x) + PRG(b) + sum of signed pairwise masks`` (the peer's round 2)."""
-        return ring_to_bytes(self.peer.masked_input(self.codec.encode(x, self.rng)))
+        encoded = self.codec.encode(x, self.rng)
+        return ring_to_bytes(self.peer.masked_input(encoded, out=encoded))
 
     def add(self, a: bytes, b: bytes) -> bytes:
         """Ring sum of two masked payloads."""

@@ -123,18 +123,30 @@ def add_masks(
     for _, sign in masks:
         if isinstance(sign, bool) or sign not in (1, -1):
             raise ConfigError(f"sign must be +1 or -1, got {sign!r}")
-    streams = [(_keystream(seed), np.add if sign == 1 else np.subtract) for seed, sign in masks]
-    if not streams or target.shape[0] == 0:
+    streams = [
+        (_keystream(seed).update_into, np.add if sign == 1 else np.subtract) for seed, sign in masks
+    ]
+    length = target.shape[0]
+    if not streams or length == 0:
         if base is not None:
             np.copyto(target, base)
         return
+    # The hot loop makes two C calls per mask and slice (keystream into the scratch
+    # buffer, fold into the target); everything else is hoisted out of it.
     words_per_chunk = FUSED_CHUNK_BYTES // target.dtype.itemsize
-    scratch = np.empty(min(words_per_chunk, target.shape[0]), dtype=target.dtype)
-    for start in range(0, target.shape[0], words_per_chunk):
-        part = target[start : start + words_per_chunk]
-        mask = scratch[: part.shape[0]]
-        first = part if base is None else base[start : start + words_per_chunk]
-        for encryptor, op in streams:
-            _fill(encryptor, mask)
+    scratch = np.empty(min(words_per_chunk, length), dtype=target.dtype)
+    zeros = _ZEROS.data if scratch.nbytes <= _ZEROS.nbytes else memoryview(bytes(scratch.nbytes))
+    mask, mask_bytes, zero_bytes = scratch, scratch.view(np.uint8).data, zeros[: scratch.nbytes]
+    for start in range(0, length, words_per_chunk):
+        stop = min(start + words_per_chunk, length)
+        part = target[start:stop]
+        if stop - start != mask.shape[0]:  # the last, shorter slice
+            mask = scratch[: stop - start]
+            mask_bytes, zero_bytes = mask.view(np.uint8).data, zeros[: mask.nbytes]
+        first = part if base is None else base[start:stop]
+        for update_into, op in streams:
+            update_into(zero_bytes, mask_bytes)
+            if not _LITTLE_ENDIAN:
+                mask.byteswap(inplace=True)
             op(first, mask, out=part)
             first = part

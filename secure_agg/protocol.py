@@ -574,26 +574,52 @@ class SecAggPeer:
 
     # ---------------------------------------------------------------- stage 2
 
-    def masked_input(self, x: np.ndarray) -> np.ndarray:
-        """Round 2: ``y = x + PRG(b) + sum_j sign PRG(s_ij)`` over neighbours j in U2 (a new array)."""
+    def masked_input(self, x: np.ndarray, *, out: np.ndarray | None = None) -> np.ndarray:
+        """Round 2: ``y = x + PRG(b) + sum_j sign PRG(s_ij)`` over neighbours j in U2.
+
+        ``y`` is a new array unless ``out`` is given: a C-contiguous, writeable ring
+        array of ``x``'s dtype and length (``x`` itself masks in place), which receives
+        ``y`` and is returned. A caller that owns its encoded vector (the round engine
+        does) saves the allocation and first-touch of a vector-sized array that way.
+        """
         self._require_stage(Stage.MASKED_INPUT, action="masked_input()")
         if self._masked:
             raise OutOfStage(f"{self.me} already produced its masked input this round")
         cfg = self.config
         try:
             check_ring(x, cfg.bits, cfg.vector_length)
+            if out is not None:
+                check_ring(out, cfg.bits, cfg.vector_length)
         except RingError as exc:
             raise BadVector(f"input of {self.me}: {exc}") from None
+        if out is not None:
+            if out.dtype != x.dtype or not out.flags.c_contiguous or not out.flags.writeable:
+                raise BadVector(
+                    f"out for {self.me} must be a C-contiguous, writeable {x.dtype} array"
+                )
+            in_place = out is x or (
+                out.__array_interface__["data"][0] == x.__array_interface__["data"][0]
+                and out.strides == x.strides
+            )
+            if not in_place and np.may_share_memory(out, x):
+                raise BadVector(f"out for {self.me} overlaps the input without being it")
         own = self._own()
         assert self._u2 is not None
-        y = np.empty_like(x)
         masks: list[tuple[bytes, int]] = [(own.b, 1)]
         for j in sorted(self._u2 - {self.me}):
             seed = pairwise_mask_seed(
                 agree(own.s.private, self._adverts[j].s_pk), cfg.ctx, self.me, j
             )
             masks.append((seed, cfg.mask_sign(self.me, j)))
-        prg.add_masks(y, masks, base=x)
+        if out is None:
+            y = np.empty_like(x)
+            prg.add_masks(y, masks, base=x)
+        elif in_place:
+            y = out
+            prg.add_masks(y, masks)
+        else:
+            y = out
+            prg.add_masks(y, masks, base=x)
         self._masked = True
         return y
 

@@ -360,6 +360,76 @@ def test_bad_vectors_are_refused(bad: object, match: str) -> None:
     assert np.array_equal(a.finalize(h.total()), h.plain())
 
 
+@pytest.mark.parametrize("mode", ["in-place", "separate", "fresh"])
+def test_masked_input_into_out_equals_a_new_array(mode: str) -> None:
+    """``out=x`` masks in place, ``out=buf`` fills buf: both give exactly the new array's y."""
+    fresh, other = Harness(), Harness()
+    for h in (fresh, other):
+        h.advertise()
+        h.share()
+    x = other.inputs["org-2"].copy()
+    expected = fresh.peers["org-2"].masked_input(x)
+    assert np.array_equal(x, other.inputs["org-2"])  # a new array leaves x alone
+    peer = other.peers["org-2"]
+    if mode == "in-place":
+        y = peer.masked_input(x, out=x)
+        assert y is x
+    elif mode == "separate":
+        buf = np.full_like(x, 0xDEADBEEF)
+        y = peer.masked_input(x, out=buf)
+        assert y is buf and np.array_equal(x, other.inputs["org-2"])
+    else:
+        y = peer.masked_input(x, out=None)
+    assert np.array_equal(y, expected)
+
+
+@pytest.mark.parametrize(
+    ("make_out", "match"),
+    [
+        (lambda x: np.zeros(8, np.uint64), "length 8|dtype"),
+        (lambda x: np.zeros(7, np.uint32), "length 8"),
+        (lambda x: np.zeros(16, np.uint32)[::2], "contiguous"),
+        (lambda x: _read_only(np.zeros(8, np.uint32)), "writeable"),
+        (lambda x: np.concatenate([x, x])[1:9], None),  # a copy: allowed
+    ],
+    ids=["ring64", "length", "strided", "read-only", "copy"],
+)
+def test_masked_input_refuses_a_bad_out(
+    make_out: Callable[[np.ndarray], np.ndarray], match: str | None
+) -> None:
+    h = Harness()
+    h.advertise()
+    h.share()
+    a = h.peers["org-0"]
+    x = h.inputs["org-0"]
+    out = make_out(x)
+    if match is None:
+        assert np.array_equal(a.masked_input(x, out=out), out)
+        return
+    rejected(a, BadVector, match, lambda: a.masked_input(x, out=out))
+    h.mask()  # the refusal left org-0 able to mask
+    h.unmask()
+    h.exchange_unmask()
+    assert np.array_equal(a.finalize(h.total()), h.plain())
+
+
+def test_masked_input_refuses_an_out_overlapping_the_input() -> None:
+    h = Harness(length=8)
+    h.advertise()
+    h.share()
+    a = h.peers["org-0"]
+    backing = np.zeros(9, np.uint32)
+    backing[:8] = h.inputs["org-0"]
+    x, out = backing[:8], backing[1:9]
+    rejected(a, BadVector, "overlaps", lambda: a.masked_input(x, out=out))
+    assert np.array_equal(backing[:8], h.inputs["org-0"])  # untouched
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
 # --------------------------------------------------------------------------- unmask
 
 
