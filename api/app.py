@@ -21,6 +21,7 @@ from sqlalchemy import Engine
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api import dashboard
+from api.reads import Reads
 from api.routers import audit, checkpoints, datasets, federation, peers, policies, runs, tokens
 from api.routers import node as node_routes
 from api.security import AuthFailureLimiter, BodySizeLimit
@@ -97,9 +98,12 @@ def create_app(
     if run_migrations:
         migrate(engine)
 
+    reads = Reads(engine)
+
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         yield
+        reads.close()
         engine.dispose()
 
     app = FastAPI(
@@ -111,6 +115,7 @@ def create_app(
     )
     app.state.settings = settings
     app.state.engine = engine
+    app.state.reads = reads
     app.state.node = node
     app.state.auth_limiter = limiter or AuthFailureLimiter(
         settings.auth_failure_limit, settings.auth_failure_window_s

@@ -1,28 +1,36 @@
 """The API's dependencies as ``Annotated`` aliases.
 
-``SessionDep`` (a database session per request), ``CurrentPrincipal`` (the token's
-owner, or the one opaque 401), ``NodeDep`` (the running node's services),
-``SettingsDep``, ``PageDep`` (offset/limit) and ``IdempotencyKeyDep``. Routes declare the
-roles they admit with ``dependencies=[require_roles(...)]``.
+``SessionDep`` (a database session per request), ``ReadsDep`` (short reads for ``async``
+routes, :mod:`api.reads`), ``CurrentPrincipal`` (the token's owner, or the one opaque
+401), ``NodeDep`` (the running node's services), ``SettingsDep``, ``PageDep``
+(offset/limit) and ``IdempotencyKeyDep``. Routes declare the roles they admit with
+``dependencies=[require_roles(...)]``.
 
-Dependencies that never block are ``async def`` so that they run on the event loop;
-only those that touch the database run in the worker threads (one hop each).
+Every dependency is ``async def``, so none costs a hop to a worker thread by itself:
+the token is read with :class:`api.reads.Reads`, a session is made on the event loop and
+used by the (synchronous) route in its worker thread. Only the writes — a token's
+``last_used_at``, once a minute — and closing a session that still holds a connection
+go to a worker thread.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
+from functools import partial
 from typing import Annotated, Any
 
 from fastapi import Depends, Header, HTTPException, Query, Request, status
+from fastapi.concurrency import run_in_threadpool
+from sqlalchemy import Engine
 from sqlmodel import Session
 
+from api.reads import Reads
 from api.security import UNAUTHORIZED, AuthFailureLimiter, Principal, forbidden
 from api.settings import Settings
 from org_node.db.models import Role, utcnow
-from org_node.db.repo import find_token
+from org_node.db.repo import live_token, touch_token
 from org_node.services import NodeServices
 
 __all__ = [
@@ -31,6 +39,7 @@ __all__ = [
     "NodeDep",
     "Page",
     "PageDep",
+    "ReadsDep",
     "SessionDep",
     "SettingsDep",
     "require_roles",
@@ -39,9 +48,18 @@ __all__ = [
 _LAST_USED_GRANULARITY = timedelta(minutes=1)
 
 
-def get_session(request: Request) -> Iterator[Session]:
-    with Session(request.app.state.engine) as session:
+async def get_session(request: Request) -> AsyncIterator[Session]:
+    """A session for the request. Making one touches no database, so it is made on the
+    event loop; closing one that still holds a connection (a read left its transaction
+    open) returns that connection in a worker thread, one hop instead of two."""
+    session = Session(request.app.state.engine)
+    try:
         yield session
+    finally:
+        if session.in_transaction():
+            await run_in_threadpool(session.close)
+        else:
+            session.close()
 
 
 async def get_settings(request: Request) -> Settings:
@@ -54,17 +72,32 @@ async def get_node(request: Request) -> NodeServices:
     return node
 
 
+async def get_reads(request: Request) -> Reads:
+    reads: Reads = request.app.state.reads
+    return reads
+
+
 SessionDep = Annotated[Session, Depends(get_session)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 NodeDep = Annotated[NodeServices, Depends(get_node)]
+ReadsDep = Annotated[Reads, Depends(get_reads)]
 
 
 def _client(request: Request) -> str:
     return request.client.host if request.client else "-"
 
 
-def get_principal(request: Request, session: SessionDep) -> Principal:
-    """Authenticate the bearer token; every failure is the same 401."""
+def _touch(engine: Engine, token_id: int, when: datetime) -> None:
+    with engine.begin() as conn:
+        touch_token(conn, token_id, when)
+
+
+async def get_principal(request: Request) -> Principal:
+    """Authenticate the bearer token; every failure is the same 401.
+
+    The token is read with :class:`api.reads.Reads` (no session, no ORM object); its
+    ``last_used_at`` is written, in a worker thread, at most once a minute.
+    """
     limiter: AuthFailureLimiter = request.app.state.auth_limiter
     client = _client(request)
     wait = limiter.retry_after(client)
@@ -78,8 +111,9 @@ def get_principal(request: Request, session: SessionDep) -> Principal:
     scheme, _, presented = header.partition(" ")
     row = None
     if scheme.lower() == "bearer" and presented:
-        row = find_token(session, presented.strip())
-    if row is None or row.id is None:
+        reads: Reads = request.app.state.reads
+        row = await reads(partial(live_token, presented=presented.strip()))
+    if row is None:
         limiter.failure(client)
         raise UNAUTHORIZED
     now = utcnow()
@@ -87,10 +121,8 @@ def get_principal(request: Request, session: SessionDep) -> Principal:
     if last is not None and last.tzinfo is None:  # SQLite returns naive UTC datetimes
         last = last.replace(tzinfo=now.tzinfo)
     if last is None or now - last > _LAST_USED_GRANULARITY:
-        row.last_used_at = now
-        session.add(row)
-        session.commit()
-    return Principal(token_id=row.id, name=row.name, role=Role(row.role))
+        await run_in_threadpool(_touch, request.app.state.engine, row.id, now)
+    return Principal(token_id=row.id, name=row.name, role=row.role)
 
 
 CurrentPrincipal = Annotated[Principal, Depends(get_principal)]

@@ -3,7 +3,8 @@
 Tokens are ``fw_<key id>_<secret>``: the key id (12 hex digits) finds the row, and the
 SHA-256 of the whole token is compared in constant time with the stored hash. A token
 that names no row is compared against a dummy hash, so that an unknown key id and a
-wrong secret cost the same work (:func:`find_token`).
+wrong secret cost the same work (:func:`find_token`; :func:`live_token` is the same check
+on a plain connection, for the API's per-request path).
 
 Versioned rows (datasets, policies, runs) are changed by one conditional
 ``UPDATE ... WHERE id = :id AND version = :expected``: of two concurrent writers naming
@@ -26,10 +27,12 @@ import json
 import re
 import secrets
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Engine, func, update
+from sqlalchemy import Connection, Engine, bindparam, func, update
+from sqlalchemy import select as sa_select
 from sqlmodel import Session, SQLModel, select
 
 from org_node.db.engine import migrate
@@ -39,12 +42,15 @@ __all__ = [
     "GENESIS_HASH",
     "TOKEN_PATTERN",
     "AuditChainError",
+    "LiveToken",
     "append_audit_event",
     "audit_entry_hash",
     "create_token",
     "find_token",
     "hash_token",
     "init_database",
+    "live_token",
+    "touch_token",
     "update_versioned",
 ]
 
@@ -97,6 +103,46 @@ def find_token(session: Session, presented: str) -> ApiToken | None:
     if not ok or row is None or row.revoked_at is not None:
         return None
     return row
+
+
+@dataclass(frozen=True, slots=True)
+class LiveToken:
+    """What authenticating a request needs of a live token row (no hash, no ORM object)."""
+
+    id: int
+    name: str
+    role: Role
+    last_used_at: datetime | None
+
+
+_TOKEN = ApiToken.__table__  # type: ignore[attr-defined]
+_LIVE_TOKEN_BY_KEY = sa_select(
+    _TOKEN.c.id,
+    _TOKEN.c.name,
+    _TOKEN.c.role,
+    _TOKEN.c.token_hash,
+    _TOKEN.c.revoked_at,
+    _TOKEN.c.last_used_at,
+).where(_TOKEN.c.key_id == bindparam("key_id"))
+
+
+def live_token(conn: Connection, presented: str) -> LiveToken | None:
+    """:func:`find_token` on a plain connection, for the per-request hot path: one Core
+    ``SELECT`` by key id, the same hashing and constant-time comparison whether or not
+    the key id exists, and the few fields a request needs."""
+    match = TOKEN_PATTERN.fullmatch(presented)
+    key_id = match.group(1) if match else "-"
+    row = conn.execute(_LIVE_TOKEN_BY_KEY, {"key_id": key_id}).first()
+    expected = row.token_hash if row is not None else _DUMMY_HASH
+    ok = hmac.compare_digest(hash_token(presented), expected)
+    if not ok or row is None or row.revoked_at is not None:
+        return None
+    return LiveToken(id=row.id, name=row.name, role=Role(row.role), last_used_at=row.last_used_at)
+
+
+def touch_token(conn: Connection, token_id: int, when: datetime) -> None:
+    """Record ``when`` as the token's last use (the caller commits)."""
+    conn.execute(update(_TOKEN).where(_TOKEN.c.id == token_id).values(last_used_at=when))
 
 
 def update_versioned(
