@@ -15,8 +15,11 @@ Ed25519 key over ``b"fedweave/shardset/v1\\x00" + canonical JSON body``; only th
 manifest is signed, never the bulk data, whose integrity follows from the signed hashes.
 
 Cost: hashing is what costs next to the code itself, so shards are hashed with
-``hashlib.sha256`` on memoryviews (no copies) on a small thread pool, data shards while
-zfec computes the parity (both release the GIL), parity shards right after.
+``hashlib.sha256`` on memoryviews (no copies) on a small thread pool while zfec codes
+(both release the GIL): on encode the data shards while the first parity shard is
+computed and each parity shard while the next one is; on decode the k shards used while
+zfec rebuilds the missing data shards. The decoded object is not hashed again: every
+shard it comes from was checked against the manifest, which signs ``size`` too.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ __all__ = [
     "decode_shards_message",
     "encode_set",
     "encode_shards_message",
+    "hashing_threads",
     "merkle_root",
     "sha256_digest",
 ]
@@ -170,47 +174,48 @@ _POOL_LOCK = threading.Lock()
 _POOL: ThreadPoolExecutor | None = None
 
 
+def hashing_threads() -> int:
+    """Threads of the shard-hashing pool: one fewer than the CPUs this process may use
+    (the calling thread runs zfec meanwhile, and hashes too once it is done), 1 to 4."""
+    return max(1, min(4, _cpus() - 1))
+
+
 def _pool() -> ThreadPoolExecutor:
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:
-            workers = max(2, min(8, os.cpu_count() or 2))
+            workers = hashing_threads()
             _POOL = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fedweave-shard")
         return _POOL
 
 
-class _Hashers:
-    """Incremental SHA-256 of several shards, fed one stripe of each at a time.
+class _ShardHashes:
+    """SHA-256 of whole shards, on the pool while the caller codes (``parallel``) or inline.
 
-    With ``parallel``, the updates for one stripe run on the pool (hashlib releases the
-    GIL) while the caller computes the next stripe with zfec (which releases it too);
-    the next :meth:`feed` waits for them first, so each hash sees its stripes in order.
+    :meth:`add` queues a shard (on the pool, hashlib releases the GIL, as zfec does while
+    it codes); :meth:`digests` first hashes, in the caller's thread, every queued shard
+    no pool thread has started yet (from the last one back, the pool takes them from the
+    front), so that the caller never waits idle for work it could do itself.
     """
 
-    def __init__(self, count: int, parallel: bool) -> None:
-        self._hashes = [hashlib.sha256() for _ in range(count)]
+    def __init__(self, parallel: bool) -> None:
         self._parallel = parallel
-        self._pending: list[Future[None]] = []
+        self._jobs: dict[int, tuple[memoryview | bytes, Future[bytes] | None]] = {}
 
-    def _wait(self) -> None:
-        for future in self._pending:
-            future.result()
-        self._pending = []
+    def add(self, index: int, shard: memoryview | bytes) -> None:
+        future = _pool().submit(sha256_digest, shard) if self._parallel else None
+        self._jobs[index] = (shard, future)
 
-    def feed(self, pieces: Sequence[memoryview | bytes]) -> None:
-        self._wait()
-        if self._parallel:
-            pool = _pool()
-            self._pending = [
-                pool.submit(h.update, p) for h, p in zip(self._hashes, pieces, strict=True)
-            ]
-        else:
-            for h, p in zip(self._hashes, pieces, strict=True):
-                h.update(p)
-
-    def digests(self) -> list[bytes]:
-        self._wait()
-        return [h.digest() for h in self._hashes]
+    def digests(self) -> dict[int, bytes]:
+        done: dict[int, bytes] = {}
+        for index in reversed(self._jobs):
+            shard, future = self._jobs[index]
+            if future is None or future.cancel():
+                done[index] = sha256_digest(shard)
+        for index, (_, future) in self._jobs.items():
+            if index not in done and future is not None:
+                done[index] = future.result()
+        return done
 
 
 @dataclass(frozen=True)
@@ -239,11 +244,14 @@ def _cpus() -> int:
 class ErasureCodec:
     """zfec Reed-Solomon with per-shard SHA-256, for one :class:`CodeParams`.
 
-    Shards are coded and hashed in stripes of ``stripe_bytes`` per shard, so the bytes
-    zfec just read or wrote are hashed while they are still in the CPU cache.
-    ``parallel`` hashes each stripe on a thread pool while zfec codes the next one; by
-    default it is on when this process may use at least four CPUs (on fewer, the
-    threads only compete with zfec for the same cores and one pass is faster).
+    zfec codes whole shards (one call per parity shard, so each one is returned as it
+    is, never joined from pieces) and releases the GIL while it does; with ``parallel``
+    the shards are hashed on a thread pool meanwhile: the data shards while the first
+    parity shard is computed, each parity shard while the next one is. Only the last
+    parity shard's hash (on encode) is left after the coding. ``parallel`` is on by
+    default when this process may use at least two CPUs, and only for objects of at
+    least ``parallel_min_bytes`` (below that, handing work to a thread costs more than
+    it saves). Shards and hashes are the same either way.
     """
 
     def __init__(
@@ -251,13 +259,11 @@ class ErasureCodec:
         params: CodeParams,
         *,
         parallel: bool | None = None,
-        stripe_bytes: int = 256 << 10,
+        parallel_min_bytes: int = _PARALLEL_MIN_BYTES,
     ) -> None:
-        if stripe_bytes < 1:
-            raise ValueError("stripe_bytes must be positive")
         self.params = params
-        self.stripe_bytes = stripe_bytes
-        self.parallel = _cpus() >= 4 if parallel is None else parallel
+        self.parallel = _cpus() >= 2 if parallel is None else parallel
+        self.parallel_min_bytes = parallel_min_bytes
         self._encoder = zfec.Encoder(params.k, params.n)
         self._decoder = zfec.Decoder(params.k, params.n)
 
@@ -274,35 +280,35 @@ class ErasureCodec:
         for i in range(k):
             piece = data[i * shard : (i + 1) * shard]
             if len(piece) < shard:
-                piece = memoryview(bytes(piece) + bytes(shard - len(piece)))
+                padded = bytearray(shard)
+                padded[: len(piece)] = piece
+                piece = memoryview(padded)
             blocks.append(piece)
         return tuple(blocks)
 
-    def _stripes(self, shard_size: int) -> range:
-        return range(0, shard_size, self.stripe_bytes)
+    def _threads(self, total: int) -> bool:
+        return self.parallel and total >= self.parallel_min_bytes
 
     def encode(self, data: bytes | bytearray | memoryview) -> EncodedSet:
         """Cut ``data`` into k data shards, compute m parity shards, hash all of them."""
         view = memoryview(data).cast("B")
         blocks = self._blocks(view)
         k, n = self.params.k, self.params.n
-        shard_size = len(blocks[0])
-        hashers = _Hashers(n, self.parallel and len(view) >= _PARALLEL_MIN_BYTES)
-        wanted = tuple(range(k, n))
-        parts: list[list[bytes]] = [[] for _ in wanted]
-        for start in self._stripes(shard_size):
-            pieces = tuple(b[start : start + self.stripe_bytes] for b in blocks)
-            parity = self._encoder.encode(pieces, wanted) if wanted else []
-            for stripes, piece in zip(parts, parity, strict=True):
-                stripes.append(piece)
-            hashers.feed((*pieces, *parity))
-        joined = tuple(p[0] if len(p) == 1 else b"".join(p) for p in parts)
+        hashes = _ShardHashes(self._threads(len(view)))
+        for index, block in enumerate(blocks):
+            hashes.add(index, block)
+        parity: list[bytes] = []
+        for index in range(k, n):
+            (piece,) = self._encoder.encode(blocks, (index,))
+            parity.append(piece)
+            hashes.add(index, piece)
+        digests = hashes.digests()
         return EncodedSet(
             params=self.params,
             size=len(view),
-            shard_size=shard_size,
-            shards=blocks + joined,
-            hashes=tuple(hashers.digests()),
+            shard_size=len(blocks[0]),
+            shards=blocks + tuple(parity),
+            hashes=tuple(digests[i] for i in range(n)),
         )
 
     def decode(
@@ -313,10 +319,10 @@ class ErasureCodec:
     ) -> bytes:
         """Rebuild the object from any k shards (``index -> bytes``).
 
-        With ``hashes`` (the manifest's), every shard used is checked against its hash;
-        a corrupt shard is set aside and another one used instead, concurrently with the
-        decoding itself. Raises :class:`NotEnoughShards` when fewer than k intact shards
-        are given.
+        With ``hashes`` (the manifest's), every shard used is checked against its hash
+        (on the pool while zfec decodes, with ``parallel``) before anything is returned;
+        a corrupt shard is set aside and another one used instead. Raises
+        :class:`NotEnoughShards` when fewer than k intact shards are given.
         """
         k, n = self.params.k, self.params.n
         if hashes is not None and len(hashes) != n:
@@ -339,32 +345,17 @@ class ErasureCodec:
                 missing = [i for i in range(n) if i not in available or i in corrupt]
                 raise NotEnoughShards(k, len(chosen), missing, corrupt=corrupt)
             views = [available[i] for i in chosen]
-            parallel = self.parallel and k * shard_size >= _PARALLEL_MIN_BYTES
-            hashers = _Hashers(k, parallel)
+            checks = _ShardHashes(self._threads(k * shard_size))
+            if hashes is not None:
+                for index, view in zip(chosen, views, strict=True):
+                    checks.add(index, view)
             if chosen == list(range(k)):
-                pieces: list[memoryview | bytes] = list(views)
-                if hashes is not None:
-                    hashers.feed(views)
+                pieces: Sequence[memoryview | bytes] = views
             else:
-                per_block: list[list[memoryview | bytes]] = [[] for _ in range(k)]
-                for start in self._stripes(shard_size):
-                    stripe = tuple(v[start : start + self.stripe_bytes] for v in views)
-                    if hashes is not None:
-                        hashers.feed(stripe)
-                    # zfec reorders the sequence it is given in place: hash it first.
-                    decoded = self._decoder.decode(stripe, tuple(chosen))
-                    for block, piece in zip(per_block, decoded, strict=True):
-                        block.append(piece)
-                pieces = [piece for block in per_block for piece in block]
-            bad = (
-                [
-                    index
-                    for index, digest in zip(chosen, hashers.digests(), strict=True)
-                    if digest != hashes[index]
-                ]
-                if hashes is not None
-                else []
-            )
+                # zfec reorders the lists it is given in place: give it copies.
+                pieces = self._decoder.decode(list(views), list(chosen))
+            digests = checks.digests()
+            bad = [i for i in chosen if hashes is not None and digests[i] != hashes[i]]
             if not bad:
                 return _join(pieces, size)
             corrupt.extend(bad)

@@ -6,11 +6,13 @@ import hashlib
 import itertools
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 import zfec
+from coordinator_free import erasure
 from coordinator_free.erasure import (
     CodeParams,
     CorruptShard,
@@ -295,18 +297,49 @@ def test_fixed_vectors() -> None:
 @given(
     params=params_strategy,
     data=st.binary(min_size=0, max_size=500),
-    stripe=st.integers(1, 64),
-    parallel=st.booleans(),
     pick=st.randoms(),
+    flip=st.integers(0, 10_000),
 )
-def test_striped_coding_equals_whole_shard_coding(
-    params: CodeParams, data: bytes, stripe: int, parallel: bool, pick: Any
+def test_threaded_hashing_equals_sequential_and_catches_corruption(
+    params: CodeParams, data: bytes, pick: Any, flip: int
 ) -> None:
-    whole = ErasureCodec(params, stripe_bytes=1 << 30, parallel=False).encode(data)
-    striped = ErasureCodec(params, stripe_bytes=stripe, parallel=parallel)
-    encoded = striped.encode(data)
-    assert [bytes(s) for s in encoded.shards] == [bytes(s) for s in whole.shards]
-    assert encoded.hashes == whole.hashes
+    sequential = ErasureCodec(params, parallel=False).encode(data)
+    threaded = ErasureCodec(params, parallel=True, parallel_min_bytes=0)
+    encoded = threaded.encode(data)
+    assert [bytes(s) for s in encoded.shards] == [bytes(s) for s in sequential.shards]
+    assert encoded.hashes == sequential.hashes
+    assert encoded.hashes == tuple(hashlib.sha256(bytes(s)).digest() for s in encoded.shards)
     subset = pick.sample(range(params.n), params.k)
     shards = {i: encoded.shards[i] for i in subset}
-    assert striped.decode(shards, len(data), encoded.hashes) == data
+    assert threaded.decode(shards, len(data), encoded.hashes) == data
+    # one flipped byte in a used shard: caught on the threaded path too
+    victim = subset[flip % params.k]
+    broken = bytearray(encoded.shards[victim])
+    broken[flip % len(broken)] ^= 0x01
+    damaged = shards | {victim: bytes(broken)}
+    if params.m == 0:
+        with pytest.raises(NotEnoughShards) as info:
+            threaded.decode(damaged, len(data), encoded.hashes)
+        assert info.value.corrupt == (victim,)
+    else:
+        spare = next(i for i in range(params.n) if i not in subset)
+        damaged[spare] = encoded.shards[spare]
+        assert threaded.decode(damaged, len(data), encoded.hashes) == data
+
+
+@pytest.mark.timeout(30)
+def test_the_caller_hashes_shards_no_pool_thread_has_started() -> None:
+    """With every pool thread busy elsewhere, encode and decode finish on their own."""
+    pool = erasure._pool()
+    release = threading.Event()
+    blockers = [pool.submit(release.wait) for _ in range(pool._max_workers)]
+    try:
+        data = os.urandom(3 << 20)
+        codec = ErasureCodec(CodeParams(4, 2), parallel=True)
+        encoded = codec.encode(data)
+        assert encoded.hashes == tuple(hashlib.sha256(bytes(s)).digest() for s in encoded.shards)
+        shards = {i: encoded.shards[i] for i in (0, 3, 4, 5)}
+        assert codec.decode(shards, len(data), encoded.hashes) == data
+        assert not any(b.done() for b in blockers)
+    finally:
+        release.set()
