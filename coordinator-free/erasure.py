@@ -16,8 +16,8 @@ manifest is signed, never the bulk data, whose integrity follows from the signed
 
 Cost: hashing is what costs next to the code itself, so shards are hashed with
 ``hashlib.sha256`` on memoryviews (no copies) on a small thread pool while zfec codes
-(both release the GIL): on encode the data shards while the first parity shard is
-computed and each parity shard while the next one is; on decode the k shards used while
+(both release the GIL): on encode the data shards while zfec computes the first parity
+shards and those while it computes the next ones; on decode the k shards used while
 zfec rebuilds the missing data shards. The decoded object is not hashed again: every
 shard it comes from was checked against the manifest, which signs ``size`` too.
 """
@@ -244,11 +244,11 @@ def _cpus() -> int:
 class ErasureCodec:
     """zfec Reed-Solomon with per-shard SHA-256, for one :class:`CodeParams`.
 
-    zfec codes whole shards (one call per parity shard, so each one is returned as it
-    is, never joined from pieces) and releases the GIL while it does; with ``parallel``
-    the shards are hashed on a thread pool meanwhile: the data shards while the first
-    parity shard is computed, each parity shard while the next one is. Only the last
-    parity shard's hash (on encode) is left after the coding. ``parallel`` is on by
+    zfec codes whole shards (so each parity shard is returned as it is, never joined
+    from pieces) in a few calls (:func:`_parity_groups`), releasing the GIL while it
+    does; with ``parallel`` the shards are hashed on a thread pool meanwhile: the data
+    shards during the first call, each call's parity shards during the next one. Only
+    the last parity shard's hash (on encode) is left after the coding. ``parallel`` is on by
     default when this process may use at least two CPUs, and only for objects of at
     least ``parallel_min_bytes`` (below that, handing work to a thread costs more than
     it saves). Shards and hashes are the same either way.
@@ -298,10 +298,10 @@ class ErasureCodec:
         for index, block in enumerate(blocks):
             hashes.add(index, block)
         parity: list[bytes] = []
-        for index in range(k, n):
-            (piece,) = self._encoder.encode(blocks, (index,))
-            parity.append(piece)
-            hashes.add(index, piece)
+        for group in _parity_groups(k, n):
+            for index, piece in zip(group, self._encoder.encode(blocks, group), strict=True):
+                parity.append(piece)
+                hashes.add(index, piece)
         digests = hashes.digests()
         return EncodedSet(
             params=self.params,
@@ -368,6 +368,24 @@ class ErasureCodec:
         data = self.decode(shards, size)
         encoded = self.encode(data)
         return {i: bytes(encoded.shards[i]) for i in wanted}
+
+
+def _parity_groups(k: int, n: int) -> list[tuple[int, ...]]:
+    """The parity shards ``k .. n-1`` in the groups zfec computes them in, one call each.
+
+    One call for all reads the data shards once (zfec walks them in 8 KiB strides for
+    every output), but nothing can be hashed before it returns. So the last group is one
+    shard (its hash is all that is left after the coding), the one before it up to ``k``
+    shards (hashing them costs about what zfec spends on one parity shard of ``k``
+    inputs), the one before that up to ``k**2``, and so on; the first takes the rest.
+    """
+    groups: list[tuple[int, ...]] = []
+    end, size = n, 1
+    while end > k:
+        start = max(k, end - size)
+        groups.append(tuple(range(start, end)))
+        end, size = start, size * k
+    return groups[::-1]
 
 
 def _join(blocks: Sequence[memoryview | bytes], size: int) -> bytes:

@@ -343,3 +343,12 @@ def test_the_caller_hashes_shards_no_pool_thread_has_started() -> None:
         assert not any(b.done() for b in blockers)
     finally:
         release.set()
+
+
+@pytest.mark.parametrize(("k", "m"), [(1, 0), (1, 4), (2, 10), (3, 2), (4, 2), (4, 6), (16, 240)])
+def test_parity_groups_cover_each_parity_shard_once_the_last_alone(k: int, m: int) -> None:
+    groups = erasure._parity_groups(k, k + m)
+    assert [i for g in groups for i in g] == list(range(k, k + m))
+    if m:
+        assert len(groups[-1]) == 1
+        assert all(len(a) <= k * len(b) for a, b in itertools.pairwise(groups))
