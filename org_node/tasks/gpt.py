@@ -26,7 +26,13 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+)
 
 from org_node.tasks import Task, TaskData
 
@@ -39,6 +45,7 @@ __all__ = [
     "decode",
     "encode",
     "task",
+    "task_large",
     "task_wide",
 ]
 
@@ -158,6 +165,13 @@ class CharGPT(nn.Module):
         plan: dict[str, ParallelStyle] = {}
         for name in self.blocks:
             prefix = f"blocks.{name}"
+            # q, k and v read one replicated DTensor: their input gradients (partial sums)
+            # add up first, so the backward needs one all-reduce for the three, not three.
+            plan[f"{prefix}.attn"] = PrepareModuleInput(
+                input_layouts=(Replicate(),),
+                desired_input_layouts=(Replicate(),),
+                use_local_output=False,
+            )
             for col in ("attn.q", "attn.k", "attn.v", "mlp.fc"):
                 plan[f"{prefix}.{col}"] = ColwiseParallel()
             for row in ("attn.proj", "mlp.proj"):
@@ -242,6 +256,20 @@ def task_wide() -> Task:
         name="gpt-wide",
         build_model=lambda seed: build_model(seed, WIDE),
         build_data=lambda: build_data(WIDE.block_size),
+        loss=lm_loss,
+        metrics=lm_metrics,
+    )
+
+
+LARGE = GPTConfig(n_layers=4, d_model=1024, n_heads=16, block_size=64)
+
+
+def task_large() -> Task:
+    """The regime tensor and pipeline parallelism are for: d_model 768 (28M parameters)."""
+    return Task(
+        name="gpt-large",
+        build_model=lambda seed: build_model(seed, LARGE),
+        build_data=lambda: build_data(LARGE.block_size),
         loss=lm_loss,
         metrics=lm_metrics,
     )

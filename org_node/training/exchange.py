@@ -80,7 +80,9 @@ class LocalResult:
     num_examples: training examples processed (steps x global batch), the update's weight.
     steps: optimizer steps taken.
     metrics: floats such as ``train_loss``, ``eval_loss``, ``eval_accuracy``,
-        ``samples_per_s``, ``partition_size``, ``resumed_from_step``.
+        ``samples_per_s`` (mean after the first step), ``samples_per_s_median`` (from the
+        median step time), ``cpu_s_per_step`` (CPU seconds of all ranks together per
+        timed step), ``partition_size``, ``resumed_from_step``.
     losses: the mean training loss of every step, in order.
     """
 

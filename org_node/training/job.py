@@ -111,7 +111,9 @@ def _optimizer(spec: LocalJobSpec, model: torch.nn.Module) -> torch.optim.Optimi
         return torch.optim.SGD(
             params, lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay
         )
-    return torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay)
+    # The fused kernel updates each tensor in one pass (CPU and CUDA, plain and DTensor
+    # parameters alike), where the default loops over several elementwise ops.
+    return torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay, fused=True)
 
 
 def _forward_backward(
@@ -144,6 +146,15 @@ def _agree(
     if distributed:
         dist.all_reduce(vec)
     return float(vec[0] / vec[1]), bool(vec[2] > 0)
+
+
+def _sum_over_ranks(value: float, device: torch.device, env: DistEnv) -> float:
+    """``value`` summed over all ranks; collective."""
+    if not env.distributed:
+        return value
+    vec = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(vec)
+    return float(vec[0])
 
 
 def _full_state(
@@ -220,7 +231,10 @@ def train(
     fault_step = os.environ.get(FAULT_KILL_AT_STEP_ENV)
     t_begin = time.monotonic()
     t_warm: float | None = None
+    cpu_warm = 0.0
     warm_step = step
+    step_times: list[float] = []
+    t_prev = t_begin
     while spec.local_steps is None or step < spec.local_steps:
         sel = batch_indices(spec.seed, step, len(xs), spec.batch_size)
         sel = sel[dp_rank * per_rank : (dp_rank + 1) * per_rank]
@@ -237,8 +251,12 @@ def train(
         over = spec.time_budget_s is not None and elapsed >= spec.time_budget_s
         mean_loss, stop = _agree(loss, over, device, env.distributed)
         trainer.losses.append(mean_loss)
+        t_now = time.monotonic()
         if t_warm is None:  # the first step pays for lazy initialization; time the rest
-            t_warm, warm_step = time.monotonic(), step
+            t_warm, warm_step, cpu_warm = t_now, step, time.process_time()
+        else:  # _agree is collective, so every rank ends the step at about the same time
+            step_times.append(t_now - t_prev)
+        t_prev = t_now
         if ckpt.due(step):
             ckpt.save(step)
         if fault_step is not None and env.rank == 0 and int(fault_step) == step:
@@ -246,6 +264,9 @@ def train(
         if stop:
             break
     t_end = time.monotonic()
+    cpu_s = _sum_over_ranks(
+        time.process_time() - cpu_warm if t_warm is not None else 0.0, device, env
+    )
 
     new_state = _full_state(pm, dims, env, run_dir)
     if new_state is None:
@@ -260,6 +281,11 @@ def train(
     metrics = {
         "train_loss": trainer.losses[-1] if trainer.losses else float("nan"),
         "samples_per_s": samples_per_s,
+        # the median step: robust to a few steps slowed by other load on the host
+        "samples_per_s_median": (
+            spec.batch_size / float(np.median(step_times)) if step_times else samples_per_s
+        ),
+        "cpu_s_per_step": cpu_s / timed_steps if timed_steps > 0 else float("nan"),
         "partition_size": float(len(xs)),
         "resumed_from_step": float(start),
         "world_size": float(env.world_size),

@@ -14,7 +14,9 @@ on each of the N hosts run::
         --rdzv-endpoint HEAD:29400 --rdzv-id ROUND_ID
 
 Each host starts ``world_size / N`` ranks; the spec's degrees must fill the whole world,
-and with ``device="cuda"`` each host needs that many GPUs. Kubernetes' PyTorchJob and
+and with ``device="cuda"`` each host needs that many GPUs. Unless the environment
+sets ``OMP_NUM_THREADS``, each rank gets an even share of the host's cores
+(:func:`threads_per_rank`), the same for every layout. Kubernetes' PyTorchJob and
 Slurm ``srun torchrun ...`` set the same flags. Rank 0 writes the result.
 """
 
@@ -36,7 +38,14 @@ from org_node.training import exchange
 from org_node.training.errors import JobFailedError, SpecError
 from org_node.training.spec import LocalJobSpec
 
-__all__ = ["LaunchConfig", "free_port", "launch_job", "main", "torchrun_command"]
+__all__ = [
+    "LaunchConfig",
+    "free_port",
+    "launch_job",
+    "main",
+    "threads_per_rank",
+    "torchrun_command",
+]
 
 _PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -99,11 +108,21 @@ def torchrun_command(spec: LocalJobSpec, run_dir: Path, config: LaunchConfig) ->
     return cmd
 
 
-def _child_env(extra: dict[str, str] | None) -> dict[str, str]:
+def threads_per_rank(ranks_on_host: int) -> int:
+    """Intra-op threads for each of this host's ranks: its usable cores shared evenly.
+
+    More threads than cores make the ranks' threads preempt one another (and spin in
+    OpenMP barriers); one per rank is the floor, even when ranks outnumber cores.
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // max(1, ranks_on_host))
+
+
+def _child_env(extra: dict[str, str] | None, ranks_on_host: int) -> dict[str, str]:
     env = dict(os.environ)
     path = env.get("PYTHONPATH")
     env["PYTHONPATH"] = f"{_PROJECT_ROOT}{os.pathsep}{path}" if path else str(_PROJECT_ROOT)
-    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(ranks_on_host)))
     env.update(extra or {})
     return env
 
@@ -124,7 +143,11 @@ def launch_job(
     log = run_dir / "job.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env=_child_env(env), start_new_session=True
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=_child_env(env, spec.world_size // config.nnodes),
+            start_new_session=True,
         )
         try:
             code = proc.wait(timeout=config.timeout_s)

@@ -9,9 +9,10 @@ pipeline schedule. Each ``apply_*`` takes a mesh and plain values, not the whole
 - :func:`apply_tp`: ``parallelize_module`` with the model's ``tensor_parallel_plan``.
 - :func:`apply_fsdp`: ``fully_shard`` on each of the model's ``fsdp_units`` then the
   root, over the ``dp_shard`` axis or, with replicas too, the 2-D HSDP mesh
-  ``("dp_replicate", "dp_shard")``.
+  ``("dp_replicate", "dp_shard")``; parameters stay gathered from forward to backward
+  when :func:`reshard_after_forward` says so.
 - :func:`apply_ddp`: ``DistributedDataParallel`` when replication is the only parallelism.
-- :func:`build_schedule`: a ``PipelineStage`` on the ``pp`` axis and a GPipe schedule.
+- :func:`build_schedule`: a ``PipelineStage`` on the ``pp`` axis and a 1F1B schedule.
 
 No collective is written by hand: gradients move by FSDP2, DDP, DTensor and the pipeline
 schedule.
@@ -26,7 +27,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.parallel import DistributedDataParallel
@@ -44,6 +45,7 @@ __all__ = [
     "build_schedule",
     "check_supported",
     "parallelize",
+    "reshard_after_forward",
 ]
 
 
@@ -91,6 +93,18 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     parallelize_module(model, tp_mesh, model.tensor_parallel_plan())
 
 
+def reshard_after_forward(dims: ParallelDims) -> bool:
+    """Whether FSDP2 frees each unit's gathered parameters after its forward.
+
+    Freeing them (ZeRO-3) costs a second all-gather per unit in the backward, to save
+    ``1 - 1/dp_shard`` of the parameter memory. Kept gathered (ZeRO-2) under
+    pipelining, where every microbatch would re-gather (as torchtitan), and at
+    ``dp_shard <= 2``, where the saving is at most half the parameters (a rank then holds
+    no more than DDP's full replica would) and the second all-gather is pure cost.
+    """
+    return not dims.pp_enabled and dims.dp_shard > 2
+
+
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, reshard_after_forward: bool) -> None:
     """FSDP2: shard each unit the model names, then the root."""
     units: Callable[[], list[nn.Module]] | None = getattr(model, "fsdp_units", None)
@@ -102,7 +116,13 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, reshard_after_forward: 
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: torch.device) -> nn.Module:
     """Plain data parallelism: gradients all-reduced over the ``dp_replicate`` axis."""
     device_ids = [device.index] if device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids, process_group=dp_mesh.get_group())
+    # Gradients live in the all-reduce buckets: no copy into and out of them.
+    return DistributedDataParallel(
+        model,
+        device_ids=device_ids,
+        process_group=dp_mesh.get_group(),
+        gradient_as_bucket_view=True,
+    )
 
 
 def build_schedule(
@@ -114,13 +134,18 @@ def build_schedule(
     microbatches: int,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> PipelineScheduleSingle:
-    """GPipe (Huang et al. 2019): all microbatches forward, then all backward.
+    """1F1B (PipeDream-Flush, Narayanan et al. 2021): after ``num_stages`` forwards, each
+    stage alternates one forward and one backward.
+
+    The bubble is GPipe's, ``(p - 1) / (m + p - 1)`` of a step, but a stage holds the
+    activations of at most ``p`` microbatches instead of all ``m``. FSDP2 reduce-scatters
+    a stage's gradients once per step, after its last microbatch's backward.
 
     Gradients are scaled by ``1 / microbatches``, so a mean loss per microbatch gives the
     gradient of the whole batch's mean loss.
     """
     stage = PipelineStage(stage_module, stage_index, num_stages, device, group=pp_mesh.get_group())
-    return ScheduleGPipe(stage, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
+    return Schedule1F1B(stage, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
 
 
 def parallelize(
@@ -151,8 +176,7 @@ def parallelize(
             dp_mesh = mesh["dp_shard"]
         else:
             dp_mesh = mesh["dp_replicate"]
-        # Under pipelining, keep parameters gathered between microbatches (as torchtitan).
-        apply_fsdp(model, dp_mesh, reshard_after_forward=not dims.pp_enabled)
+        apply_fsdp(model, dp_mesh, reshard_after_forward=reshard_after_forward(dims))
     schedule = None
     if dims.pp_enabled:
         schedule = build_schedule(

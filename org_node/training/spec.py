@@ -29,7 +29,7 @@ class LocalJobSpec:
         replicate axis of HSDP).
     dp_shard: data-parallel shards (FSDP2 ``fully_shard``).
     tp: tensor-parallel degree (DTensor ``parallelize_module``).
-    pp: pipeline-parallel stages (``torch.distributed.pipelining``, GPipe schedule).
+    pp: pipeline-parallel stages (``torch.distributed.pipelining``, 1F1B schedule).
     local_steps: optimizer steps to run; None to run on ``time_budget_s`` alone.
     time_budget_s: stop after this many seconds of training (checked after each step);
         None for no limit. At least one of the two limits must be set.

@@ -100,7 +100,7 @@ def test_gpt_supports_tensor_and_pipeline_parallelism() -> None:
     assert isinstance(model, TensorParallelModel) and isinstance(model, PipelineModel)
     names = dict(model.named_modules())
     plan = model.tensor_parallel_plan()
-    assert len(plan) == 3 * 6 and all(fqn in names for fqn in plan)
+    assert len(plan) == 3 * 7 and all(fqn in names for fqn in plan)
     assert not isinstance(load_task("tabular").build_model(0), TensorParallelModel)
 
 
