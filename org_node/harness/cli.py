@@ -38,7 +38,11 @@ def harness(
     ] = None,
     wipe: Annotated[
         list[str] | None,
-        typer.Option("--wipe", help="ORG@ROUND: wipe its disk after ROUND, recover, restart."),
+        typer.Option(
+            "--wipe",
+            help="ORG@ROUND[:hold]: wipe its disk after ROUND, recover, restart "
+            "(:hold: the others pause meanwhile, so that it trains again).",
+        ),
     ] = None,
     delay_ms: Annotated[
         int, typer.Option("--delay-ms", help="Added latency between nodes, in ms.")

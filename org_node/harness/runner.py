@@ -501,24 +501,128 @@ def _inject_kill(procs: _Processes, obs: Observation, kill: Kill) -> None:
     )
 
 
-def _inject_wipe(procs: _Processes, obs: Observation, wipe: Wipe) -> None:
-    """kill -9, wipe the data directory, ``fedweave recover``, restart; record the outcome."""
+def _run_action(node: NodeProcess, action: str) -> bool:
+    """``POST /v1/runs/{id}/<action>`` at ``node`` (``pause`` or ``resume``); whether it took."""
+    with contextlib.suppress(httpx.HTTPError), node.client(timeout=10.0) as c:
+        return c.post(f"/v1/runs/{node.run_id}/{action}", json={}).is_success
+    return False
+
+
+def _pause_all(obs: Observation) -> list[NodeProcess]:
+    """Pause the run at every live org whose run is still going; those paused."""
+    paused = []
+    for node in obs.nodes.values():
+        _poll(node)
+        if node.down or node.state in _TERMINAL:
+            continue
+        if _run_action(node, "pause"):
+            paused.append(node)
+    return paused
+
+
+def _pause_due(obs: Observation, wipe: Wipe) -> bool:
+    """Time to pause everyone for a held wipe: the org's update of round ``wipe.round``
+    is in the secure sum (every org is inside that round, so each one finishes it and
+    stops before the next), or the org already finished that round."""
+    node = obs.nodes[wipe.org]
+    return _export_file(obs, wipe.org, wipe.round - 1).exists() or (
+        node.state == "running" and node.round >= wipe.round
+    )
+
+
+def _paused_between_rounds(nodes: list[NodeProcess], wipe: Wipe) -> bool:
+    """Whether every paused org finished the same round, ``wipe.round`` or later."""
+    for node in nodes:
+        _poll(node)
+    rounds = {node.round for node in nodes}
+    return len(rounds) == 1 and min(rounds) >= wipe.round
+
+
+def _alive_seen(node: NodeProcess) -> set[str]:
+    """The orgs ``node``'s membership view has alive now (empty if it does not answer)."""
+    with contextlib.suppress(httpx.HTTPError, ValueError, KeyError), node.client(5.0) as c:
+        peers = c.get("/v1/peers").json()["data"]
+        return {str(p["org_id"]) for p in peers if p["status"] == "alive"}
+    return set()
+
+
+def _converged(nodes: list[NodeProcess]) -> bool:
+    """Whether each of ``nodes`` sees every other one alive."""
+    names = {n.org for n in nodes}
+    return all(names - {n.org} <= _alive_seen(n) for n in nodes)
+
+
+def _wait_converged(nodes: list[NodeProcess], timeout: float = 60.0) -> bool:
+    """Wait until each node sees every other one alive (a round started before that may
+    leave out an org whose view lags); whether they did within ``timeout``."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if _converged(nodes):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _engine_round(obs: Observation, node: NodeProcess) -> int:
+    """Rounds done by ``node``'s engine, from its state file (-1 if unreadable)."""
+    from org_node.engine import STATE_FILE, EngineError, EngineState
+
+    try:
+        data = (node.data_dir / "runs" / obs.run_key / STATE_FILE).read_bytes()
+        return EngineState.from_bytes(data).round
+    except (OSError, EngineError):
+        return -1
+
+
+def _release(
+    obs: Observation, held: list[NodeProcess], node: NodeProcess, record: dict[str, Any]
+) -> None:
+    """Resume the run at the ``held`` orgs once the restarted ``node`` has caught up with
+    the round they are at and all of them see each other alive (90 s at most; at once
+    if the node did not come back)."""
+    if not node.down and node.run_id:
+        end = time.monotonic() + 90
+        while time.monotonic() < end:
+            for other in held:
+                _poll(other)
+            at = max((other.round for other in held), default=0)
+            if _engine_round(obs, node) >= at and _converged([*held, node]):
+                record["caught_up_before_resume"] = True
+                break
+            time.sleep(0.2)
+        else:
+            record["caught_up_before_resume"] = False
+    record["resumed_by"] = sorted(n.org for n in held if _run_action(n, "resume"))
+
+
+def _inject_wipe(
+    procs: _Processes, obs: Observation, wipe: Wipe, paused: list[NodeProcess] | None = None
+) -> None:
+    """kill -9, wipe the data directory, ``fedweave recover``, restart; record the outcome.
+
+    ``paused``: for a held wipe, the orgs whose run was paused before it (the wiped one
+    among them); the others resume once the org is back (see
+    :mod:`org_node.harness.scenario`).
+    """
     node = obs.nodes[wipe.org]
     out = obs.out
     assert node.proc is not None
     procs.kill9(node.proc)
     node.down = True
     done = node.round
-    obs.faults.append(
-        {
-            "kind": "wipe",
-            "org": wipe.org,
-            "round": wipe.round,
-            "signal": "SIGKILL",
-            "rounds_done_at_wipe": done,
-            "at_s": round(time.monotonic() - obs.t0, 2),
-        }
-    )
+    fault: dict[str, Any] = {
+        "kind": "wipe",
+        "org": wipe.org,
+        "round": wipe.round,
+        "signal": "SIGKILL",
+        "rounds_done_at_wipe": done,
+        "at_s": round(time.monotonic() - obs.t0, 2),
+    }
+    obs.faults.append(fault)
+    held = [n for n in paused or [] if n.org != wipe.org]
+    if paused is not None:
+        fault["held_by"] = sorted(n.org for n in held)
+        fault["held_at_round"] = max((n.round for n in held), default=done)
     # the updates it exported so far are in sums already: keep them as they were
     kept = out / "wiped-exports" / wipe.org
     source = obs.export_dir / wipe.org
@@ -532,6 +636,22 @@ def _inject_wipe(procs: _Processes, obs: Observation, wipe: Wipe) -> None:
     shutil.copyfile(obs.nodes[peer].data_dir / "federation" / "chain.json", chain)
     record: dict[str, Any] = {"org": wipe.org, "after_round": wipe.round, "chain_from": peer}
     obs.recoveries.append(record)
+    try:
+        _recover_and_restart(procs, obs, node, wipe, chain, record)
+    finally:
+        if held:
+            _release(obs, held, node, record)
+
+
+def _recover_and_restart(
+    procs: _Processes,
+    obs: Observation,
+    node: NodeProcess,
+    wipe: Wipe,
+    chain: Path,
+    record: dict[str, Any],
+) -> None:
+    out = obs.out
     log = out / "logs" / f"{wipe.org}-recover.log"
     proc = procs.popen(
         _cli(
@@ -604,6 +724,7 @@ def _follow(
     s = obs.scenario
     kills = list(s.kills)
     wipes = list(s.wipes)
+    holds: dict[Wipe, tuple[float, list[NodeProcess]]] = {}
     end = time.monotonic() + timeout
     try:
         while True:
@@ -617,7 +738,17 @@ def _follow(
                     kills.remove(kill)
             for wipe in list(wipes):
                 node = obs.nodes[wipe.org]
-                if node.state == "running" and node.round >= wipe.round:
+                if wipe.hold:
+                    if wipe not in holds:
+                        if _pause_due(obs, wipe):
+                            holds[wipe] = (time.monotonic(), _pause_all(obs))
+                        continue
+                    since, paused = holds[wipe]
+                    if not _paused_between_rounds(paused, wipe) and time.monotonic() < since + 120:
+                        continue
+                    _inject_wipe(procs, obs, wipe, paused)
+                    wipes.remove(wipe)
+                elif node.state == "running" and node.round >= wipe.round:
                     _inject_wipe(procs, obs, wipe)
                     wipes.remove(wipe)
             if progress is not None:
@@ -683,6 +814,7 @@ def run_harness(
                 on_started(obs, procs.pids)
             _propose_and_accept(obs)
             _listen(obs, stop)
+            _wait_converged(list(obs.nodes.values()))
             _start_run(obs)
             _follow(procs, obs, limit, progress, stop)
             _collect_metrics(obs)

@@ -7,9 +7,15 @@ aggregation backend, the strategy, and the faults to inject:
   (1-based) at ``STAGE`` — ``train`` (as soon as the org starts the round) or
   ``reduce`` (as soon as its update is packed and enters the secure sum, observed
   through the harness-only debug export). The org stays down for the rest of the run.
-* ``--wipe ORG@ROUND``: once the org has finished round ``ROUND``, ``kill -9`` it,
-  delete its data directory, rebuild it with ``fedweave recover`` from its offline
-  backup and a peer's manifest chain, and start it again; it rejoins the run.
+* ``--wipe ORG@ROUND[:hold]``: once the org has finished round ``ROUND``, ``kill -9``
+  it, delete its data directory, rebuild it with ``fedweave recover`` from its offline
+  backup and a peer's manifest chain, and start it again; it rejoins the run. With
+  ``:hold`` every org's operator pauses the run (``POST /v1/runs/{id}/pause``, which
+  acts between rounds) while round ``ROUND`` is in its secure sum, so that the round
+  ends with everyone and none is in flight when the org is wiped; the others resume
+  once the org is back with that round's state and all of them see each other alive,
+  so that every later round has it again (without ``:hold`` the others go on, and may
+  finish the run before the org is back).
 * ``--delay-ms D``: every byte between two nodes' peer ports passes a loopback proxy
   that holds it ``D`` ms.
 
@@ -84,13 +90,18 @@ class Kill:
 
 @dataclass(frozen=True)
 class Wipe:
-    """After ``org`` finished round ``round``: kill, wipe, ``fedweave recover``, restart."""
+    """After ``org`` finished round ``round``: kill, wipe, ``fedweave recover``, restart.
+
+    ``hold``: every org pauses the run after round ``round``, the others resume it once
+    the org is back, so that it takes part in every round after its recovery.
+    """
 
     org: str
     round: int
+    hold: bool = False
 
     def __str__(self) -> str:
-        return f"{self.org}@{self.round}"
+        return f"{self.org}@{self.round}" + (":hold" if self.hold else "")
 
 
 def _round(text: str, what: str) -> int:
@@ -113,11 +124,12 @@ def parse_kill(text: str) -> Kill:
 
 
 def parse_wipe(text: str) -> Wipe:
-    """``ORG@ROUND``."""
+    """``ORG@ROUND[:hold]``."""
     m = _FAULT.match(text.strip())
-    if m is None or m.group("stage") is not None:
-        raise ScenarioError(f"--wipe {text!r}: expected ORG@ROUND, e.g. org3@2")
-    return Wipe(m.group("org"), _round(m.group("round"), f"--wipe {text}"))
+    if m is None or m.group("stage") not in (None, "hold"):
+        raise ScenarioError(f"--wipe {text!r}: expected ORG@ROUND[:hold], e.g. org3@2")
+    hold = m.group("stage") == "hold"
+    return Wipe(m.group("org"), _round(m.group("round"), f"--wipe {text}"), hold)
 
 
 @dataclass(frozen=True)
