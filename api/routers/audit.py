@@ -23,9 +23,10 @@ from fastapi import APIRouter, HTTPException, Query, Response, status
 from fastapi.responses import HTMLResponse
 from pydantic import BaseModel
 from pydantic_core import to_json
-from sqlmodel import col, func, select
+from sqlalchemy import ColumnClause, literal_column
+from sqlmodel import Session, col, func, select
 
-from api.deps import NodeDep, PageDep, SessionDep, SettingsDep, require_roles
+from api.deps import NodeDep, Page, PageDep, SessionDep, SettingsDep, require_roles
 from api.routers import AUDIT_READERS, ERRORS, conflict, not_found
 from api.settings import Settings
 from org_node.audit.facts import UnknownRunId
@@ -35,7 +36,7 @@ from org_node.db.models import AuditEvent, AuditEventsPublic, AuditHead, Run
 from org_node.db.repo import GENESIS_HASH, audit_entry_hash
 from org_node.services import RunReports, ServiceError
 
-__all__ = ["AuditReport", "report_dir", "router"]
+__all__ = ["AuditReport", "events_page_generic", "events_page_sqlite", "report_dir", "router"]
 
 router = APIRouter(
     prefix="/v1/audit",
@@ -110,6 +111,61 @@ def _filters(
     return cond
 
 
+_EVENTS = AuditEvent.__table__  # type: ignore[attr-defined]
+
+
+def _pydantic_utc(column: str) -> str:
+    """SQL turning SQLite's stored UTC time ``YYYY-MM-DD HH:MM:SS.ffffff`` into the text
+    pydantic writes for that datetime: ``YYYY-MM-DDTHH:MM:SS.ffffffZ``, without the
+    fraction when it is zero."""
+    c = f'"{column}"'
+    return (
+        f"CASE WHEN substr({c}, 21) = '000000' "
+        f"THEN substr({c}, 1, 10) || 'T' || substr({c}, 12, 8) || 'Z' "
+        f"ELSE substr({c}, 1, 10) || 'T' || substr({c}, 12) || 'Z' END"
+    )
+
+
+_SQLITE_EVENT_JSON: ColumnClause[str] = literal_column(
+    "json_object("
+    + ", ".join(
+        f"'{c.name}', " + (_pydantic_utc(c.name) if c.name == "time" else f'"{c.name}"')
+        for c in _EVENTS.columns
+    )
+    + ")"
+)
+"""One event as the JSON object the generic path writes (same keys, same order)."""
+_SQLITE_TIME_AS_STORED: ColumnClause[bool] = literal_column(
+    """length("time") = 26 AND substr("time", 11, 1) = ' ' AND substr("time", 20, 1) = '.'"""
+)
+"""True when the stored time has the one form :data:`_SQLITE_EVENT_JSON` converts."""
+
+
+def events_page_generic(session: Session, cond: list[Any], page: Page) -> list[dict[str, Any]]:
+    """The page's events as dicts of typed values (any database)."""
+    result = session.execute(
+        _EVENTS.select().where(*cond).order_by(_EVENTS.c.id).offset(page.offset).limit(page.limit)
+    )
+    keys = list(result.keys())
+    return [dict(zip(keys, row, strict=True)) for row in result.all()]
+
+
+def events_page_sqlite(session: Session, cond: list[Any], page: Page) -> list[str] | None:
+    """The page's events encoded to JSON objects by SQLite itself, in log order; None when
+    a stored time is not in the form this encoding knows (the generic path answers)."""
+    rows = session.execute(
+        select(_SQLITE_EVENT_JSON, _SQLITE_TIME_AS_STORED)
+        .select_from(_EVENTS)
+        .where(*cond)
+        .order_by(_EVENTS.c.id)
+        .offset(page.offset)
+        .limit(page.limit)
+    ).all()
+    if not all(ok for _, ok in rows):
+        return None
+    return [obj for obj, _ in rows]
+
+
 @router.get("/events", response_model=AuditEventsPublic)
 def list_events(
     session: SessionDep,
@@ -125,8 +181,10 @@ def list_events(
     """Audit events in log order, filtered by run, round, peer, kind, privacy class and
     time.
 
-    The hot path of a compliance export: rows are read as plain column tuples (no ORM
-    objects) and encoded straight to JSON.
+    The hot path of a compliance export: no ORM objects and no re-validation. On SQLite
+    the database encodes each event to JSON itself (:func:`events_page_sqlite`, the same
+    text as the generic path); elsewhere rows are read as plain column tuples, whose
+    typed columns are ``AuditEventPublic``'s fields, and encoded straight to JSON.
     """
     cond = _filters(
         run,
@@ -138,15 +196,14 @@ def list_events(
         privacy_class,
     )
     count = session.exec(select(func.count()).select_from(AuditEvent).where(*cond)).one()
-    table = AuditEvent.__table__  # type: ignore[attr-defined]
-    result = session.execute(
-        table.select().where(*cond).order_by(table.c.id).offset(page.offset).limit(page.limit)
-    )
-    keys = list(result.keys())
-    # The rows come from typed columns whose names are AuditEventPublic's fields, so they
-    # are serialized as they are (pydantic_core's encoder), without re-validation.
-    data = [dict(zip(keys, row, strict=True)) for row in result.all()]
-    return Response(to_json({"data": data, "count": count}), media_type="application/json")
+    encoded = None
+    if session.get_bind().dialect.name == "sqlite":
+        encoded = events_page_sqlite(session, cond, page)
+    if encoded is None:
+        data = events_page_generic(session, cond, page)
+        return Response(to_json({"data": data, "count": count}), media_type="application/json")
+    body = '{"data":[' + ",".join(encoded) + '],"count":' + str(int(count)) + "}"
+    return Response(body.encode("utf-8"), media_type="application/json")
 
 
 @router.get("/report", response_model=AuditReport)

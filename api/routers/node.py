@@ -82,8 +82,8 @@ def node_info(request: Request, node: NodeDep) -> NodePublic:
 
 
 @router.get("/healthz", response_model=Readiness)
-def healthz() -> Readiness:
-    """Liveness: the process answers."""
+async def healthz() -> Readiness:
+    """Liveness: the process answers (on the event loop, no worker thread)."""
     return Readiness(ready=True, checks={"process": "ok"})
 
 
