@@ -8,7 +8,13 @@ when every view it receives equals its own, the set is settled; otherwise it ret
 with the intersection of the views it got, up to ``max_view_attempts`` times, and a
 view that still differs fails the round — a split view is retried, never silently
 summed. A node that settled answers later views of the same stage with its settled
-one, so a peer that heard less can converge. A round of :meth:`RoundEngine.run_round`
+one, so a peer that heard less can converge. That exchange costs ``n (n - 1)``
+messages per attempt; where every node runs the agreement (the ring's outcome, and
+``U1`` under SecAgg+) it first runs as a **token** instead: passed once along the
+ring of a set every node shares, it collects each member's proposal and returns to
+its starter, which decides the intersection for all and sends it with the proposals
+to every member, ``2 n`` messages (:meth:`RoundEngine._token_agree`); a token that
+stalls falls back to the exchange above. A round of :meth:`RoundEngine.run_round`
 (``docs/ARCHITECTURE.md``, "A round", steps 1, 3-5; Bonawitz et al., CCS'17, §4):
 
 1. **ready** — the node broadcasts a signed ``round.ready`` carrying the hash of the
@@ -23,10 +29,10 @@ one, so a peer that heard less can converge. A round of :meth:`RoundEngine.run_r
    summed along the ring ordered by ``SHA-256(round || org_id)`` with
    :class:`~coordinator_free.ring.RingReducer` (chunked reduce-scatter + all-gather,
    or a chain for short vectors; the ring's id binds its members, so rings built
-   from different views never mix). Every node then settles ``(members, completed)``:
-   when its ring completed, by a commit token passed twice around the ring (no member
-   passes it on unless its own ring completed, so it comes back only if all did);
-   otherwise, or when the token stalls, by the view agreement. If the ring broke (a
+   from different views never mix). Every node then settles ``(members, completed)``
+   by the token (each member proposes the members less those it blames, flagged by
+   whether its own ring completed), or when the token stalls by the view
+   agreement. If the ring broke (a
    member died, stalled or sent garbage), each proposes the members minus those
    blamed by its own failure and by the aborts it received, and the ring runs again
    over the agreed survivors' masked vectors, which each still holds.
@@ -47,7 +53,7 @@ node masks with ``k`` pairwise seeds and reconstructs each secret from ``k // 2 
 neighbourhood shares, so the share stage costs ``O(k)`` messages per node and the
 cryptography ``O(n k)`` instead of ``O(n^2)``; ``U1`` is then always settled by the
 view agreement (matching hashes from the neighbours alone prove nothing about the
-rest), and the sum stays exact: every survivor's pairwise masks cancel or are
+rest; the token, which carries every member's proposal, does), and the sum stays exact: every survivor's pairwise masks cancel or are
 removed from its neighbours' reconstructed keys. After the strategy steps,
 :meth:`RoundEngine.check_model_hash` sends the digest of the next model to the
 participants and raises :class:`ModelHashMismatch` when any differs, stopping the run
@@ -58,12 +64,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
+import itertools
 import logging
 import math
 import struct
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Set
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -77,7 +85,7 @@ from coordinator_free.errors import (
     TransportError,
 )
 from coordinator_free.identity import verify_signature
-from coordinator_free.ring import KIND_PING, RingBroken, RingReducer, RingStats, ring_order
+from coordinator_free.ring import RingBroken, RingReducer, RingStats, ring_order
 from coordinator_free.wire import Envelope
 
 from secure_agg.codec import FixedPointCodec
@@ -606,6 +614,113 @@ class View:
         return view
 
 
+@functools.lru_cache(maxsize=1024)
+def _decode_view(data: bytes) -> View:
+    """:meth:`View.from_bytes`, remembered: in an agreement every node receives nearly
+    the same view from each of ``n`` peers, and decoding one (parsing and hashing its
+    ``n`` members) costs ``O(n)``, so without this an attempt costs ``O(n^3)`` CPU in
+    all. A :class:`View` is immutable; a malformed view raises and is not remembered."""
+    return View.from_bytes(data)
+
+
+_TOKEN_PROBE = 0
+_TOKEN_COLLECT = 1
+_TOKEN_DECIDE = 2
+
+
+@dataclass(frozen=True)
+class _Token:
+    """The agreement token of one stage (see :meth:`RoundEngine._token_agree`).
+
+    ``phase``: 0 asks whether the receiver runs the round (no entries), 1 collects
+    the proposals along the ring, 2 carries the starter's decision (the collected
+    proposals) to every member that proposed. ``base`` is the hash of the ring the token travels (the set every node
+    agrees from); ``starter`` the member that started it; ``entries`` each member's
+    ``(org, proposal, flag)`` in ring order. The member sets are written once each, as
+    most members propose the same set.
+    """
+
+    phase: int
+    tag: str
+    base: bytes
+    starter: str
+    entries: tuple[tuple[str, frozenset[str], bool], ...] = ()
+
+    def decision(self) -> tuple[frozenset[str], bool]:
+        """The intersection of the proposals (of members that made one) and the AND of
+        the flags: the same on every node that holds the same token."""
+        members = frozenset(org for org, _, _ in self.entries)
+        ok = True
+        for _, proposal, flag in self.entries:
+            members &= proposal
+            ok = ok and flag
+        return members, ok
+
+    def to_bytes(self) -> bytes:
+        def text(value: str) -> bytes:
+            raw = value.encode("utf-8")
+            return struct.pack(">H", len(raw)) + raw
+
+        sets: dict[frozenset[str], int] = {}
+        for _, proposal, _ in self.entries:
+            sets.setdefault(proposal, len(sets))
+        parts = [struct.pack(">B", self.phase), text(self.tag), self.base, text(self.starter)]
+        parts.append(struct.pack(">H", len(sets)))
+        for members in sets:
+            parts.append(struct.pack(">H", len(members)))
+            parts.extend(text(o) for o in sorted(members))
+        parts.append(struct.pack(">H", len(self.entries)))
+        for org, proposal, flag in self.entries:
+            parts += [text(org), struct.pack(">HB", sets[proposal], flag)]
+        return b"".join(parts)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> _Token:
+        """Decode a token; ``ValueError`` on anything malformed."""
+        pos = 0
+
+        def take(fmt: str) -> tuple[int, ...]:
+            nonlocal pos
+            values = struct.unpack_from(fmt, data, pos)
+            pos += struct.calcsize(fmt)
+            return values
+
+        def text() -> str:
+            nonlocal pos
+            (n,) = take(">H")
+            raw = data[pos : pos + n]
+            if len(raw) != n:
+                raise ValueError("truncated")
+            pos += n
+            return raw.decode("utf-8")
+
+        try:
+            (phase,) = take(">B")
+            tag = text()
+            base = data[pos : pos + _HASH]
+            pos += _HASH
+            starter = text()
+            sets: list[frozenset[str]] = []
+            for _ in range(take(">H")[0]):
+                sets.append(frozenset(text() for _ in range(take(">H")[0])))
+            entries = []
+            seen: set[str] = set()
+            for _ in range(take(">H")[0]):
+                org = text()
+                index, flag = take(">HB")
+                if org in seen or index >= len(sets) or flag > 1:
+                    raise ValueError("a repeated member, an unknown set or a bad flag")
+                seen.add(org)
+                entries.append((org, sets[index], bool(flag)))
+        except (struct.error, UnicodeDecodeError) as exc:
+            raise ValueError(f"malformed token: {exc}") from None
+        if phase not in (_TOKEN_PROBE, _TOKEN_COLLECT, _TOKEN_DECIDE) or len(base) != _HASH:
+            raise ValueError("unknown token phase or short base hash")
+        if pos != len(data):
+            raise ValueError("trailing bytes after the token")
+        return cls(phase, tag, base, starter, tuple(entries))
+
+
 def view_hash(tag: str, members: Iterable[str], flag: bool = True) -> bytes:
     """SHA-256 over a stage tag, the sorted member set and a flag (the signed view hash)."""
     h = hashlib.sha256(b"fedweave/view\x00")
@@ -614,6 +729,9 @@ def view_hash(tag: str, members: Iterable[str], flag: bool = True) -> bytes:
         h.update(struct.pack(">H", len(raw)) + raw)
     h.update(b"\x01" if flag else b"\x00")
     return h.digest()
+
+
+_EMPTY: dict[str, bytes] = {}
 
 
 class _Inbox:
@@ -633,6 +751,15 @@ class _Inbox:
 
     def get(self, key: tuple[str, ...]) -> dict[str, bytes]:
         return dict(self._items.get(key, {}))
+
+    def since(self, key: tuple[str, ...], start: int) -> list[tuple[str, bytes]]:
+        """The messages filed under ``key`` after the first ``start``, in arrival order."""
+        return list(itertools.islice(self._items.get(key, _EMPTY).items(), start, None))
+
+    def senders(self, key: tuple[str, ...]) -> Set[str]:
+        """The senders filed under ``key`` so far: a live view, not a copy (checks run
+        on every arrival, so copying the box each time would cost ``O(n)`` apiece)."""
+        return self._items.get(key, _EMPTY).keys()
 
     async def wait_any(
         self, keys: Iterable[tuple[str, ...]], done: Callable[[], bool], deadline: float
@@ -687,9 +814,11 @@ class _RoundState:
 
     def gone(self) -> set[str]:
         """The members that said they left this round (it failed for them)."""
-        return set(self.inbox.get(("gone",)))
+        return set(self.inbox.senders(("gone",)))
 
     views_sent: set[tuple[str, int, str]] = field(default_factory=set)
+    # per stage tag, the starter of the agreement token this node takes part in
+    joined: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -877,33 +1006,37 @@ class RoundEngine:
     async def _on_view(self, env: Envelope) -> bytes:
         state = self._state(env.run, env.round)
         try:
-            view = View.from_bytes(env.payload)
+            view = _decode_view(env.payload)
         except ValueError as exc:
             raise Refused(RefusalReason.MALFORMED, str(exc)) from None
         if not _known_tag(view.tag, self.config) or view.attempt >= self.config.max_view_attempts:
             raise Refused(RefusalReason.MALFORMED, f"unknown view {view.tag!r}/{view.attempt}")
         if not state.inbox.put(("view", view.tag, str(view.attempt)), env.sender, env.payload):
             raise Refused(RefusalReason.REPLAY, "second view for this stage")
-        settled = state.decided.get(view.tag)
-        if settled is not None and (view.tag, view.attempt, env.sender) not in state.views_sent:
-            # this node settled the stage already (all it heard agreed); a peer that
-            # heard less is retrying: answer with the settled view so it can converge
-            state.views_sent.add((view.tag, view.attempt, env.sender))
-            answer = View(view.tag, view.attempt, settled[0], settled[1]).to_bytes()
-            task = asyncio.ensure_future(
-                self._broadcast(
-                    _Counters(),
-                    [env.sender],
-                    KIND_VIEW,
-                    answer,
-                    run=env.run,
-                    round=env.round,
-                    stage=view.tag,
-                )
-            )
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+        self._answer_view(state, view.tag, view.attempt, env.sender)
         return b""
+
+    def _answer_view(self, state: _RoundState, tag: str, attempt: int, sender: str) -> None:
+        """Once this node settled ``tag`` (all it heard agreed, or by the token), a peer
+        that heard less and is retrying gets the settled view, so it can converge."""
+        settled = state.decided.get(tag)
+        if settled is None or (tag, attempt, sender) in state.views_sent:
+            return
+        state.views_sent.add((tag, attempt, sender))
+        answer = View(tag, attempt, settled[0], settled[1]).to_bytes()
+        task = asyncio.ensure_future(
+            self._broadcast(
+                _Counters(),
+                [sender],
+                KIND_VIEW,
+                answer,
+                run=state.run,
+                round=state.round,
+                stage=tag,
+            )
+        )
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _on_share(self, env: Envelope) -> bytes:
         state = self._state(env.run, env.round)
@@ -920,11 +1053,34 @@ class RoundEngine:
 
     async def _on_commit(self, env: Envelope) -> bytes:
         state = self._state(env.run, env.round)
-        if len(env.payload) != 1 + _HASH or env.payload[0] not in (1, 2):
-            raise Refused(RefusalReason.MALFORMED, "a commit token is a phase and a ring hash")
-        key = ("commit", str(env.payload[0]), env.payload[1:].hex())
-        if not state.inbox.put(key, env.sender, b""):
-            raise Refused(RefusalReason.REPLAY, "second commit token")
+        try:
+            token = _Token.from_bytes(env.payload)
+        except ValueError as exc:
+            raise Refused(RefusalReason.MALFORMED, str(exc)) from None
+        if not _known_tag(token.tag, self.config):
+            raise Refused(RefusalReason.MALFORMED, f"unknown token stage {token.tag!r}")
+        # the sender skips a member that refuses as STALE: one not running this round,
+        # one that settled the stage already, one in another token of the stage
+        if state.started is None:
+            raise Refused(RefusalReason.STALE, "this node is not running the round")
+        if token.phase == _TOKEN_PROBE:
+            return b""
+        joined = state.joined.get(token.tag)
+        if token.phase == _TOKEN_COLLECT:
+            if token.tag in state.decided:
+                raise Refused(RefusalReason.STALE, "this node settled the stage already")
+            if joined is not None and joined != token.starter:
+                raise Refused(RefusalReason.STALE, "this node is in another token")
+            slot = "return" if token.starter == self.org_id else "collect"
+        else:
+            if joined is not None and joined != token.starter:
+                raise Refused(RefusalReason.STALE, "this node is in another token")
+            slot = "decide"
+        if not state.inbox.put(("token", token.tag, slot), "", env.payload):
+            # the same token twice (a send retried after a lost reply): the sender stops
+            raise Refused(RefusalReason.REPLAY, "second token")
+        if slot == "collect":
+            state.joined[token.tag] = token.starter
         return b""
 
     async def _on_unmask(self, env: Envelope) -> bytes:
@@ -1058,13 +1214,13 @@ class RoundEngine:
             expected = set(others) - failed
 
             def heard(key: tuple[str, ...] = key, expected: set[str] = expected) -> bool:
-                return expected - state.gone() <= state.inbox.get(key).keys()
+                return expected - state.gone() <= state.inbox.senders(key)
 
             await state.inbox.wait_any(
                 [key, ("gone",)], heard, loop.time() + self.config.stage_timeout
             )
             got = {o: p for o, p in state.inbox.get(key).items() if o in expected}
-            views = {o: View.from_bytes(p) for o, p in got.items()}
+            views = {o: _decode_view(p) for o, p in got.items()}
             missing = (set(others) - set(views)) | failed
             if not missing and all(v.members == view and v.flag == ok for v in views.values()):
                 state.decided[tag] = (view, ok)
@@ -1088,83 +1244,187 @@ class RoundEngine:
             tag, f"views did not agree after {self.config.max_view_attempts} attempts (split view)"
         )
 
-    async def _commit(
-        self, state: _RoundState, counters: _Counters, order: list[str], tag: str
-    ) -> bool:
-        """After a ring this node completed: did every member complete it?
+    async def _settle(
+        self,
+        state: _RoundState,
+        counters: _Counters,
+        tag: str,
+        base: Iterable[str],
+        proposal: frozenset[str],
+        flag: bool = True,
+    ) -> tuple[frozenset[str], bool]:
+        """Agree on a set with the members of ``base``: by the token, and by the view
+        agreement when the token stalls (see :meth:`_token_agree`)."""
+        settled = await self._token_agree(state, counters, tag, base, proposal, flag)
+        if settled is not None:
+            return settled
+        self._observe("retry", state.run, state.round, tag, detail="token stalled: views")
+        return await self._agree(state, counters, tag, proposal, flag)
 
-        A token goes once around the ring (``order[0]`` to ``order[n-1]``), each member
-        passing it on only once its own ring completed, and then round again to say
-        so: ``2 (n - 1)`` small messages instead of the ``n (n - 1)`` views of an
-        agreement. True when the second pass reached this node (or this node closed
-        the first); False — fall back to the view agreement — when a view of the
-        agreement arrives (a member's ring broke), the predecessor is gone, or the
-        stage times out. No member can settle by the token while another's ring broke,
-        since that member never passed it on.
+    async def _token_agree(
+        self,
+        state: _RoundState,
+        counters: _Counters,
+        tag: str,
+        base: Iterable[str],
+        proposal: frozenset[str],
+        flag: bool,
+    ) -> tuple[frozenset[str], bool] | None:
+        """Agree on ``(members, flag)`` by one token passed twice along a ring.
+
+        ``base`` is the same on every node (the federation's members, or the set the
+        previous stage settled); each member proposes a subset. The token starts at the
+        first member of ``ring_order(base)`` that runs the round, collects every
+        member's proposal in ring order (a member that is dead, not running the round or
+        already settled refuses or cannot be reached, and is skipped: it made no
+        proposal), and returns to its starter, which alone decides: the intersection of
+        the proposals and the AND of the flags, and sends the decision, with the
+        proposals, to every member that made one. Every node that settles thus holds the
+        very same collected proposals, so none can settle on a set another settles
+        differently: ``2 n`` messages in all (``n`` of them one after another) where the
+        view agreement sends ``n (n - 1)`` per attempt.
+
+        Returns ``None`` — fall back to the view agreement, whose views every node
+        settled here answers with its settled set — when the token stalls: a view of
+        this stage arrives (someone fell back already), the starter is unreachable,
+        or the stage times out. A member that skipped nobody still proposes itself, so
+        one left out of the decision fails the round rather than summing apart.
         """
-        me, n = self.org_id, len(order)
+        me, cfg = self.org_id, self.config
+        order = ring_order(frozenset(base), state.round)
+        if me not in order or len(order) < 2:
+            return None
         pos = order.index(me)
-        h = view_hash(tag, order)
-        view_key = ("view", tag, "0")
+        base_hash = view_hash(f"{tag}/token", order)
         loop = asyncio.get_running_loop()
-        end = loop.time() + self.config.stage_timeout
-        step = self.config.step_timeout
+        end = loop.time() + cfg.stage_timeout
+        view_key = ("view", tag, "0")
+        collect_key = ("token", tag, "collect")
+        return_key = ("token", tag, "return")
+        decide_key = ("token", tag, "decide")
 
-        async def hop(phase: int, src: str) -> bool:
-            key = ("commit", str(phase), h.hex())
-            while True:
-
-                def arrived() -> bool:
-                    return src in state.inbox.get(key) or bool(state.inbox.get(view_key))
-
-                await state.inbox.wait_any([key, view_key], arrived, min(end, loop.time() + step))
-                if src in state.inbox.get(key):
-                    return True
-                if state.inbox.get(view_key) or loop.time() >= end:
-                    return False
-                try:  # a long silence: is the predecessor still there?
-                    await self._send(
-                        counters,
-                        src,
-                        KIND_PING,
-                        b"\x00" * 16,
-                        run=state.run,
-                        round=state.round,
-                        stage=tag,
-                        timeout=step,
-                    )
-                except PeerUnreachable:
-                    return False
-                except TransportError:
-                    pass  # alive (perhaps done with the round) or just slow
-
-        async def send(phase: int, dest: str) -> bool:
+        async def send(peer: str, token: _Token) -> str:
+            """``ok``; ``stop`` (it holds this token already); ``skip`` (no proposal)."""
+            if peer in state.gone():
+                return "skip"
             try:
                 await self._send(
                     counters,
-                    dest,
+                    peer,
                     KIND_COMMIT,
-                    bytes([phase]) + h,
+                    token.to_bytes(),
                     run=state.run,
                     round=state.round,
                     stage=tag,
                 )
-            except TransportError:
-                return False
-            return True
+            except Refused as exc:
+                return "stop" if exc.reason is RefusalReason.REPLAY else "skip"
+            except TransportError as exc:
+                self._observe(
+                    "unreachable", state.run, state.round, tag, peer=peer, detail=str(exc)
+                )
+                return "skip"
+            return "ok"
 
-        if pos > 0 and not await hop(1, order[pos - 1]):
+        async def absent(peer: str) -> bool:
+            """Whether ``peer`` is dead, gone or not running the round (so no token
+            will come from it)."""
+            if peer in state.gone():
+                return True
+            try:
+                await self._send(
+                    counters,
+                    peer,
+                    KIND_COMMIT,
+                    _Token(_TOKEN_PROBE, tag, base_hash, me).to_bytes(),
+                    run=state.run,
+                    round=state.round,
+                    stage=tag,
+                    timeout=cfg.step_timeout,
+                )
+            except (Refused, PeerUnreachable):
+                return True
+            except TransportError:
+                return False  # alive, just slow
             return False
-        if pos == n - 1:
-            await send(2, order[0])  # everyone completed: the second pass starts here
-            return True
-        if not await send(1, order[pos + 1]):
-            return False
-        if not await hop(2, order[n - 1] if pos == 0 else order[pos - 1]):
-            return False
-        if pos < n - 2:
-            await send(2, order[pos + 1])
-        return True
+
+        def arrived(key: tuple[str, ...]) -> Callable[[], bool]:
+            return lambda: bool(state.inbox.senders(key) or state.inbox.senders(view_key))
+
+        async def wait(key: tuple[str, ...], take_over: bool) -> _Token | str:
+            """The token filed under ``key``; ``"start"`` when every member before this
+            one is absent (``take_over``); ``"stall"`` otherwise."""
+            while True:
+                await state.inbox.wait_any(
+                    [key, view_key], arrived(key), min(end, loop.time() + cfg.step_timeout)
+                )
+                box = state.inbox.get(key)
+                if box:
+                    try:
+                        return _Token.from_bytes(box[""])
+                    except ValueError:
+                        return "stall"
+                if state.inbox.senders(view_key) or loop.time() >= end:
+                    return "stall"
+                if take_over and state.joined.get(tag) is None:
+                    # a long silence: is any member before this one still running?
+                    for q in range(pos - 1, -1, -1):
+                        if not await absent(order[q]):
+                            break
+                    else:
+                        if not state.inbox.senders(key):
+                            return "start"
+
+        # pass 1: collect the proposals
+        mine = (me, proposal, flag)
+        if pos == 0:
+            got: _Token | str = "start"
+        else:
+            got = await wait(collect_key, take_over=True)
+        if got == "stall":
+            return None
+        if isinstance(got, _Token):
+            if got.base != base_hash or got.phase != _TOKEN_COLLECT:
+                return None
+            token = _Token(_TOKEN_COLLECT, tag, base_hash, got.starter, (*got.entries, mine))
+        else:
+            state.joined[tag] = me
+            token = _Token(_TOKEN_COLLECT, tag, base_hash, me, (mine,))
+        outcome = "end"
+        for q in range(pos + 1, len(order)):
+            outcome = await send(order[q], token)
+            if outcome != "skip":
+                break
+        if outcome == "end":
+            if token.starter == me:
+                decided: _Token | str = token
+            else:
+                # back to the starter ("stop": another path brought it back already)
+                if await send(token.starter, token) == "skip":
+                    return None
+                decided = await wait(decide_key, take_over=False)
+        elif token.starter == me:
+            decided = await wait(return_key, take_over=False)
+        else:
+            decided = await wait(decide_key, take_over=False)
+        if not isinstance(decided, _Token) or decided.base != base_hash:
+            return None
+        if decided.starter != state.joined.get(tag):
+            return None
+        # the decision: every member that proposed settles on it
+        members, ok = decided.decision()
+        state.decided[tag] = (members, ok)
+        for attempt in range(cfg.max_view_attempts):
+            for sender in list(state.inbox.senders(("view", tag, str(attempt)))):
+                self._answer_view(state, tag, attempt, sender)
+        if decided.starter == me:
+            # the decision goes to every member that proposed at once (one hop, not a
+            # second pass round the ring: the others settle together)
+            final = _Token(_TOKEN_DECIDE, tag, base_hash, me, decided.entries)
+            await asyncio.gather(*(send(org, final) for org, _, _ in final.entries if org != me))
+        if me not in members:
+            raise RoundFailed(tag, "the other participants' proposals leave this node out")
+        return members, ok
 
     # -- the round ----------------------------------------------------------------------
 
@@ -1349,7 +1609,7 @@ class RoundEngine:
         expected_shares = holders - unshared
         await state.inbox.wait_any(
             [("share",), ("gone",)],
-            lambda: expected_shares - state.gone() <= state.inbox.get(("share",)).keys(),
+            lambda: expected_shares - state.gone() <= state.inbox.senders(("share",)),
             loop.time() + cfg.stage_timeout,
         )
         shares = {o: p for o, p in state.inbox.get(("share",)).items() if o in expected_shares}
@@ -1374,8 +1634,12 @@ class RoundEngine:
         else:
             proposal = view1 - unshared
             if sparse:
+                # every node runs this agreement: the token (O(n) messages) suffices
                 proposal -= expected_shares - shares.keys()
-            u1, _ = await self._agree(state, counters, "ready", proposal)
+                u1, _ = await self._settle(state, counters, "ready", u0, proposal)
+            else:
+                # others may have settled at no message: they answer views, not tokens
+                u1, _ = await self._agree(state, counters, "ready", proposal)
             if len(u1) < t:
                 raise RoundFailed("ready", f"{len(u1)} participants agreed, fewer than t={t}")
             shares = state.inbox.get(("share",))
@@ -1454,13 +1718,9 @@ class RoundEngine:
             lap("reduce")
             await self._enter(run, rnd, "agree-reduce")
             tag = f"reduce:{attempt}"
-            if acc is not None and await self._commit(state, counters, order, tag):
-                state.decided[tag] = (members, True)
-                agreed, completed = members, True
-            else:
-                agreed, completed = await self._agree(
-                    state, counters, tag, members - suspects, acc is not None
-                )
+            agreed, completed = await self._settle(
+                state, counters, tag, members, members - suspects, acc is not None
+            )
             lap("agree-reduce")
             if completed and agreed == members and acc is not None:
                 total = acc
@@ -1497,21 +1757,40 @@ class RoundEngine:
         unmask_end = loop.time() + cfg.stage_timeout
         accepted: set[str] = set()
         key3 = ("unmask", h3.hex())
+        others3 = u3 - {me}
+        # asking the session whether it can finish costs O(n k) (it plans every
+        # reconstruction), so it is asked once t - 1 releases are in, then after each
+        # further sixteenth of the survivors or a quiet spell, not on every arrival
+        # (which made the stage O(n^3 k) CPU over a simulated federation)
+        stride = max(1, len(others3) // 16)
+        check_at = t - 1
+        quiet = 0.05
+        seen = 0
+        lull = False
+        checked = -1
 
-        def more_than(count: int) -> Callable[[], bool]:
-            return lambda: len(state.inbox.get(key3).keys() & (u3 - {me})) > count
+        def arrivals(count: int) -> Callable[[], bool]:
+            return lambda: len(state.inbox.senders(key3)) >= count
 
         while True:
-            releases = state.inbox.get(key3)
-            for org, payload in sorted(releases.items()):
-                if org in u3 and org not in accepted and org != me:
+            new = state.inbox.since(key3, seen)
+            seen += len(new)
+            for org, payload in new:
+                if org in others3 and org not in accepted:
                     accepted.add(org)
                     self._accept(session.receive_release, org, payload, "release", run, rnd)
-            if session.can_finish() and len(accepted) + 1 >= t:
+            last = len(accepted) >= len(others3) or loop.time() >= unmask_end
+            if len(accepted) >= check_at or (lull and len(accepted) != checked) or last:
+                if len(accepted) + 1 >= t and session.can_finish():
+                    break
+                checked, check_at = len(accepted), len(accepted) + stride
+                if lull:  # each quiet spell that ends in a check doubles the next one
+                    quiet = min(2 * quiet, cfg.step_timeout)
+            if last:
                 break
-            if accepted | {me} >= u3 or loop.time() >= unmask_end:
-                break
-            await state.inbox.wait_any([key3], more_than(len(accepted)), unmask_end)
+            wake = arrivals(seen + max(1, check_at - len(accepted)))
+            await state.inbox.wait_any([key3], wake, min(unmask_end, loop.time() + quiet))
+            lull = not wake()
         if not session.can_finish() or len(accepted) + 1 < t:
             for org in sorted(u3 - accepted - {me}):
                 self._observe(

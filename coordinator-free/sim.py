@@ -51,7 +51,7 @@ from coordinator_free.rounds import (
     endpoint_signer,
     secagg_sessions,
 )
-from coordinator_free.transport import RawHandler
+from coordinator_free.transport import RawHandler, SequenceCounter
 
 __all__ = [
     "STAGES",
@@ -304,8 +304,20 @@ class Simulation:
         }
         self._keys = {o: i.public_key for o, i in self.identities.items()}
         self.transports = {o: _RecordingTransport(self.network.transport(o)) for o in self.orgs}
+        # one sequence counter per org, as each org's own process would have: with the
+        # process-wide counter, the numbers one org draws are spread over every simulated
+        # org's traffic, and a request that waited in the loop behind a few thousand
+        # others falls below its receiver's replay window (``transport.ReplayWindow``)
+        # and is refused as a replay once an all-to-all stage carries more messages than
+        # the window (above about 64 peers)
         self.endpoints = {
-            o: Endpoint(self.identities[o], config.federation, self.transports[o], self.members)
+            o: Endpoint(
+                self.identities[o],
+                config.federation,
+                self.transports[o],
+                self.members,
+                sequence=SequenceCounter(),
+            )
             for o in self.orgs
         }
         engine_config = config.engine_config()

@@ -243,3 +243,73 @@ def test_forty_peers_run_secagg_plus_and_sum_exactly_despite_a_kill() -> None:
     assert (res.sum == out.expected(res.survivors)).all()
     # each node sent ShareKeys to its 16 neighbours only, not to all 39 others
     assert all(r.neighbours == 16 for r in out.results.values())
+
+
+@pytest.mark.e2e
+def test_two_hundred_peers_with_random_faults_sum_exactly() -> None:
+    """200 in-process peers run SecAgg+ (k = 24) with a kill, a replay and two delays
+    at random stages (``python -m coordinator_free.sim --peers 200 --faults 4 --seed 3``):
+    the view agreements travel as one token each (``O(n)`` messages, not ``n^2``), and
+    every finisher holds the exact sum of the same survivors."""
+    n = 200
+    config = SimConfig(peers=n, length=16, seed=3)
+    orgs = [f"org-{i:03d}" for i in range(n)]
+    faults = random_faults(orgs, 4, seed=3)
+    assert Fault.KILL in {f.fault for f in faults}
+    (out,) = run_rounds(config, faults, rounds=1)
+    assert out.problems() == []
+    res = out.results[min(out.results)]
+    assert res.neighbours == 24
+    assert out.killed and not out.killed & set(res.survivors)
+    assert set(out.results) | set(out.failures) | out.killed == set(orgs)
+    assert len(out.results) >= n - len(faults) and not out.failures
+    assert (res.sum == out.expected(res.survivors)).all()
+    # ready and releases to every other survivor, shares to the k neighbours, the ring
+    # and two tokens: a view agreement (n - 1 views per attempt, two attempts or more
+    # after a kill) would add 2 n messages per node and more
+    sent = sorted(r.messages_sent for r in out.results.values())
+    assert sent[len(sent) // 2] < 2 * n + 4 * 24
+
+
+def test_a_split_under_secagg_plus_is_detected_by_the_token_never_summed() -> None:
+    """With SecAgg+ the participants are always settled by the agreement token; a
+    partition into halves during the key shares leaves each half a token of its own
+    (its first member takes over from the unreachable ones), neither reaches t, and
+    every node fails with its reason: no node sums over a view the others lack."""
+    n = 20
+    rc = RoundConfig(
+        ready_timeout=2.0,
+        stage_timeout=8.0,
+        step_timeout=1.0,
+        send_timeout=4.0,
+        secagg_plus_above=8,
+    )
+    config = SimConfig(peers=n, length=16, seed=21, round_config=rc)
+    orgs = [f"org-{i:02d}" for i in range(n)]
+    halves = (tuple(orgs[::2]), tuple(orgs[1::2]))
+
+    async def scenario() -> tuple[RoundOutcome, RoundOutcome]:
+        async with Simulation(config) as sim:
+            split = asyncio.Event()
+
+            async def hook(org: str, run: str, round: int, stage: str) -> None:
+                if round == 1 and stage == "share" and not split.is_set():
+                    split.set()
+                    sim.network.partition(*halves)
+
+            for engine in sim.engines.values():
+                engine.hook = hook
+            first = await sim.round(1)
+            sim.network.heal()
+            return first, await sim.round(2)
+
+    first, second = asyncio.run(scenario())
+    assert first.problems() == []
+    assert not first.results
+    assert set(first.failures) == set(orgs)
+    assert all(
+        "fewer than t=11" in reason or "leave this node out" in reason
+        for reason in first.failures.values()
+    )
+    assert second.problems() == [] and len(second.results) == n
+    assert all(r.neighbours is not None for r in second.results.values())
