@@ -45,11 +45,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import hashlib
 import json
 import logging
 import math
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -163,8 +165,9 @@ def _node_input(org: str, params: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 2**32, params, dtype=np.uint32)
 
 
-async def _node(workdir: Path, me: str, orgs: list[str], params: int) -> None:
-    """One org process: plain ring, secure ring round, secure star round; write figures."""
+async def _node(workdir: Path, me: str, orgs: list[str], params: int, repeats: int) -> None:
+    """One org process: plain rings and secure ring rounds, interleaved ``repeats``
+    times after a warm-up of each, then a secure star round; write the figures."""
     import uvicorn
     from coordinator_free.tls import PeerAddress, TlsTransport, uvicorn_ssl_options
 
@@ -179,7 +182,10 @@ async def _node(workdir: Path, me: str, orgs: list[str], params: int) -> None:
     ring_engine = RoundEngine(endpoint, lambda: orgs, sessions, _round_config(n))
     # the plain reductions below run outside the engine: their rounds are opened before
     # any peer can learn this node's port, so no chunk arrives for a round not open
-    for run, rnd in (("warmup", 0), ("warmup", 1), ("plain", 0)):
+    opened = [("warmup", 0), ("warmup", 1)]
+    opened += [("plain", r) for r in range(repeats + 1)]
+    opened += [("sync", r) for r in range(2 * repeats + 3)]
+    for run, rnd in opened:
         ring_engine.ring.open(run, rnd)
     await endpoint.start()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -214,35 +220,55 @@ async def _node(workdir: Path, me: str, orgs: list[str], params: int) -> None:
 
     x = _node_input(me, params)
     figures: dict[str, float] = {}
+    order = ring_order(orgs, 0)
+    syncs = iter(range(2 * repeats + 3))
+
+    async def barrier() -> float:
+        """Every process's clock time on arrival, summed along the ring; all start
+        together a little after the last arrival (the processes share one clock)."""
+        arrivals = np.zeros(n, dtype=np.uint64)
+        arrivals[orgs.index(me)] = time.time_ns() // 1000
+        rnd = next(syncs)
+        total = await ring_engine.ring.allreduce(order, arrivals, run="sync", round=rnd)
+        ring_engine.ring.close("sync", rnd)
+        start = float(total.max()) / 1e6 + 0.05
+        await asyncio.sleep(max(0.0, start - time.time()))
+        return start
 
     async def measure(name: str, work: Callable[[], Awaitable[object]]) -> None:
-        b0, t0 = transport.bytes_sent, time.time()
+        b0 = transport.bytes_sent
+        t0 = await barrier()
         await work()
         figures[f"{name}_start"] = t0
         figures[f"{name}_end"] = time.time()
         figures[f"{name}_bytes"] = transport.bytes_sent - b0
 
-    order = ring_order(orgs, 0)
-    # warm up: every TLS connection is opened before anything is timed
+    # warm up: every TLS connection either reduction uses is opened before anything is
+    # timed (a deployment's connections outlive its rounds), the plain ring's and the
+    # star's by one reduction each, the secure round's by one round
     warm = np.zeros(4096 * n, dtype=np.uint32)
     await ring_engine.ring.allreduce(order, warm, run="warmup", round=0, timeout=120.0)
     ring_engine.ring.close("warmup", 0)
     await ring_engine.ring.star_allreduce(order, warm, run="warmup", round=1, timeout=120.0)
     ring_engine.ring.close("warmup", 1)
-    await measure(
-        "plain",
-        lambda: ring_engine.ring.allreduce(order, x, run="plain", round=0, timeout=120.0),
-    )
     results: list[Any] = []
 
     async def secure_round(round_: int) -> None:
         results.append(await ring_engine.run_round("bench", round_, x))
 
-    await measure("ring", lambda: secure_round(1))
+    async def plain(round_: int) -> None:
+        await ring_engine.ring.allreduce(order, x, run="plain", round=round_, timeout=120.0)
+        ring_engine.ring.close("plain", round_)
+
+    # the baseline and the secure round alternate, so that a load that comes and goes
+    # on the machine weighs on both alike; the reports take the median of each
+    for r in range(repeats + 1):
+        await measure(f"plain{r}", functools.partial(plain, r))
+        await measure(f"ring{r}", functools.partial(secure_round, r + 1))
     # the star round: the same engine's messages, star topology for the masked vectors
     ring_engine.config = _round_config(n, "star")
-    await measure("star", lambda: secure_round(2))
-    for name, res in zip(("ring", "star"), results, strict=True):
+    await measure("star", lambda: secure_round(repeats + 2))
+    for name, res in (("ring", results[-2]), ("star", results[-1])):
         for stage, seconds in res.stage_times.items():
             figures[f"{name}_stage_{stage}"] = seconds
     out = workdir / f"{me}.json"
@@ -256,8 +282,9 @@ async def _node(workdir: Path, me: str, orgs: list[str], params: int) -> None:
     await serving
 
 
-def _tls_figures(params: int, n: int = 4) -> dict[str, float]:
-    """Run ``n`` org processes over mutual TLS; the figures of the three reductions."""
+def _tls_figures(params: int, n: int = 4, repeats: int = 5) -> dict[str, float]:
+    """Run ``n`` org processes over mutual TLS; the figures of the three reductions
+    (the plain and the secure ring: the median of ``repeats`` warm runs of each)."""
     from coordinator_free.tls import write_trust_bundle
 
     orgs = [f"org-{i}" for i in range(n)]
@@ -294,6 +321,8 @@ def _tls_figures(params: int, n: int = 4) -> dict[str, float]:
                     ",".join(orgs),
                     "--params",
                     str(params),
+                    "--repeats",
+                    str(repeats),
                 ],
                 cwd=root,
                 stdout=logs[o],
@@ -323,11 +352,23 @@ def _tls_figures(params: int, n: int = 4) -> dict[str, float]:
                 f.close()
         per = {o: json.loads((workdir / f"{o}.json").read_text()) for o in orgs}
     out: dict[str, float] = {}
-    for name in ("plain", "ring", "star"):
-        out[f"{name}_s"] = max(f[f"{name}_end"] for f in per.values()) - min(
-            f[f"{name}_start"] for f in per.values()
+
+    def span(name: str) -> float:
+        """Seconds from the common start until the last process finished ``name``."""
+        return float(
+            max(f[f"{name}_end"] for f in per.values())
+            - min(f[f"{name}_start"] for f in per.values())
         )
-        out[f"{name}_busiest"] = max(f[f"{name}_bytes"] for f in per.values())
+
+    for name in ("plain", "ring"):
+        # run 0 of each is the warm-up (the secure round's first connections)
+        runs = [span(f"{name}{r}") for r in range(1, repeats + 1)]
+        out[f"{name}_s"] = statistics.median(runs)
+        out[f"{name}_min_s"] = min(runs)
+        out[f"{name}_max_s"] = max(runs)
+        out[f"{name}_busiest"] = max(f[f"{name}{repeats}_bytes"] for f in per.values())
+    out["star_s"] = span("star")
+    out["star_busiest"] = max(f["star_bytes"] for f in per.values())
     for key in next(iter(per.values())):
         if "_stage_" in key:
             out[key] = max(f.get(key, 0.0) for f in per.values())
@@ -361,13 +402,20 @@ def _add_rows(report: Report, where: str, n: int, params: int, fig: dict[str, fl
         target=f">= {n / 2.5:.2f}",
         note="secure round through one hub ÷ the same round along the ring, busiest node",
     )
+    spread = ""
+    if "ring_min_s" in fig:
+        spread = (
+            f"; median of warm runs interleaved with the baseline's, secure "
+            f"{fig['ring_min_s']:.3f}-{fig['ring_max_s']:.3f}s, plain "
+            f"{fig['plain_min_s']:.3f}-{fig['plain_max_s']:.3f}s"
+        )
     report.add(
         f"round_vs_plain_ring[{tag}]",
         fig["ring_s"],
         "s",
         baseline=fig["plain_s"],
         target="<= 1.5",
-        note="whole secure round ÷ plaintext ring all-reduce, same payload and transport",
+        note="whole secure round ÷ plaintext ring all-reduce, same payload and transport" + spread,
     )
 
 
@@ -434,9 +482,10 @@ def _node_main(argv: Sequence[str]) -> None:
     parser.add_argument("--org", required=True)
     parser.add_argument("--orgs", required=True)
     parser.add_argument("--params", type=int, required=True)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
     logging.getLogger("coordinator_free").setLevel(logging.ERROR)
-    asyncio.run(_node(args.dir, args.org, args.orgs.split(","), args.params))
+    asyncio.run(_node(args.dir, args.org, args.orgs.split(","), args.params, args.repeats))
 
 
 def main(argv: Sequence[str] | None = None) -> Report | None:

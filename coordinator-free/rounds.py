@@ -1772,15 +1772,24 @@ class RoundEngine:
         def arrivals(count: int) -> Callable[[], bool]:
             return lambda: len(state.inbox.senders(key3)) >= count
 
-        while True:
-            new = state.inbox.since(key3, seen)
-            seen += len(new)
-            for org, payload in new:
+        finished = False
+        while not finished:
+            # releases are decoded one by one, up to the next check: those still
+            # queued when the session can finish are never decoded
+            for org, payload in state.inbox.since(key3, seen):
+                seen += 1
                 if org in others3 and org not in accepted:
                     accepted.add(org)
                     self._accept(session.receive_release, org, payload, "release", run, rnd)
+                    if len(accepted) >= check_at:
+                        finished = len(accepted) + 1 >= t and session.can_finish()
+                        checked, check_at = len(accepted), len(accepted) + stride
+                        if finished:
+                            break
+            if finished:
+                break
             last = len(accepted) >= len(others3) or loop.time() >= unmask_end
-            if len(accepted) >= check_at or (lull and len(accepted) != checked) or last:
+            if (lull and len(accepted) != checked) or last:
                 if len(accepted) + 1 >= t and session.can_finish():
                     break
                 checked, check_at = len(accepted), len(accepted) + stride

@@ -246,6 +246,7 @@ def test_forty_peers_run_secagg_plus_and_sum_exactly_despite_a_kill() -> None:
 
 
 @pytest.mark.e2e
+@pytest.mark.timeout(1200)
 def test_two_hundred_peers_with_random_faults_sum_exactly() -> None:
     """200 in-process peers run SecAgg+ (k = 24) with a kill, a replay and two delays
     at random stages (``python -m coordinator_free.sim --peers 200 --faults 4 --seed 3``):
