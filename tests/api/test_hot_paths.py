@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 from pydantic_core import to_json
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection, text, update
 from sqlalchemy.exc import OperationalError
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from api.deps import Page
 from api.reads import Reads
@@ -67,8 +67,7 @@ def test_last_used_is_written_at_most_once_a_minute(api: Api) -> None:
     old = first - timedelta(minutes=2)
     with api.engine.begin() as conn:
         conn.execute(
-            text("UPDATE api_token SET last_used_at = :t WHERE name = 'operator-token'"),
-            {"t": old.replace(tzinfo=None).strftime("%Y-%m-%d %H:%M:%S.%f")},
+            update(ApiToken).where(col(ApiToken.name) == "operator-token").values(last_used_at=old)
         )
     api.client.get("/v1/runs", headers=api.h(Role.OPERATOR))
     later = _last_used(api, Role.OPERATOR)

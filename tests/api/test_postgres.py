@@ -21,6 +21,7 @@ from org_node.db.engine import current_revision, head_revision, make_engine, mig
 from tests.api import (
     test_audit_routes,
     test_datasets,
+    test_hot_paths,
     test_policies,
     test_runs,
     test_tokens,
@@ -93,6 +94,11 @@ SHARED: list[Callable[[Api], None]] = [
     test_audit_routes.test_report_finds_a_tampered_entry,
     test_audit_routes.test_concurrent_appends_never_fork_the_chain,
     test_audit_routes.test_rolled_back_append_leaves_the_head_alone,
+    test_hot_paths.test_a_get_after_a_write_elsewhere_sees_the_write,
+    test_hot_paths.test_a_revoked_token_fails_on_the_next_request,
+    test_hot_paths.test_last_used_is_written_at_most_once_a_minute,
+    test_hot_paths.test_live_token_checks_like_find_token,
+    test_hot_paths.test_the_events_listing_answers_the_generic_encoding,
 ]
 
 
