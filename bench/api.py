@@ -448,8 +448,8 @@ def _rows(report: Report, db: str, f: Figures, base: Figures | None, quick: bool
         v["run_cpu_ms"],
         "ms/req",
         b["run_cpu_ms"] if b else v["health_cpu_ms"],
-        note=f"server process CPU per request at {RATE:g} req/s"
-        + ("" if b else "; baseline GET /healthz")
+        note=f"API server process CPU per request at {RATE:g} req/s"
+        + ("; baseline GET /healthz" if b is None else "; the PostgreSQL server's own not counted")
         + f"; load process {v['run_client_cpu_ms']:.3f} ms/req",
     )
     report.add(
@@ -474,7 +474,8 @@ def _rows(report: Report, db: str, f: Figures, base: Figures | None, quick: bool
         v["list_cpu_ms"],
         "ms/list",
         b["list_cpu_ms"] if b else v["page_cpu_ms"],
-        note="server CPU per listing of 10 000" + ("" if b else "; baseline one page"),
+        note="API server process CPU per listing of 10 000"
+        + ("; baseline one page" if b is None else "; the PostgreSQL server's own not counted"),
     )
 
 
