@@ -48,7 +48,7 @@ def test_wipe_hold_is_parsed() -> None:
     assert parse_wipe("org3@1") == Wipe("org3", 1)
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(600)
 def test_five_orgs_one_wiped_recovers_from_peers_and_all_five_train_on(tmp_path: Path) -> None:
     scenario = Scenario(orgs=5, rounds=3, seed=2, wipes=(Wipe("org3", 1, hold=True),))
     summary = _run(scenario, tmp_path / "wipe5", timeout=300)
