@@ -42,7 +42,12 @@ class Reads:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.inline = engine.dialect.name == "sqlite"
+        # a SQLite file; an in-memory database is one per connection, never shared
+        self.inline = engine.dialect.name == "sqlite" and engine.url.database not in (
+            None,
+            "",
+            ":memory:",
+        )
         self._conn: Connection | None = None
         self._lock = threading.Lock()
 

@@ -19,6 +19,7 @@ from sqlmodel import Session, col, select
 from api.deps import Page
 from api.reads import Reads
 from api.routers.audit import events_page_generic, events_page_sqlite
+from org_node.db.engine import make_engine
 from org_node.db.models import ApiToken, Role, Run
 from org_node.db.repo import append_audit_event, live_token, update_versioned
 from tests.api.conftest import Api, propose_run
@@ -203,3 +204,12 @@ def test_the_events_listing_answers_the_generic_encoding(api: Api) -> None:
     with Session(api.engine) as s:
         generic = events_page_generic(s, [], Page(1, 5))
     assert got.json() == json.loads(to_json({"data": generic, "count": 9}))
+
+
+def test_reads_stay_off_the_loop_where_they_must(api: Api) -> None:
+    assert Reads(api.engine).inline is (api.engine.dialect.name == "sqlite")
+    memory = make_engine("sqlite://")
+    try:
+        assert Reads(memory).inline is False  # one database per connection: never shared
+    finally:
+        memory.dispose()

@@ -99,6 +99,7 @@ SHARED: list[Callable[[Api], None]] = [
     test_hot_paths.test_last_used_is_written_at_most_once_a_minute,
     test_hot_paths.test_live_token_checks_like_find_token,
     test_hot_paths.test_the_events_listing_answers_the_generic_encoding,
+    test_hot_paths.test_reads_stay_off_the_loop_where_they_must,
 ]
 
 
