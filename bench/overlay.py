@@ -17,7 +17,10 @@ org sends, envelopes and signatures included):
   Target ``>= n / 2.5``.
 - ``round_vs_plain_ring[...]``: wall seconds of a whole secure round (ready, key
   shares, masking, ring, unmasking) ÷ a plaintext ring all-reduce of the same payload
-  over the same transport. Target ``<= 1.5``.
+  over the same transport. Target ``<= 1.5``. Over TLS both run warm (after one
+  untimed run of each, as connections outlive rounds in a deployment), alternate
+  five times, start together at a clock time agreed by a small all-reduce (the
+  processes share one clock), and each figure is the median of its five runs.
 - ``detect_seconds[n]``, ``detect_periods[n]``, ``disseminate_periods[n]`` and
   ``msgs_per_node_per_period[n]``: SWIM failure detection and message rate, from
   :mod:`bench.overlay_membership`. Detection is SWIM's *first* detection (SWIM §3.1:
