@@ -1143,7 +1143,8 @@ class GlobalHistoryStore:
 
     Each node calls :meth:`add_version` with the model it just stepped to (the same
     bytes on every node, as the round engine checks by gossiping its SHA-256). The code
-    is deterministic and the placement is computed from the live members, so every node
+    is deterministic and the placement is computed from the round's agreed survivors
+    (the live members when none are given), so every node
     stores only the shards placed on it: about ``(k + m) / (k n)`` of each version,
     instead of a full copy. ``retention`` versions are kept. Any node rebuilds version
     ``v`` from any ``k`` shards (:meth:`rebuild`), verified against the gossiped hash.
@@ -1196,15 +1197,27 @@ class GlobalHistoryStore:
         """Versions of which this node holds shards, oldest first."""
         return sorted({s.manifest.version for s in self.store.list(GLOBAL_OWNER, GLOBAL_SET)})
 
-    def add_version(self, version: int, model: bytes, model_sha256: str) -> ShardSetManifest:
+    def add_version(
+        self,
+        version: int,
+        model: bytes,
+        model_sha256: str,
+        *,
+        members: Iterable[str] | None = None,
+    ) -> ShardSetManifest:
         """Code ``model`` (version ``version``), keep this node's shards, prune old ones.
+
+        ``members`` are the orgs that hold this version (a round's agreed survivors):
+        the shards are placed on them only, so every holder computes the same placement
+        from the same agreed set, and no shard lands on a live member that missed the
+        round and so cannot store it. Without ``members``, the live members.
 
         CPU-bound (hashing and coding the whole model): from a coroutine, run it with
         ``asyncio.to_thread`` for large models.
         """
         if hashlib.sha256(model).hexdigest() != model_sha256:
             raise ManifestInvalid(f"model bytes of version {version} do not match its hash")
-        placement = self._placement(version, self.live())
+        placement = self._placement(version, self.live() if members is None else members)
         manifest, encoded = self._manifest(model, version, model_sha256, placement.holders)
         mine = {i: encoded.shards[i] for i in placement.shards_of(self.me)}
         if mine:

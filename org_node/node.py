@@ -735,7 +735,7 @@ class OrgNode:
         data = model_to_bytes(active.engine.state.model)
         sha = hashlib.sha256(data).hexdigest()
         try:
-            self.history.add_version(report.round, data, sha)
+            self.history.add_version(report.round, data, sha, members=report.survivors)
         except (ShardError, OSError) as exc:
             logger.warning("%s: global model history: %s", self.org_identity.org_id, exc)
         self.gossip.publish(MODEL_TOPIC, f"{report.run_key}/{report.round}", sha.encode())

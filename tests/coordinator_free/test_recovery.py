@@ -316,6 +316,32 @@ def test_global_history_repair_after_loss(tmp_path: Path) -> None:
     asyncio.run(main())
 
 
+def test_global_history_is_placed_on_the_rounds_survivors_only(tmp_path: Path) -> None:
+    """A live member that missed the round holds no shard of it, yet rebuilds it (its
+    catch-up) from the survivors' shards even with m of them gone."""
+
+    async def main() -> None:
+        params = CodeParams(2, 2)
+        async with cluster(tmp_path, 6) as c:
+            stores = _history(c, params)
+            survivors = ("o1", "o2", "o3", "o4", "o5")  # o0 is live but missed the round
+            model = os.urandom(12_000)
+            digest = hashlib.sha256(model).hexdigest()
+            manifests = {
+                stores[o].add_version(4, model, digest, members=survivors) for o in survivors
+            }
+            (manifest,) = manifests
+            assert set(manifest.holders) <= set(survivors)
+            held = {o for o in survivors if c.nodes[o].store.list(GLOBAL_OWNER)}
+            assert held == set(manifest.holders) and len(held) == params.n
+            assert c.nodes["o0"].store.list(GLOBAL_OWNER) == []
+            for lost in sorted(held)[: params.m]:
+                c.kill(lost)
+            assert await stores["o0"].rebuild(4, digest, c.live()) == model
+
+    asyncio.run(main())
+
+
 def test_put_of_a_global_set_from_a_member_is_refused(tmp_path: Path) -> None:
     async def main() -> None:
         async with cluster(tmp_path, 3) as c:
