@@ -495,6 +495,8 @@ class SecAggSession:
 
     def masked_input(self) -> np.ndarray:
         self.peer.close_shares()
+        if self.codec is not None:  # the encoded vector is this session's own: mask in place
+            return self.peer.masked_input(self._x, out=self._x)
         return self.peer.masked_input(self._x)
 
     def unmask(self, survivors: frozenset[str]) -> bytes:
