@@ -35,6 +35,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -508,26 +509,38 @@ def _run_action(node: NodeProcess, action: str) -> bool:
     return False
 
 
+def _act_on_all(nodes: list[NodeProcess], action: str) -> list[NodeProcess]:
+    """``action`` (``pause`` or ``resume``) at every node at once; the nodes where it took.
+
+    Sent concurrently: one after another, the last org could finish its round and start
+    the next before its pause arrived, or start a round well after the first resumed."""
+    if not nodes:
+        return []
+    with ThreadPoolExecutor(max_workers=len(nodes)) as pool:
+        took = list(pool.map(lambda n: _run_action(n, action), nodes))
+    return [n for n, ok in zip(nodes, took, strict=True) if ok]
+
+
 def _pause_all(obs: Observation) -> list[NodeProcess]:
     """Pause the run at every live org whose run is still going; those paused."""
-    paused = []
+    going = []
     for node in obs.nodes.values():
-        _poll(node)
-        if node.down or node.state in _TERMINAL:
-            continue
-        if _run_action(node, "pause"):
-            paused.append(node)
-    return paused
+        if not (node.down or node.state in _TERMINAL):
+            going.append(node)
+    return _act_on_all(going, "pause")
 
 
 def _pause_due(obs: Observation, wipe: Wipe) -> bool:
-    """Time to pause everyone for a held wipe: the org's update of round ``wipe.round``
-    is in the secure sum (every org is inside that round, so each one finishes it and
-    stops before the next), or the org already finished that round."""
-    node = obs.nodes[wipe.org]
-    return _export_file(obs, wipe.org, wipe.round - 1).exists() or (
-        node.state == "running" and node.round >= wipe.round
-    )
+    """Time to pause everyone for a held wipe: the first org's update of round
+    ``wipe.round`` is in the secure sum. The round cannot end before every participant's
+    update is in too, so every org is inside that round: each one finishes it and stops
+    before the next. Also due once any org finished that round (too late to hold it)."""
+    for org, node in obs.nodes.items():
+        if _export_file(obs, org, wipe.round - 1).exists():
+            return True
+        if node.state == "running" and node.round >= wipe.round:
+            return True
+    return False
 
 
 def _paused_between_rounds(nodes: list[NodeProcess], wipe: Wipe) -> bool:
@@ -592,7 +605,7 @@ def _release(
             time.sleep(0.2)
         else:
             record["caught_up_before_resume"] = False
-    record["resumed_by"] = sorted(n.org for n in held if _run_action(n, "resume"))
+    record["resumed_by"] = sorted(n.org for n in _act_on_all(held, "resume"))
 
 
 def _inject_wipe(
