@@ -60,6 +60,7 @@ from sqlalchemy.exc import OperationalError
 from sqlmodel import Session
 
 from api.app import create_app
+from api.serve import bind
 from api.settings import Settings
 from bench.common import Report, run_main
 from org_node.db.engine import make_engine
@@ -302,9 +303,7 @@ def _serve(url: str, data_dir: Path) -> Iterator[tuple[int, str, str]]:
     node = StaticNode(NodeIdentityInfo("org-a", "Org A", "0" * 64, "https://127.0.0.1:1", "b"))
     app = create_app(settings, node, engine=engine)
     run_id, token = _seed(engine)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
+    sock = bind("127.0.0.1", 0)  # as ``fedweave run`` listens (TCP_NODELAY on its connections)
     port = sock.getsockname()[1]
     server = uvicorn.Server(
         uvicorn.Config(app, loop="asyncio", http="httptools", log_level="warning", access_log=False)

@@ -191,7 +191,7 @@ async def _node(workdir: Path, me: str, orgs: list[str], params: int, repeats: i
     for run, rnd in opened:
         ring_engine.ring.open(run, rnd)
     await endpoint.start()
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     tls_app = transport.inner.asgi_app()  # type: ignore[attr-defined]

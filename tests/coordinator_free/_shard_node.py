@@ -111,7 +111,7 @@ async def main(argv: list[str] | None = None) -> int:
     ShardService(endpoint, ShardStore(data / "shards"), lambda: keys)
     await endpoint.start()
 
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(
         uvicorn.Config(

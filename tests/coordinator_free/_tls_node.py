@@ -59,7 +59,7 @@ async def run_node(workdir: Path, me: str, orgs: list[str], die_at: str | None) 
     )
     await endpoint.start()
 
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(

@@ -49,7 +49,7 @@ def tampered(env: Envelope, **fields: Any) -> Envelope:
 
 def bound_socket() -> socket.socket:
     """A TCP socket bound to a free port on 127.0.0.1, not yet listening."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     return sock
