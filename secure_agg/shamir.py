@@ -15,6 +15,7 @@ define a polynomial), so protocols should pass the commitment or more than ``t``
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import os
@@ -145,36 +146,54 @@ def _batch_inverse(values: Sequence[int]) -> list[int]:
     return out
 
 
+@functools.lru_cache(maxsize=64)
+def _weights(xs: tuple[int, ...]) -> tuple[int, ...]:
+    """Barycentric weights ``1 / prod_{j != i} (x_i - x_j)`` of the points ``xs``."""
+    denominators = []
+    for i, xi in enumerate(xs):
+        d = 1
+        for j, xj in enumerate(xs):
+            if i != j:
+                d = d * (xi - xj) % PRIME
+        denominators.append(d)
+    return tuple(_batch_inverse(denominators))
+
+
+@functools.lru_cache(maxsize=1024)
+def _lagrange_at(xs: tuple[int, ...], at: int) -> tuple[int, ...]:
+    """The Lagrange basis of the points ``xs`` evaluated at ``at`` (not one of ``xs``):
+    ``p(at) = sum_i L_i * y_i`` for the polynomial through ``(xs[i], y_i)``."""
+    gaps = [(at - x) % PRIME for x in xs]
+    node = 1
+    for g in gaps:
+        node = node * g % PRIME
+    return tuple(
+        node * w % PRIME * inv % PRIME
+        for w, inv in zip(_weights(xs), _batch_inverse(gaps), strict=True)
+    )
+
+
 class _Interpolant:
     """The polynomial through ``points`` in barycentric form (Berrut and Trefethen, 2004).
 
-    Setup costs ``O(t^2)`` multiplications and one inversion; each evaluation costs
-    ``O(t)`` and one inversion, so checking many extra shares stays cheap.
+    The weights and the basis at each evaluation point depend on the ``x`` of the
+    points only, which are the same for every secret one set of holders releases
+    (every org's self-mask seed in an unmasking): they are computed once per set of
+    ``x`` (``O(t^2)`` and one inversion, then ``O(t)`` and one inversion per point) and
+    cached, so each further secret costs ``O(t)`` multiplications per evaluation.
     """
 
     def __init__(self, points: Sequence[Share]) -> None:
-        self.xs = [p.x for p in points]
+        self.xs = tuple(p.x for p in points)
         self.ys = [p.y for p in points]
-        denominators = []
-        for i, xi in enumerate(self.xs):
-            d = 1
-            for j, xj in enumerate(self.xs):
-                if i != j:
-                    d = d * (xi - xj) % PRIME
-            denominators.append(d)
-        self.weights = _batch_inverse(denominators)
 
     def __call__(self, at: int) -> int:
         if at in self.xs:
             return self.ys[self.xs.index(at)]
-        gaps = [(at - x) % PRIME for x in self.xs]
-        node = 1
-        for g in gaps:
-            node = node * g % PRIME
         total = 0
-        for w, y, inv in zip(self.weights, self.ys, _batch_inverse(gaps), strict=True):
-            total += w * y % PRIME * inv
-        return node * (total % PRIME) % PRIME
+        for basis, y in zip(_lagrange_at(self.xs, at), self.ys, strict=True):
+            total += basis * y
+        return total % PRIME
 
 
 def combine(
