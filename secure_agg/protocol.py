@@ -592,6 +592,7 @@ class SecAggPeer:
                 check_ring(out, cfg.bits, cfg.vector_length)
         except RingError as exc:
             raise BadVector(f"input of {self.me}: {exc}") from None
+        in_place = False
         if out is not None:
             if out.dtype != x.dtype or not out.flags.c_contiguous or not out.flags.writeable:
                 raise BadVector(
@@ -611,15 +612,8 @@ class SecAggPeer:
                 agree(own.s.private, self._adverts[j].s_pk), cfg.ctx, self.me, j
             )
             masks.append((seed, cfg.mask_sign(self.me, j)))
-        if out is None:
-            y = np.empty_like(x)
-            prg.add_masks(y, masks, base=x)
-        elif in_place:
-            y = out
-            prg.add_masks(y, masks)
-        else:
-            y = out
-            prg.add_masks(y, masks, base=x)
+        y = np.empty_like(x) if out is None else out
+        prg.add_masks(y, masks, base=None if in_place else x)
         self._masked = True
         return y
 

@@ -523,10 +523,7 @@ def _act_on_all(nodes: list[NodeProcess], action: str) -> list[NodeProcess]:
 
 def _pause_all(obs: Observation) -> list[NodeProcess]:
     """Pause the run at every live org whose run is still going; those paused."""
-    going = []
-    for node in obs.nodes.values():
-        if not (node.down or node.state in _TERMINAL):
-            going.append(node)
+    going = [n for n in obs.nodes.values() if not (n.down or n.state in _TERMINAL)]
     return _act_on_all(going, "pause")
 
 

@@ -247,29 +247,27 @@ def task() -> Task:
     )
 
 
+def _lm_task(name: str, config: GPTConfig) -> Task:
+    return Task(
+        name=name,
+        build_model=lambda seed: build_model(seed, config),
+        build_data=lambda: build_data(config.block_size),
+        loss=lm_loss,
+        metrics=lm_metrics,
+    )
+
+
 WIDE = GPTConfig(n_layers=4, d_model=256, n_heads=8, block_size=64)
 
 
 def task_wide() -> Task:
     """A wider variant (d_model 256, 8 heads, 64 characters) for throughput benchmarks."""
-    return Task(
-        name="gpt-wide",
-        build_model=lambda seed: build_model(seed, WIDE),
-        build_data=lambda: build_data(WIDE.block_size),
-        loss=lm_loss,
-        metrics=lm_metrics,
-    )
+    return _lm_task("gpt-wide", WIDE)
 
 
 LARGE = GPTConfig(n_layers=4, d_model=1024, n_heads=16, block_size=64)
 
 
 def task_large() -> Task:
-    """The regime tensor and pipeline parallelism are for: d_model 768 (28M parameters)."""
-    return Task(
-        name="gpt-large",
-        build_model=lambda seed: build_model(seed, LARGE),
-        build_data=lambda: build_data(LARGE.block_size),
-        loss=lm_loss,
-        metrics=lm_metrics,
-    )
+    """The regime tensor and pipeline parallelism are for: d_model 1024 (50.6M parameters)."""
+    return _lm_task("gpt-large", LARGE)

@@ -187,9 +187,11 @@ def test_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert all(r["problems"] == [] for r in rows)
 
 
-def test_a_split_during_the_key_shares_is_detected_never_summed() -> None:
-    config = SimConfig(peers=6, length=40, seed=13, round_config=QUICK)
-    halves = (("org-0", "org-1", "org-2"), ("org-3", "org-4", "org-5"))
+def _split_during_shares(
+    config: SimConfig, halves: tuple[tuple[str, ...], tuple[str, ...]]
+) -> tuple[RoundOutcome, RoundOutcome]:
+    """Round 1 with the network split into ``halves`` as the key shares start, then a
+    round 2 after it heals."""
 
     async def scenario() -> tuple[RoundOutcome, RoundOutcome]:
         async with Simulation(config) as sim:
@@ -206,7 +208,14 @@ def test_a_split_during_the_key_shares_is_detected_never_summed() -> None:
             sim.network.heal()
             return first, await sim.round(2)
 
-    first, second = asyncio.run(scenario())
+    return asyncio.run(scenario())
+
+
+def test_a_split_during_the_key_shares_is_detected_never_summed() -> None:
+    config = SimConfig(peers=6, length=40, seed=13, round_config=QUICK)
+    halves = (("org-0", "org-1", "org-2"), ("org-3", "org-4", "org-5"))
+
+    first, second = _split_during_shares(config, halves)
     # each half saw the other ready but lost its shares: the halves' views differ, and
     # neither half alone reaches t = 4 of 6, so every node fails and says why; no node
     # sums over a view the others do not share
@@ -289,22 +298,7 @@ def test_a_split_under_secagg_plus_is_detected_by_the_token_never_summed() -> No
     orgs = [f"org-{i:02d}" for i in range(n)]
     halves = (tuple(orgs[::2]), tuple(orgs[1::2]))
 
-    async def scenario() -> tuple[RoundOutcome, RoundOutcome]:
-        async with Simulation(config) as sim:
-            split = asyncio.Event()
-
-            async def hook(org: str, run: str, round: int, stage: str) -> None:
-                if round == 1 and stage == "share" and not split.is_set():
-                    split.set()
-                    sim.network.partition(*halves)
-
-            for engine in sim.engines.values():
-                engine.hook = hook
-            first = await sim.round(1)
-            sim.network.heal()
-            return first, await sim.round(2)
-
-    first, second = asyncio.run(scenario())
+    first, second = _split_during_shares(config, halves)
     assert first.problems() == []
     assert not first.results
     assert set(first.failures) == set(orgs)
