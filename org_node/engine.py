@@ -41,8 +41,11 @@ participant's own key. Steps 6-8 are the same for both.
 
 Harness-only debug export: with ``debug_export`` set (the node allows it only when its
 config says ``harness = true``), each round's *plaintext* packed vector is written to
-``DIR/<org>/<run>/round-<r>.npy`` so that a test harness can recompute plain FedAvg.
-Never on by default; never for a real deployment.
+``DIR/<org>/<run>/round-<r>.npy`` so that a test harness can recompute plain FedAvg,
+and while a file ``round-<r>.hold`` sits next to it the engine waits before it sends
+anything of that round (the harness kills an org there: its update made, not yet in
+the secure sum, every other org already in the round). Never on by default; never for
+a real deployment.
 """
 
 from __future__ import annotations
@@ -680,6 +683,16 @@ class RunEngine:
         target.mkdir(parents=True, exist_ok=True)
         np.save(target / f"round-{round:06d}.npy", packed)
 
+    async def _held(self, round: int) -> None:
+        """Harness only: wait while ``round-<r>.hold`` sits next to the round's export."""
+        if self.debug_export is None:
+            return
+        hold = (
+            self.debug_export / self.rounds.org_id / self.plan.run_key / f"round-{round:06d}.hold"
+        )
+        while hold.exists():
+            await asyncio.sleep(0.05)
+
     async def _aggregate(self, round: int, vector: np.ndarray) -> _Aggregate:
         """The secure sum of this round (decoded), retried over fresh protocol rounds."""
         last: RoundFailed | None = None
@@ -728,6 +741,7 @@ class RunEngine:
         check_update(result.update, model)
         packed = self._pack(result)
         self._export(r, packed)
+        await self._held(r)
         try:
             vector = packed if self.ckks is not None else self._protect(packed)
         except SecAggError as exc:

@@ -409,7 +409,16 @@ def _propose_and_accept(obs: Observation) -> None:
 
 
 def _start_run(obs: Observation) -> None:
-    """Start the accepted run at every org through its own API."""
+    """Start the accepted run at every org through its own API.
+
+    First, for each ``reduce`` kill, the hold file that stops the org once its update of
+    that round is made and exported, before any of it is sent: the kill then always
+    finds it there (watching the export alone, the round could end first)."""
+    for kill in obs.scenario.kills:
+        if kill.stage == "reduce":
+            hold = _export_file(obs, kill.org, kill.round - 1).with_suffix(".hold")
+            hold.parent.mkdir(parents=True, exist_ok=True)
+            hold.touch()
     for org in obs.scenario.names:
         node = obs.nodes[org]
         with node.client() as c:
@@ -488,6 +497,7 @@ def _inject_kill(procs: _Processes, obs: Observation, kill: Kill) -> None:
     assert node.proc is not None
     procs.kill9(node.proc)
     node.down, node.state = True, "killed"
+    _export_file(obs, kill.org, kill.round - 1).with_suffix(".hold").unlink(missing_ok=True)
     obs.faults.append(
         {
             "kind": "kill",

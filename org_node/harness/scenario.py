@@ -5,8 +5,9 @@ aggregation backend, the strategy, and the faults to inject:
 
 * ``--kill ORG@ROUND[:STAGE]``: ``kill -9`` the org's node during round ``ROUND``
   (1-based) at ``STAGE`` — ``train`` (as soon as the org starts the round) or
-  ``reduce`` (as soon as its update is packed and enters the secure sum, observed
-  through the harness-only debug export). The org stays down for the rest of the run.
+  ``reduce`` (once its update is packed, with the other orgs already in the round's
+  secure sum: the harness-only debug export holds the org there until it is killed,
+  so it never sends any of that round). The org stays down for the rest of the run.
 * ``--wipe ORG@ROUND[:hold]``: once the org has finished round ``ROUND``, ``kill -9``
   it, delete its data directory, rebuild it with ``fedweave recover`` from its offline
   backup and a peer's manifest chain, and start it again; it rejoins the run. With

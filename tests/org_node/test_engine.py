@@ -306,6 +306,41 @@ def test_harness_debug_export_writes_each_plaintext_update(tmp_path: Path) -> No
     assert packed[-2:].tolist() == [40.0, 10.0]
 
 
+def test_a_harness_hold_file_stops_the_org_after_its_export_until_removed(
+    tmp_path: Path,
+) -> None:
+    key = plan(rounds=1).run_key
+    export = tmp_path / "export"
+    hold = export / "org-b" / key / "round-000000.hold"
+    hold.parent.mkdir(parents=True)
+    hold.touch()
+
+    async def scenario() -> dict[str, RunEngine]:
+        fed = Federation()
+        await fed.start()
+        trainers = {o: FixedTrainer(0.1 * (i + 1)) for i, o in enumerate(ORGS)}
+        engines = make_engines(fed, tmp_path, trainers, plan(rounds=1), fast(), debug_export=export)
+        try:
+            runs = asyncio.gather(*(e.run() for e in engines.values()))
+            for _ in range(200):  # until org-b's update is made and exported
+                if hold.with_suffix(".npy").exists():
+                    break
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.5)
+            # held: nobody finished the round, since org-b sent nothing of it
+            assert hold.with_suffix(".npy").exists()
+            assert [e.state.round for e in engines.values()] == [0, 0, 0]
+            hold.unlink()
+            await runs
+        finally:
+            await fed.close()
+        return engines
+
+    engines = asyncio.run(scenario())
+    assert [e.state.round for e in engines.values()] == [1, 1, 1]
+    assert len({model_hash(e.state.model) for e in engines.values()}) == 1
+
+
 def test_ckks_backend_gives_every_org_the_same_model(tmp_path: Path) -> None:
     async def scenario() -> tuple[list[Any], dict[str, RunEngine], int]:
         fed = Federation()
