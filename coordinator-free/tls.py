@@ -12,7 +12,7 @@ expose the client certificate to the application; every message is in any case s
 by its sender's identity key and checked by the endpoint's
 :class:`~coordinator_free.transport.MessageGuard`.)
 
-Client side: one ``httpx.AsyncClient`` per peer over an httpcore connection pool whose
+Client side: one httpx transport per peer over an httpcore connection pool whose
 network backend checks the server certificate against the fingerprint pinned in the
 manifest **right after the TLS handshake and before a single HTTP byte is written**.
 The SSL context itself does no CA or hostname verification (``CERT_NONE``): the pin is
@@ -365,7 +365,7 @@ class TlsTransport:
         self._peers = peers
         self._context = client_ssl_context(identity)
         self._rng = rng or random.Random()
-        self._clients: dict[str, tuple[PeerAddress, httpx.AsyncClient]] = {}
+        self._clients: dict[str, tuple[PeerAddress, _PinnedTransport, httpx.URL]] = {}
         self._handler: RawHandler | None = None
         self.retries = 0
         """Connection attempts retried so far (for tests and metrics)."""
@@ -412,6 +412,10 @@ class TlsTransport:
         except Exception:
             logger.exception("%s: peer message handler failed", self.org_id)
             return Response(status_code=500)
+        if len(reply) <= self.config.chunk_size:
+            # one write: no streaming machinery (a task group per response) for the
+            # small replies that most messages get
+            return Response(reply, media_type="application/octet-stream")
         return StreamingResponse(
             self._chunks(reply),
             media_type="application/octet-stream",
@@ -426,7 +430,9 @@ class TlsTransport:
 
     # client side
 
-    async def _client(self, peer: str) -> tuple[PeerAddress, httpx.AsyncClient]:
+    async def _client(self, peer: str) -> tuple[PeerAddress, _PinnedTransport, httpx.URL]:
+        """The peer's address, pinned transport and message URL (made on first use, and
+        again when the manifest changes the address)."""
         address = self._peers().get(peer)
         if address is None:
             raise PeerUnreachable(f"no address for {peer!r}")
@@ -439,7 +445,7 @@ class TlsTransport:
         transport = _PinnedTransport(
             self._context, address.fingerprint, self.config.max_connections_per_peer
         )
-        entry = (address, httpx.AsyncClient(transport=transport, base_url=address.url))
+        entry = (address, transport, httpx.URL(address.url).join(PEER_PATH))
         self._clients[peer] = entry
         return entry
 
@@ -461,9 +467,9 @@ class TlsTransport:
     async def _request_with_retries(self, peer: str, data: bytes, timeout: float) -> bytes:
         attempt = 0
         while True:
-            address, client = await self._client(peer)
+            _, transport, url = await self._client(peer)
             try:
-                return await self._post(client, address, peer, data, timeout)
+                return await self._post(transport, url, peer, data, timeout)
             except _ConnectFailed as exc:
                 if attempt >= self.config.connect_retries:
                     raise PeerUnreachable(f"cannot connect to {peer!r}: {exc}") from None
@@ -475,27 +481,33 @@ class TlsTransport:
 
     async def _post(
         self,
-        client: httpx.AsyncClient,
-        address: PeerAddress,
+        transport: _PinnedTransport,
+        url: httpx.URL,
         peer: str,
         data: bytes,
         timeout: float,
     ) -> bytes:
+        """One POST straight through the peer's pinned transport (a client's cookies,
+        redirects and URL merging have no use here and cost more than the send)."""
+        request = httpx.Request(
+            "POST",
+            url,
+            # a small message goes in one write, a large one chunk by chunk
+            content=data if len(data) <= self.config.chunk_size else self._chunks(data),
+            headers={
+                "content-type": "application/octet-stream",
+                "content-length": str(len(data)),
+            },
+            extensions={"timeout": httpx.Timeout(timeout).as_dict()},
+        )
         try:
-            async with client.stream(
-                "POST",
-                PEER_PATH,
-                content=self._chunks(data),
-                headers={
-                    "content-type": "application/octet-stream",
-                    "content-length": str(len(data)),
-                },
-                timeout=httpx.Timeout(timeout),
-            ) as response:
+            response = await transport.handle_async_request(request)
+            try:
                 if response.status_code == 200:
                     return await self._read_reply(response, peer)
-                await response.aclose()
                 raise self._status_error(response, peer)
+            finally:
+                await response.aclose()
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             raise _ConnectFailed(str(exc) or type(exc).__name__) from None
         except httpx.TimeoutException:
@@ -506,7 +518,7 @@ class TlsTransport:
     async def _read_reply(self, response: httpx.Response, peer: str) -> bytes:
         limit = self.config.max_message_bytes
         body = bytearray()
-        async for chunk in response.aiter_bytes():
+        async for chunk in response.aiter_raw():
             body.extend(chunk)
             if len(body) > limit:
                 logger.warning("%s refused a reply: %s (from %r)", self.org_id, "oversized", peer)
@@ -528,5 +540,5 @@ class TlsTransport:
         """Stop serving and close every client connection."""
         self._handler = None
         clients, self._clients = self._clients, {}
-        for _, client in clients.values():
-            await client.aclose()
+        for _, transport, _ in clients.values():
+            await transport.aclose()
