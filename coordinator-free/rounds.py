@@ -411,7 +411,8 @@ class MaskedSum(Protocol):
         ...
 
     def unmasked_sum(self, masked_sum: np.ndarray) -> np.ndarray:
-        """The sum of the survivors' inputs, from the ring's sum of masked inputs."""
+        """The sum of the survivors' inputs, from the ring's sum of masked inputs (the
+        engine's own array, which the session may unmask in place)."""
         ...
 
 
@@ -511,7 +512,7 @@ class SecAggSession:
         return not self.peer.missing_shares()
 
     def unmasked_sum(self, masked_sum: np.ndarray) -> np.ndarray:
-        total = self.peer.finalize(masked_sum)
+        total = self.peer.finalize(masked_sum, in_place=True)
         return self.codec.decode(total) if self.codec is not None else total
 
 
