@@ -16,8 +16,10 @@ on each of the N hosts run::
 Each host starts ``world_size / N`` ranks; the spec's degrees must fill the whole world,
 and with ``device="cuda"`` each host needs that many GPUs. Unless the environment
 sets ``OMP_NUM_THREADS``, each rank gets an even share of the host's cores
-(:func:`threads_per_rank`), the same for every layout. Kubernetes' PyTorchJob and
-Slurm ``srun torchrun ...`` set the same flags. Rank 0 writes the result.
+(:func:`threads_per_rank`), the same for every layout, and PyTorch's CPU allocator
+backs buffers of 2 MB and more with transparent huge pages (``THP_MEM_ALLOC_ENABLE=1``,
+unless the environment sets it). Kubernetes' PyTorchJob and Slurm ``srun torchrun ...``
+set the same flags. Rank 0 writes the result.
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ __all__ = [
 ]
 
 _PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+#: PyTorch's switch for transparent huge pages under its CPU allocations (>= 2 MB).
+THP_ENV = "THP_MEM_ALLOC_ENABLE"
 
 
 @dataclass(frozen=True)
@@ -123,6 +128,11 @@ def _child_env(extra: dict[str, str] | None, ranks_on_host: int) -> dict[str, st
     path = env.get("PYTHONPATH")
     env["PYTHONPATH"] = f"{_PROJECT_ROOT}{os.pathsep}{path}" if path else str(_PROJECT_ROOT)
     env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(ranks_on_host)))
+    # PyTorch's CPU allocator backs buffers of 2 MB and more with transparent huge pages
+    # (madvise): FSDP2 allocates its all-gather and reduce-scatter buffers and the unsharded
+    # parameters and gradients afresh every step, and on 4 KB pages the kernel's page
+    # faults on them cost as much CPU time as the collectives themselves.
+    env.setdefault(THP_ENV, "1")
     env.update(extra or {})
     return env
 

@@ -1,6 +1,7 @@
 """The GPT's tensor-parallel plan moves as few activations as Megatron-LM's, checked by
 counting DTensor's collectives on an in-process fake group of two ranks; and the layout
-choices the job makes (FSDP2 resharding, threads per rank) follow their rules."""
+choices the job makes (FSDP2 resharding, threads per rank, huge pages) follow
+their rules."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from org_node.tasks.gpt import GPTConfig, build_model
 from org_node.training import ParallelDims
-from org_node.training.launch import threads_per_rank
+from org_node.training.launch import THP_ENV, _child_env, threads_per_rank
 from org_node.training.parallelize import reshard_after_forward
 
 
@@ -76,3 +77,13 @@ def test_threads_per_rank_share_the_cores(monkeypatch: pytest.MonkeyPatch) -> No
     assert threads_per_rank(4) == 4
     assert threads_per_rank(3) == 5
     assert threads_per_rank(32) == 1
+
+
+def test_ranks_get_huge_pages_unless_the_environment_says(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(THP_ENV, raising=False)
+    assert _child_env(None, 4)[THP_ENV] == "1"
+    monkeypatch.setenv(THP_ENV, "0")
+    assert _child_env(None, 4)[THP_ENV] == "0"
+    assert _child_env({THP_ENV: "0"}, 4)[THP_ENV] == "0"
