@@ -1,8 +1,9 @@
 """HTTPS with mutual TLS between org processes: server routes and an httpx client.
 
-Server side: :meth:`TlsTransport.routes` (or :meth:`TlsTransport.asgi_app`) is one
-Starlette route, ``POST /fedweave/peer/v1/message``, that the API layer mounts on the
-peer port. The composition root serves it with uvicorn using :func:`uvicorn_ssl_options`:
+Server side: :meth:`TlsTransport.asgi_app` answers ``POST /fedweave/peer/v1/message``
+and nothing else, straight from the ASGI messages (:meth:`TlsTransport.routes` is the
+same as a Starlette route). The composition root serves it on the peer port with
+uvicorn using :func:`uvicorn_ssl_options`:
 the org's certificate and key, and a trust bundle (:func:`write_trust_bundle`) holding
 exactly the members' certificates with ``ssl.CERT_REQUIRED``. A member certificate is
 self-signed, so it is its own trust anchor and OpenSSL accepts that certificate (or
@@ -44,7 +45,7 @@ import random
 import re
 import ssl
 import tempfile
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,7 +63,6 @@ from coordinator_free.errors import (
 )
 from coordinator_free.identity import CERT_FILE, KEY_FILE, OrgIdentity
 from coordinator_free.transport import RawHandler
-from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
@@ -338,6 +338,71 @@ class _PinnedTransport(httpx.AsyncBaseTransport):
         await self._pool.aclose()
 
 
+class _PeerApp:
+    """ASGI application of the peer port: ``POST`` :data:`PEER_PATH`, nothing else.
+
+    The same answers as :meth:`TlsTransport.routes` under Starlette (404 for another
+    path, 405 for another method), read and written straight from the ASGI messages.
+    """
+
+    def __init__(self, transport: TlsTransport) -> None:
+        self._transport = transport
+
+    async def __call__(
+        self,
+        scope: MutableMapping[str, Any],
+        receive: Callable[[], Awaitable[MutableMapping[str, Any]]],
+        send: Callable[[MutableMapping[str, Any]], Awaitable[None]],
+    ) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        if scope["path"] != PEER_PATH:
+            await _respond(send, 404, {}, b"Not Found")
+            return
+        if scope["method"] != "POST":
+            await _respond(send, 405, {"allow": "POST"}, b"Method Not Allowed")
+            return
+
+        async def chunks() -> AsyncIterator[bytes]:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise ClientDisconnect()
+                yield message.get("body", b"")
+                if not message.get("more_body", False):
+                    return
+
+        status, headers, body = await self._transport._answer(chunks())
+        await _respond(send, status, headers, body, self._transport.config.chunk_size)
+
+
+async def _respond(
+    send: Callable[[MutableMapping[str, Any]], Awaitable[None]],
+    status: int,
+    headers: Mapping[str, str],
+    body: bytes,
+    chunk_size: int = 1 << 30,
+) -> None:
+    """Send one response: its head, then ``body`` in pieces of ``chunk_size`` bytes
+    (the server's ``send`` waits while the socket's buffer is full: the backpressure)."""
+    raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+    raw.append((b"content-length", str(len(body)).encode("ascii")))
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    view = memoryview(body)
+    for start in range(0, max(len(view), 1), chunk_size):
+        piece = bytes(view[start : start + chunk_size])
+        more = start + chunk_size < len(view)
+        await send({"type": "http.response.body", "body": piece, "more_body": more})
+
+
 class _ConnectFailed(Exception):
     """Internal: the connection failed before the request reached the peer."""
 
@@ -377,18 +442,20 @@ class TlsTransport:
         self._handler = handler
 
     def routes(self) -> list[Route]:
-        """The peer route, for the API layer to mount on the peer port."""
+        """The peer route, for an application that serves other routes too."""
         return [Route(PEER_PATH, self._receive, methods=["POST"])]
 
-    def asgi_app(self) -> Starlette:
-        """A Starlette app with only the peer route."""
-        return Starlette(routes=self.routes())
+    def asgi_app(self) -> _PeerApp:
+        """The peer port's ASGI application: the peer route alone, with no framework's
+        routing and middleware between the socket and the handler (every message of
+        the federation passes here)."""
+        return _PeerApp(self)
 
-    async def _read_body(self, request: Request) -> bytes:
+    async def _read_body(self, chunks: AsyncIterator[bytes]) -> bytes:
         limit = self.config.max_message_bytes
         body = bytearray()
         received = 0
-        async for chunk in request.stream():
+        async for chunk in chunks:
             received += len(chunk)
             if len(body) <= limit:
                 body.extend(chunk[: limit + 1 - len(body)])
@@ -396,30 +463,33 @@ class TlsTransport:
                 break
         return bytes(body)
 
-    async def _receive(self, request: Request) -> Response:
+    async def _answer(self, chunks: AsyncIterator[bytes]) -> tuple[int, dict[str, str], bytes]:
+        """Status, headers and body of the answer to the message read from ``chunks``."""
         handler = self._handler
         if handler is None:
-            return Response(status_code=503)
+            return 503, {}, b""
         try:
-            body = await self._read_body(request)
+            body = await self._read_body(chunks)
         except ClientDisconnect:
             logger.info("%s: a peer disconnected while sending", self.org_id)
-            return Response(status_code=400)
+            return 400, {}, b""
         try:
             reply = await handler(body)
         except Refused as exc:
-            return Response(status_code=403, headers={REFUSAL_HEADER: exc.reason.value})
+            return 403, {REFUSAL_HEADER: exc.reason.value}, b""
         except Exception:
             logger.exception("%s: peer message handler failed", self.org_id)
-            return Response(status_code=500)
+            return 500, {}, b""
+        return 200, {"content-type": "application/octet-stream"}, reply
+
+    async def _receive(self, request: Request) -> Response:
+        status, headers, reply = await self._answer(request.stream())
         if len(reply) <= self.config.chunk_size:
-            # one write: no streaming machinery (a task group per response) for the
-            # small replies that most messages get
-            return Response(reply, media_type="application/octet-stream")
+            return Response(reply, status_code=status, headers=headers)
         return StreamingResponse(
             self._chunks(reply),
-            media_type="application/octet-stream",
-            headers={"content-length": str(len(reply))},
+            status_code=status,
+            headers={**headers, "content-length": str(len(reply))},
         )
 
     async def _chunks(self, data: bytes) -> AsyncIterator[bytes]:

@@ -355,3 +355,78 @@ def test_server_ssl_context_requires_client_certificates() -> None:
         server_ssl_context(a, [])
     with pytest.raises(ValueError):
         write_trust_bundle(Path("unused.pem"), [])
+
+
+# --- the peer port's ASGI application, driven with ASGI messages -------------------------
+
+
+def _asgi(
+    transport: TlsTransport, method: str, path: str, pieces: list[bytes], disconnect: bool = False
+) -> tuple[int, dict[str, str], list[dict[str, Any]]]:
+    """One request through ``transport.asgi_app()``: status, headers, body messages."""
+    incoming: list[dict[str, Any]] = [
+        {"type": "http.request", "body": p, "more_body": i + 1 < len(pieces) or disconnect}
+        for i, p in enumerate(pieces)
+    ]
+    if disconnect:
+        incoming.append({"type": "http.disconnect"})
+    out: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return incoming.pop(0)
+
+    async def send(message: Any) -> None:
+        out.append(dict(message))
+
+    scope = {"type": "http", "method": method, "path": path}
+    asyncio.run(transport.asgi_app()(scope, receive, send))
+    start, bodies = out[0], out[1:]
+    headers = {k.decode(): v.decode() for k, v in start["headers"]}
+    return start["status"], headers, bodies
+
+
+def _echo_transport(chunk_size: int = 1024) -> tuple[TlsTransport, list[bytes]]:
+    seen: list[bytes] = []
+
+    async def handler(data: bytes) -> bytes:
+        if data == b"refuse":
+            raise Refused(RefusalReason.REPLAY, "seen before")
+        seen.append(data)
+        return data * 3
+
+    transport = TlsTransport(identity("b"), dict, config=TlsConfig(chunk_size=chunk_size))
+    asyncio.run(transport.start(handler))
+    return transport, seen
+
+
+def test_peer_app_answers_the_peer_route_only() -> None:
+    transport, seen = _echo_transport()
+    status, _, _ = _asgi(transport, "POST", "/elsewhere", [b"x"])
+    assert status == 404
+    status, headers, _ = _asgi(transport, "GET", "/fedweave/peer/v1/message", [b""])
+    assert status == 405 and headers["allow"] == "POST"
+    assert seen == []
+
+
+def test_peer_app_reads_a_body_in_pieces_and_streams_a_long_reply() -> None:
+    transport, seen = _echo_transport(chunk_size=1024)
+    status, headers, bodies = _asgi(
+        transport, "POST", "/fedweave/peer/v1/message", [b"a" * 700, b"b" * 700]
+    )
+    assert seen == [b"a" * 700 + b"b" * 700]
+    assert status == 200 and headers["content-length"] == str(3 * 1400)
+    assert headers["content-type"] == "application/octet-stream"
+    assert len(bodies) == 5 and all(len(b["body"]) <= 1024 for b in bodies)
+    assert [b["more_body"] for b in bodies] == [True, True, True, True, False]
+    assert b"".join(b["body"] for b in bodies) == (b"a" * 700 + b"b" * 700) * 3
+
+
+def test_peer_app_refusals_and_a_sender_that_hangs_up() -> None:
+    transport, seen = _echo_transport()
+    status, headers, bodies = _asgi(transport, "POST", "/fedweave/peer/v1/message", [b"refuse"])
+    assert status == 403 and headers["x-fedweave-refusal"] == RefusalReason.REPLAY.value
+    assert b"".join(b["body"] for b in bodies) == b""
+    status, _, _ = _asgi(transport, "POST", "/fedweave/peer/v1/message", [b"half"], True)
+    assert status == 400 and seen == []
+    idle = TlsTransport(identity("c"), dict)  # not started: no handler yet
+    assert _asgi(idle, "POST", "/fedweave/peer/v1/message", [b"x"])[0] == 503
