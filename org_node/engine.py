@@ -676,21 +676,27 @@ class RunEngine:
             return [p * tau_eff for p in parts[:-1]], weight
         return parts, weight
 
-    def _export(self, round: int, packed: np.ndarray) -> None:
+    def _export_path(self, round: int, suffix: str) -> Path | None:
+        """``DIR/<org>/<run>/round-<r><suffix>`` of the harness-only export, if it is on."""
         if self.debug_export is None:
-            return
-        target = self.debug_export / self.rounds.org_id / self.plan.run_key
-        target.mkdir(parents=True, exist_ok=True)
-        np.save(target / f"round-{round:06d}.npy", packed)
+            return None
+        return (
+            self.debug_export
+            / self.rounds.org_id
+            / self.plan.run_key
+            / f"round-{round:06d}{suffix}"
+        )
+
+    def _export(self, round: int, packed: np.ndarray) -> None:
+        target = self._export_path(round, ".npy")
+        if target is not None:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            np.save(target, packed)
 
     async def _held(self, round: int) -> None:
         """Harness only: wait while ``round-<r>.hold`` sits next to the round's export."""
-        if self.debug_export is None:
-            return
-        hold = (
-            self.debug_export / self.rounds.org_id / self.plan.run_key / f"round-{round:06d}.hold"
-        )
-        while hold.exists():
+        hold = self._export_path(round, ".hold")
+        while hold is not None and hold.exists():
             await asyncio.sleep(0.05)
 
     async def _aggregate(self, round: int, vector: np.ndarray) -> _Aggregate:

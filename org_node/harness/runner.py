@@ -416,7 +416,7 @@ def _start_run(obs: Observation) -> None:
     finds it there (watching the export alone, the round could end first)."""
     for kill in obs.scenario.kills:
         if kill.stage == "reduce":
-            hold = _export_file(obs, kill.org, kill.round - 1).with_suffix(".hold")
+            hold = _hold_file(obs, kill)
             hold.parent.mkdir(parents=True, exist_ok=True)
             hold.touch()
     for org in obs.scenario.names:
@@ -485,6 +485,11 @@ def _export_file(obs: Observation, org: str, round0: int) -> Path:
     return obs.export_dir / org / obs.run_key / f"round-{round0:06d}.npy"
 
 
+def _hold_file(obs: Observation, kill: Kill) -> Path:
+    """The file that holds ``kill.org`` after its update of the kill's round is exported."""
+    return _export_file(obs, kill.org, kill.round - 1).with_suffix(".hold")
+
+
 def _kill_due(obs: Observation, kill: Kill) -> bool:
     node = obs.nodes[kill.org]
     if kill.stage == "reduce":
@@ -497,7 +502,7 @@ def _inject_kill(procs: _Processes, obs: Observation, kill: Kill) -> None:
     assert node.proc is not None
     procs.kill9(node.proc)
     node.down, node.state = True, "killed"
-    _export_file(obs, kill.org, kill.round - 1).with_suffix(".hold").unlink(missing_ok=True)
+    _hold_file(obs, kill).unlink(missing_ok=True)
     obs.faults.append(
         {
             "kind": "kill",
