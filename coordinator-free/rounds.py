@@ -9,9 +9,9 @@ with the intersection of the views it got, up to ``max_view_attempts`` times, an
 view that still differs fails the round — a split view is retried, never silently
 summed. A node that settled answers later views of the same stage with its settled
 one, so a peer that heard less can converge. That exchange costs ``n (n - 1)``
-messages per attempt; where every node runs the agreement (the ring's outcome, and
-``U1`` under SecAgg+) it first runs as a **token** instead: passed once along the
-ring of a set every node shares, it collects each member's proposal and returns to
+messages per attempt; where every node runs the agreement (the outcome of a ring
+that broke, and ``U1`` under SecAgg+) it first runs as a **token** instead: passed
+once along the ring of a set every node shares, it collects each member's proposal and returns to
 its starter, which decides the intersection for all and sends it with the proposals
 to every member, ``2 n`` messages (:meth:`RoundEngine._token_agree`); a token that
 stalls falls back to the exchange above. A round of :meth:`RoundEngine.run_round`
@@ -29,13 +29,21 @@ stalls falls back to the exchange above. A round of :meth:`RoundEngine.run_round
    summed along the ring ordered by ``SHA-256(round || org_id)`` with
    :class:`~coordinator_free.ring.RingReducer` (chunked reduce-scatter + all-gather,
    or a chain for short vectors; the ring's id binds its members, so rings built
-   from different views never mix). Every node then settles ``(members, completed)``
-   by the token (each member proposes the members less those it blames, flagged by
-   whether its own ring completed), or when the token stalls by the view
-   agreement. If the ring broke (a
-   member died, stalled or sent garbage), each proposes the members minus those
-   blamed by its own failure and by the aborts it received, and the ring runs again
-   over the agreed survivors' masked vectors, which each still holds.
+   from different views never mix). A node whose ring **completed** holds the masked
+   sum of every member of the attempt, and that sum settles the attempt for all: it
+   moves on to the unmask at once, with no message, keeps a copy of the masked sum,
+   and answers any token or probe of the attempt's agreement with ``completed``.
+   A node whose ring **broke** (a member died, stalled or sent garbage) runs the
+   agreement on ``(members, completed)``, by the token (each member proposes the
+   members less those it blames; a member that completed adds its proposal, which
+   decides) or when the token stalls by the view agreement (where a view flagged
+   completed decides the same way). When the outcome is completed, it takes the
+   masked sum from a member that holds it (``round.total``, piece by piece) and
+   unmasks like the others; when no member completed, the ring runs again over the
+   agreed survivors' masked vectors, which each still holds. So a fault-free ring
+   costs no agreement message at all, and a death late in the all-gather costs one
+   fetch instead of a second ring. Privacy does not rest on this agreement: releases
+   are once per round per node and ``t`` exceeds half the members (step 4).
 4. **unmask** — for the agreed survivors ``U3`` each node releases the self-mask
    shares of survivors and the mask-key shares of the dropped (§4 round 4), once per
    round, so one honest node never releases both kinds of share for one org; every
@@ -100,6 +108,7 @@ __all__ = [
     "KIND_MODEL",
     "KIND_READY",
     "KIND_SHARE",
+    "KIND_TOTAL",
     "KIND_UNMASK",
     "KIND_VIEW",
     "OBSERVATION_KINDS",
@@ -130,8 +139,15 @@ KIND_UNMASK = "round.unmask"
 KIND_COMMIT = "round.commit"
 KIND_LEAVE = "round.leave"
 KIND_MODEL = "round.model"
+KIND_TOTAL = "round.total"
 
 _HASH = 32
+# the reply of a member whose ring attempt completed to a token or probe of that
+# attempt's agreement: it holds the masked sum, which settles the attempt for all
+_COMPLETED = b"completed"
+# the largest piece of a masked sum one ``round.total`` reply carries
+_TOTAL_PIECE_BYTES = 8 << 20
+_TOTAL_REQUEST = struct.Struct(">IQQ")
 
 
 OBSERVATION_KINDS = frozenset(
@@ -651,7 +667,13 @@ class _Token:
 
     def decision(self) -> tuple[frozenset[str], bool]:
         """The intersection of the proposals (of members that made one) and the AND of
-        the flags: the same on every node that holds the same token."""
+        the flags: the same on every node that holds the same token. For a ring
+        attempt's outcome (``reduce:N``) a member whose ring completed (flag set)
+        decides alone: its proposal, completed (see :func:`_decisive`)."""
+        if _decisive(self.tag):
+            for _, proposal, flag in self.entries:
+                if flag:
+                    return proposal, True
         members = frozenset(org for org, _, _ in self.entries)
         ok = True
         for _, proposal, flag in self.entries:
@@ -722,6 +744,19 @@ class _Token:
         if pos != len(data):
             raise ValueError("trailing bytes after the token")
         return cls(phase, tag, base, starter, tuple(entries))
+
+
+def _decisive(tag: str) -> bool:
+    """Whether one flagged proposal decides the agreement of ``tag`` on its own.
+
+    So it is for the outcome of a ring attempt (``reduce:N``): the flag says the
+    proposer's ring completed, so it holds the masked sum of every member of the
+    attempt, and that sum is the attempt's outcome for all: a member whose ring broke
+    takes the sum from one that completed (``round.total``) rather than having the
+    ring run again. A member whose ring completed therefore settles at once, with no
+    message, and releases its shares for the attempt's members.
+    """
+    return tag.startswith("reduce:")
 
 
 def view_hash(tag: str, members: Iterable[str], flag: bool = True) -> bytes:
@@ -822,6 +857,8 @@ class _RoundState:
     views_sent: set[tuple[str, int, str]] = field(default_factory=set)
     # per stage tag, the starter of the agreement token this node takes part in
     joined: dict[str, str] = field(default_factory=dict)
+    # per ring attempt's tag, the members known to hold its completed masked sum
+    completers: dict[str, set[str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -869,8 +906,12 @@ class RoundEngine:
         self._last_done: dict[str, int] = {}
         self._model_hashes: dict[tuple[str, int], dict[str, bytes]] = {}
         self._model_events: dict[tuple[str, int], asyncio.Event] = {}
-        self._background: set[asyncio.Future[set[str]]] = set()
+        self._background: set[asyncio.Future[object]] = set()
         self._running: set[tuple[str, int]] = set()
+        # the masked sums of this node's latest completed ring attempts, kept for the
+        # members whose ring broke (``round.total``), a few rounds back
+        self._totals: dict[tuple[str, int], tuple[int, np.ndarray]] = {}
+        self._total_events: dict[tuple[str, int], asyncio.Event] = {}
         for kind, handler in (
             (KIND_READY, self._on_ready),
             (KIND_VIEW, self._on_view),
@@ -879,6 +920,7 @@ class RoundEngine:
             (KIND_COMMIT, self._on_commit),
             (KIND_LEAVE, self._on_leave),
             (KIND_MODEL, self._on_model),
+            (KIND_TOTAL, self._on_total),
         ):
             endpoint.on(kind, self._observed(kind, handler))
 
@@ -994,6 +1036,8 @@ class RoundEngine:
     def _finish(self, run: str, round: int) -> None:
         last = self._last_done.get(run)
         self._last_done[run] = round if last is None else max(last, round)
+        if (run, round) not in self._totals:
+            self._total_events.pop((run, round), None)
         for key in [k for k in self._states if k[0] == run and k[1] <= round]:
             del self._states[key]
             self.ring.close(*key)
@@ -1066,6 +1110,9 @@ class RoundEngine:
         # one that settled the stage already, one in another token of the stage
         if state.started is None:
             raise Refused(RefusalReason.STALE, "this node is not running the round")
+        if token.phase in (_TOKEN_PROBE, _TOKEN_COLLECT) and self._holds_sum(state, token):
+            # its ring completed: the token adds its proposal, which settles the stage
+            return _COMPLETED
         if token.phase == _TOKEN_PROBE:
             return b""
         joined = state.joined.get(token.tag)
@@ -1085,6 +1132,51 @@ class RoundEngine:
         if slot == "collect":
             state.joined[token.tag] = token.starter
         return b""
+
+    def _holds_sum(self, state: _RoundState, token: _Token) -> bool:
+        """Whether this node settled the ring attempt of ``token`` as completed (over the
+        members the token travels), so it holds the attempt's masked sum."""
+        settled = state.decided.get(token.tag)
+        return (
+            _decisive(token.tag)
+            and settled is not None
+            and settled[1]
+            and view_hash(f"{token.tag}/token", ring_order(settled[0], state.round)) == token.base
+        )
+
+    async def _on_total(self, env: Envelope) -> bytes:
+        """A piece of this node's masked sum of a completed ring attempt, for a member
+        whose ring broke: ``(attempt, lo, hi)`` in, the elements ``[lo, hi)`` out."""
+        try:
+            attempt, lo, hi = _TOTAL_REQUEST.unpack(env.payload)
+        except struct.error:
+            raise Refused(RefusalReason.MALFORMED, "a sum request is (attempt, lo, hi)") from None
+        key = (env.run, env.round)
+        held = self._totals.get(key)
+        if held is None and (env.run, env.round) in self._running:
+            state = self._states.get(key)
+            if state is not None and state.decided.get(f"reduce:{attempt}", ((), False))[1]:
+                # settled as completed, still taking the sum from another member
+                event = self._total_events.setdefault(key, asyncio.Event())
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(event.wait(), self.config.step_timeout)
+                held = self._totals.get(key)
+        if held is None or held[0] != attempt:
+            raise Refused(RefusalReason.STALE, f"no completed sum of ring attempt {attempt} here")
+        total = held[1]
+        if not lo < hi <= len(total) or (hi - lo) * total.itemsize > _TOTAL_PIECE_BYTES:
+            raise Refused(RefusalReason.MALFORMED, f"sum piece [{lo}, {hi}) out of range")
+        return total[lo:hi].tobytes()
+
+    def _keep_total(self, run: str, round: int, attempt: int, total: np.ndarray) -> None:
+        """Keep a copy of a completed attempt's masked sum for the members whose ring
+        broke (the round unmasks ``total`` in place), the latest two rounds only."""
+        self._totals[(run, round)] = (attempt, total.copy())
+        self._total_events.setdefault((run, round), asyncio.Event()).set()
+        while len(self._totals) > 2:
+            oldest = next(iter(self._totals))
+            del self._totals[oldest]
+            self._total_events.pop(oldest, None)
 
     async def _on_unmask(self, env: Envelope) -> bytes:
         return self._put_bound(env, "unmask")
@@ -1224,6 +1316,13 @@ class RoundEngine:
             )
             got = {o: p for o, p in state.inbox.get(key).items() if o in expected}
             views = {o: _decode_view(p) for o, p in got.items()}
+            holders = {o for o, v in views.items() if v.flag and v.members >= view}
+            if _decisive(tag) and holders:
+                # a member whose ring completed decides the attempt (see _decisive)
+                members = views[min(holders)].members
+                state.completers.setdefault(tag, set()).update(holders)
+                state.decided[tag] = (members, True)
+                return members, True
             missing = (set(others) - set(views)) | failed
             if not missing and all(v.members == view and v.flag == ok for v in views.values()):
                 state.decided[tag] = (view, ok)
@@ -1307,35 +1406,19 @@ class RoundEngine:
         decide_key = ("token", tag, "decide")
 
         async def send(peer: str, token: _Token) -> str:
-            """``ok``; ``stop`` (it holds this token already); ``skip`` (no proposal)."""
-            if peer in state.gone():
-                return "skip"
-            try:
-                await self._send(
-                    counters,
-                    peer,
-                    KIND_COMMIT,
-                    token.to_bytes(),
-                    run=state.run,
-                    round=state.round,
-                    stage=tag,
-                )
-            except Refused as exc:
-                return "stop" if exc.reason is RefusalReason.REPLAY else "skip"
-            except TransportError as exc:
-                self._observe(
-                    "unreachable", state.run, state.round, tag, peer=peer, detail=str(exc)
-                )
-                return "skip"
-            return "ok"
+            """``ok``; ``stop`` (it holds this token already); ``skip`` (no proposal);
+            ``completed`` (its ring completed: its proposal decides)."""
+            return await self._send_token(state, counters, tag, peer, token)
+
+        holder: list[str] = []
 
         async def absent(peer: str) -> bool:
             """Whether ``peer`` is dead, gone or not running the round (so no token
-            will come from it)."""
+            will come from it); one whose ring completed is noted in ``holder``."""
             if peer in state.gone():
                 return True
             try:
-                await self._send(
+                reply = await self._send(
                     counters,
                     peer,
                     KIND_COMMIT,
@@ -1349,6 +1432,8 @@ class RoundEngine:
                 return True
             except TransportError:
                 return False  # alive, just slow
+            if reply == _COMPLETED and _decisive(tag):
+                holder.append(peer)
             return False
 
         def arrived(key: tuple[str, ...]) -> Callable[[], bool]:
@@ -1356,7 +1441,14 @@ class RoundEngine:
 
         async def wait(key: tuple[str, ...], take_over: bool) -> _Token | str:
             """The token filed under ``key``; ``"start"`` when every member before this
-            one is absent (``take_over``); ``"stall"`` otherwise."""
+            one is absent (``take_over``); ``"completed"`` when a member before this
+            one holds the completed sum; ``"stall"`` otherwise."""
+            if take_over and _decisive(tag) and not flag:
+                # the would-be starter may have completed its ring, and then starts no
+                # token: ask it at once rather than after a silence
+                await absent(order[0])
+                if holder:
+                    return "completed"
             while True:
                 await state.inbox.wait_any(
                     [key, view_key], arrived(key), min(end, loop.time() + cfg.step_timeout)
@@ -1377,6 +1469,8 @@ class RoundEngine:
                     else:
                         if not state.inbox.senders(key):
                             return "start"
+                    if holder:
+                        return "completed"
 
         # pass 1: collect the proposals
         mine = (me, proposal, flag)
@@ -1386,6 +1480,8 @@ class RoundEngine:
             got = await wait(collect_key, take_over=True)
         if got == "stall":
             return None
+        if got == "completed":
+            return self._settle_held(state, tag, frozenset(order), holder)
         if isinstance(got, _Token):
             if got.base != base_hash or got.phase != _TOKEN_COLLECT:
                 return None
@@ -1393,11 +1489,7 @@ class RoundEngine:
         else:
             state.joined[tag] = me
             token = _Token(_TOKEN_COLLECT, tag, base_hash, me, (mine,))
-        outcome = "end"
-        for q in range(pos + 1, len(order)):
-            outcome = await send(order[q], token)
-            if outcome != "skip":
-                break
+        token, outcome = await self._pass_token(state, counters, tag, order, pos, token)
         if outcome == "end":
             if token.starter == me:
                 decided: _Token | str = token
@@ -1416,18 +1508,150 @@ class RoundEngine:
             return None
         # the decision: every member that proposed settles on it
         members, ok = decided.decision()
-        state.decided[tag] = (members, ok)
-        for attempt in range(cfg.max_view_attempts):
-            for sender in list(state.inbox.senders(("view", tag, str(attempt)))):
-                self._answer_view(state, tag, attempt, sender)
+        if _decisive(tag) and ok:
+            state.completers[tag] = {org for org, _, f in decided.entries if f}
+        self._settled(state, tag, members, ok)
         if decided.starter == me:
             # the decision goes to every member that proposed at once (one hop, not a
-            # second pass round the ring: the others settle together)
+            # second pass round the ring: the others settle together); a member whose
+            # ring completed settled on its own
             final = _Token(_TOKEN_DECIDE, tag, base_hash, me, decided.entries)
-            await asyncio.gather(*(send(org, final) for org, _, _ in final.entries if org != me))
+            await asyncio.gather(
+                *(send(org, final) for org, _, f in final.entries if org != me and not f)
+            )
         if me not in members:
             raise RoundFailed(tag, "the other participants' proposals leave this node out")
         return members, ok
+
+    def _settled(self, state: _RoundState, tag: str, members: frozenset[str], ok: bool) -> None:
+        """Record what this node settled ``tag`` on and answer the views that wait."""
+        state.decided[tag] = (members, ok)
+        for attempt in range(self.config.max_view_attempts):
+            for sender in list(state.inbox.senders(("view", tag, str(attempt)))):
+                self._answer_view(state, tag, attempt, sender)
+
+    def _settle_held(
+        self, state: _RoundState, tag: str, members: frozenset[str], holders: Iterable[str]
+    ) -> tuple[frozenset[str], bool]:
+        """Settle a ring attempt as completed over ``members``: ``holders`` have its sum."""
+        state.completers.setdefault(tag, set()).update(holders)
+        self._settled(state, tag, members, True)
+        return members, True
+
+    async def _send_token(
+        self, state: _RoundState, counters: _Counters, tag: str, peer: str, token: _Token
+    ) -> str:
+        """Hand ``token`` to ``peer``: ``ok``; ``stop`` (it holds this token already);
+        ``skip`` (it made no proposal); ``completed`` (its ring attempt completed)."""
+        if peer in state.gone():
+            return "skip"
+        try:
+            reply = await self._send(
+                counters,
+                peer,
+                KIND_COMMIT,
+                token.to_bytes(),
+                run=state.run,
+                round=state.round,
+                stage=tag,
+            )
+        except Refused as exc:
+            return "stop" if exc.reason is RefusalReason.REPLAY else "skip"
+        except TransportError as exc:
+            self._observe("unreachable", state.run, state.round, tag, peer=peer, detail=str(exc))
+            return "skip"
+        return "completed" if reply == _COMPLETED and _decisive(tag) else "ok"
+
+    async def _pass_token(
+        self,
+        state: _RoundState,
+        counters: _Counters,
+        tag: str,
+        order: list[str],
+        pos: int,
+        token: _Token,
+    ) -> tuple[_Token, str]:
+        """Pass a collecting token on to the first member after ``pos`` in ``order``
+        that takes it; a member whose ring completed answers at once, and its proposal
+        (every member of the attempt, completed) goes into the token on its behalf.
+        Returns the token as last sent and ``"passed"``, or ``"end"`` when no member
+        after ``pos`` took it (it goes back to its starter)."""
+        for q in range(pos + 1, len(order)):
+            outcome = await self._send_token(state, counters, tag, order[q], token)
+            if outcome == "completed":
+                entry = (order[q], frozenset(order), True)
+                token = _Token(token.phase, tag, token.base, token.starter, (*token.entries, entry))
+            elif outcome != "skip":
+                return token, "passed"
+        return token, "end"
+
+    async def _pass_on_held(self, state: _RoundState, tag: str, members: frozenset[str]) -> None:
+        """Once this node's ring attempt completed, a token of that attempt that reached
+        it before goes on with its proposal (the members, completed)."""
+        box = state.inbox.get(("token", tag, "collect"))
+        if "" not in box:
+            return
+        try:
+            got = _Token.from_bytes(box[""])
+        except ValueError:
+            return
+        order = ring_order(members, state.round)
+        if got.phase != _TOKEN_COLLECT or self.org_id not in order:
+            return
+        entry = (self.org_id, members, True)
+        token = _Token(_TOKEN_COLLECT, tag, got.base, got.starter, (*got.entries, entry))
+        counters = _Counters()
+        token, outcome = await self._pass_token(
+            state, counters, tag, order, order.index(self.org_id), token
+        )
+        if outcome == "end" and token.starter != self.org_id:
+            await self._send_token(state, counters, tag, token.starter, token)
+
+    def _spawn(self, work: Awaitable[object]) -> None:
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _fetch_total(
+        self, state: _RoundState, counters: _Counters, tag: str, attempt: int, like: np.ndarray
+    ) -> np.ndarray:
+        """The masked sum of ring attempt ``attempt`` from a member that holds it (its
+        ring completed, or it took the sum already), piece by piece."""
+        total = np.empty_like(like)
+        step = max(1, _TOTAL_PIECE_BYTES // total.itemsize)
+        for org in sorted(state.completers.get(tag, set()) - {self.org_id}):
+            try:
+                for lo in range(0, len(total), step):
+                    hi = min(len(total), lo + step)
+                    piece = await self._send(
+                        counters,
+                        org,
+                        KIND_TOTAL,
+                        _TOTAL_REQUEST.pack(attempt, lo, hi),
+                        run=state.run,
+                        round=state.round,
+                        stage=tag,
+                    )
+                    if len(piece) != (hi - lo) * total.itemsize:
+                        raise Refused(RefusalReason.MALFORMED, "a sum piece of the wrong size")
+                    total[lo:hi] = np.frombuffer(piece, dtype=total.dtype)
+            except TransportError as exc:
+                self._observe(
+                    "unreachable", state.run, state.round, "reduce", peer=org, detail=str(exc)
+                )
+                continue
+            self._observe(
+                "retry",
+                state.run,
+                state.round,
+                "reduce",
+                peer=org,
+                detail="took the masked sum from a member whose ring completed",
+            )
+            return total
+        raise RoundFailed(
+            "reduce", "the ring completed elsewhere, but no member could send its sum here"
+        )
 
     # -- the round ----------------------------------------------------------------------
 
@@ -1721,18 +1945,30 @@ class RoundEngine:
             lap("reduce")
             await self._enter(run, rnd, "agree-reduce")
             tag = f"reduce:{attempt}"
-            agreed, completed = await self._settle(
-                state, counters, tag, members, members - suspects, acc is not None
-            )
-            lap("agree-reduce")
-            if completed and agreed == members and acc is not None:
+            if acc is not None:
+                # this node holds the masked sum of every member of the attempt: that
+                # settles the attempt for all at no message (see _decisive); a token or
+                # view of it that came meanwhile gets this node's proposal
+                self._settled(state, tag, members, True)
+                self._keep_total(run, rnd, attempt, acc)
+                self._spawn(self._pass_on_held(state, tag, members))
                 total = acc
             else:
-                members = agreed
-                if len(members) < t:
-                    raise RoundFailed(
-                        "reduce", f"{len(members)} survivors, fewer than the threshold t={t}"
-                    )
+                agreed, completed = await self._settle(
+                    state, counters, tag, members, members - suspects, False
+                )
+                if completed:
+                    if agreed != members:
+                        raise RoundFailed("reduce", "a completed ring over another member set")
+                    total = await self._fetch_total(state, counters, tag, attempt, masked)
+                    self._keep_total(run, rnd, attempt, total)
+                else:
+                    members = agreed
+                    if len(members) < t:
+                        raise RoundFailed(
+                            "reduce", f"{len(members)} survivors, fewer than the threshold t={t}"
+                        )
+            lap("agree-reduce")
             attempt += 1
 
         # 5. unmask

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import struct
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from coordinator_free.identity import OrgIdentity
 from coordinator_free.memory import InMemoryNetwork
 from coordinator_free.rounds import (
     KIND_READY,
+    KIND_TOTAL,
     ModelHashMismatch,
     RoundConfig,
     RoundEngine,
@@ -63,15 +65,21 @@ def test_view_encoding_round_trips(
 def test_the_agreement_token_round_trips_and_decides_the_intersection() -> None:
     base = view_hash("reduce:0/token", ["a", "b", "c", "d"])
     entries = (
-        ("b", frozenset("abcd"), True),
-        ("c", frozenset("abc"), True),  # c blames d
-        ("a", frozenset("abcd"), False),  # a's ring broke
+        ("b", frozenset("abc"), False),  # b's ring broke, and it blames d
+        ("c", frozenset("abc"), False),
+        ("a", frozenset("abcd"), False),
     )
     token = _Token(1, "reduce:0", base, "b", entries)
     data = token.to_bytes()
     assert _Token.from_bytes(data) == token
-    # d made no proposal (dead, or not running the round): it is out whatever others said
+    # no ring completed: the intersection, and the ring runs again over it
     assert token.decision() == (frozenset("abc"), False)
+    # d made no proposal (dead, or not running the round): it is out whatever others said
+    no_d = _Token(1, "reduce:0", base, "b", (("a", frozenset("abcd"), False),))
+    assert no_d.decision() == (frozenset("a"), False)
+    # one member whose ring completed decides the attempt: it holds every member's sum
+    held = _Token(1, "reduce:0", base, "b", (*entries, ("d", frozenset("abcd"), True)))
+    assert _Token.from_bytes(held.to_bytes()).decision() == (frozenset("abcd"), True)
     assert _Token(2, "ready", base, "a", (("a", frozenset("ab"), True),)).decision() == (
         frozenset("a"),
         True,
@@ -179,8 +187,12 @@ KILL_STAGES = [
     ("mask", False),
     ("reduce", False),
     ("reduce.scatter.1", False),
-    ("reduce.gather.2", False),
-    ("agree-reduce", False),
+    # a member whose predecessor sent the last chunk before dying completed its ring:
+    # that settles the attempt, and the others take its masked sum (no second ring)
+    ("reduce.gather.2", True),
+    # its ring completed, and so did the others': the attempt is settled, its masked
+    # input is in the sum and its self mask is rebuilt from the others' shares
+    ("agree-reduce", True),
     ("unmask", True),
 ]
 
@@ -203,6 +215,61 @@ def test_a_peer_killed_at_each_stage(stage: str, victim_in_sum: bool) -> None:
     # the next round works, without the dead peer
     assert_consistent(second)
     assert set(second.results) == {"org-0", "org-1", "org-2", "org-4"}
+
+
+def test_a_ring_completed_on_one_member_settles_the_attempt_for_all() -> None:
+    """A peer dies in the all-gather after its last chunk reached its successor: that
+    one member's ring completes, the others' break. The attempt is settled by the one
+    that completed (the others' token or views reach it and it answers "completed"),
+    the others take its masked sum piece by piece, and the round ends in one ring
+    attempt with the victim's update in every finisher's sum."""
+    victim = "org-3"
+    seen: list[tuple[str, str, str]] = []
+
+    async def scenario() -> RoundOutcome:
+        faults = [FaultSpec(victim, Fault.KILL, "reduce.gather.2", round=1)]
+        async with Simulation(sim_config(5), faults) as sim:
+            for org, engine in sim.engines.items():
+                engine.add_observer(
+                    lambda obs, org=org: (
+                        seen.append((org, obs.kind, obs.detail)) if obs.kind == "retry" else None
+                    )
+                )
+            return await sim.round(1)
+
+    out = asyncio.run(scenario())
+    assert_consistent(out)
+    assert set(out.results) == {"org-0", "org-1", "org-2", "org-4"}
+    took = {org for org, _, detail in seen if "took the masked sum" in detail}
+    # every finisher but the one that completed took the sum; nobody ran the ring again
+    assert len(took) == 3
+    for res in out.results.values():
+        assert res.ring_attempts == 1 and victim in res.survivors
+        assert (res.sum == out.expected(res.survivors)).all()
+
+
+def test_a_member_asked_for_a_sum_it_does_not_hold_refuses() -> None:
+    async def scenario() -> list[RefusalReason]:
+        async with Simulation(sim_config(3)) as sim:
+            assert_consistent(await sim.round(1))
+            sender = sim.endpoints["org-0"]
+            reasons = []
+            for payload in (b"short", struct.pack(">IQQ", 7, 0, 4), struct.pack(">IQQ", 0, 9, 4)):
+                with pytest.raises(Refused) as info:
+                    await sender.send("org-1", KIND_TOTAL, payload, run="sim-run", round=1)
+                reasons.append(info.value.reason)
+            # the sum it kept answers a well-formed request
+            piece = await sender.send(
+                "org-1", KIND_TOTAL, struct.pack(">IQQ", 0, 0, 4), run="sim-run", round=1
+            )
+            assert len(piece) == 16
+            return reasons
+
+    assert asyncio.run(scenario()) == [
+        RefusalReason.MALFORMED,
+        RefusalReason.STALE,
+        RefusalReason.MALFORMED,
+    ]
 
 
 def test_too_few_survivors_fail_with_a_reason_and_the_round_closes() -> None:
@@ -346,12 +413,12 @@ def test_a_fault_free_round_settles_without_any_view_exchange() -> None:
     out = asyncio.run(scenario())
     assert_consistent(out)
     assert len(out.results) == n
-    # ready, shares and releases to the n-1 others and 2 (n-1) ring chunks each; the
-    # share messages settle U1 and one token settles the ring: a hop each to collect
-    # the proposals (the last one back to the starter), then the starter's decision to
-    # the n - 1 others, 2 n - 1 messages in all, so no view is ever sent
+    # ready, shares and releases to the n-1 others and 2 (n-1) ring chunks each, and
+    # nothing more: the share messages settle U1, and a ring that completed everywhere
+    # settles itself (each node holds every member's masked sum), so no view or token
+    # is ever sent
     extra = [res.messages_sent - 5 * (n - 1) for res in out.results.values()]
-    assert sum(extra) <= 2 * n - 1 and sorted(extra)[-2] <= 1
+    assert extra == [0] * n
     for res in out.results.values():
         assert res.ring_attempts == 1
 
