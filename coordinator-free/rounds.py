@@ -81,7 +81,7 @@ import struct
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Set
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 from coordinator_free.endpoint import Endpoint, Handler
@@ -906,11 +906,11 @@ class RoundEngine:
         self._last_done: dict[str, int] = {}
         self._model_hashes: dict[tuple[str, int], dict[str, bytes]] = {}
         self._model_events: dict[tuple[str, int], asyncio.Event] = {}
-        self._background: set[asyncio.Future[object]] = set()
+        self._background: set[asyncio.Future[Any]] = set()
         self._running: set[tuple[str, int]] = set()
         # the masked sums of this node's latest completed ring attempts, kept for the
         # members whose ring broke (``round.total``), a few rounds back
-        self._totals: dict[tuple[str, int], tuple[int, np.ndarray]] = {}
+        self._totals: dict[tuple[str, int], tuple[int, frozenset[str], np.ndarray]] = {}
         self._total_events: dict[tuple[str, int], asyncio.Event] = {}
         for kind, handler in (
             (KIND_READY, self._on_ready),
@@ -1071,7 +1071,7 @@ class RoundEngine:
             return
         state.views_sent.add((tag, attempt, sender))
         answer = View(tag, attempt, settled[0], settled[1]).to_bytes()
-        task = asyncio.ensure_future(
+        self._spawn(
             self._broadcast(
                 _Counters(),
                 [sender],
@@ -1082,8 +1082,6 @@ class RoundEngine:
                 stage=tag,
             )
         )
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
 
     async def _on_share(self, env: Envelope) -> bytes:
         state = self._state(env.run, env.round)
@@ -1163,15 +1161,21 @@ class RoundEngine:
                 held = self._totals.get(key)
         if held is None or held[0] != attempt:
             raise Refused(RefusalReason.STALE, f"no completed sum of ring attempt {attempt} here")
-        total = held[1]
+        if env.sender not in held[1]:
+            raise Refused(
+                RefusalReason.NOT_MEMBER, f"{env.sender!r} is not in ring attempt {attempt}"
+            )
+        total = held[2]
         if not lo < hi <= len(total) or (hi - lo) * total.itemsize > _TOTAL_PIECE_BYTES:
             raise Refused(RefusalReason.MALFORMED, f"sum piece [{lo}, {hi}) out of range")
         return total[lo:hi].tobytes()
 
-    def _keep_total(self, run: str, round: int, attempt: int, total: np.ndarray) -> None:
-        """Keep a copy of a completed attempt's masked sum for the members whose ring
+    def _keep_total(
+        self, run: str, round: int, attempt: int, members: frozenset[str], total: np.ndarray
+    ) -> None:
+        """Keep a copy of a completed attempt's masked sum for its members whose ring
         broke (the round unmasks ``total`` in place), the latest two rounds only."""
-        self._totals[(run, round)] = (attempt, total.copy())
+        self._totals[(run, round)] = (attempt, members, total.copy())
         self._total_events.setdefault((run, round), asyncio.Event()).set()
         while len(self._totals) > 2:
             oldest = next(iter(self._totals))
@@ -1950,7 +1954,7 @@ class RoundEngine:
                 # settles the attempt for all at no message (see _decisive); a token or
                 # view of it that came meanwhile gets this node's proposal
                 self._settled(state, tag, members, True)
-                self._keep_total(run, rnd, attempt, acc)
+                self._keep_total(run, rnd, attempt, members, acc)
                 self._spawn(self._pass_on_held(state, tag, members))
                 total = acc
             else:
@@ -1961,7 +1965,7 @@ class RoundEngine:
                     if agreed != members:
                         raise RoundFailed("reduce", "a completed ring over another member set")
                     total = await self._fetch_total(state, counters, tag, attempt, masked)
-                    self._keep_total(run, rnd, attempt, total)
+                    self._keep_total(run, rnd, attempt, members, total)
                 else:
                     members = agreed
                     if len(members) < t:

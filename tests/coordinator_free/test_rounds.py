@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import struct
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -19,12 +20,14 @@ from coordinator_free.rounds import (
     RoundConfig,
     RoundEngine,
     RoundFailed,
+    RoundObservation,
     RoundResult,
     View,
     _Token,
     view_hash,
 )
 from coordinator_free.sim import Fault, FaultSpec, RoundOutcome, SimConfig, Simulation
+from coordinator_free.wire import Envelope
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -224,23 +227,25 @@ def test_a_ring_completed_on_one_member_settles_the_attempt_for_all() -> None:
     the others take its masked sum piece by piece, and the round ends in one ring
     attempt with the victim's update in every finisher's sum."""
     victim = "org-3"
-    seen: list[tuple[str, str, str]] = []
+    took: set[str] = set()
+
+    def watch(org: str) -> Callable[[RoundObservation], None]:
+        def observe(obs: RoundObservation) -> None:
+            if obs.kind == "retry" and "took the masked sum" in obs.detail:
+                took.add(org)
+
+        return observe
 
     async def scenario() -> RoundOutcome:
         faults = [FaultSpec(victim, Fault.KILL, "reduce.gather.2", round=1)]
         async with Simulation(sim_config(5), faults) as sim:
             for org, engine in sim.engines.items():
-                engine.add_observer(
-                    lambda obs, org=org: (
-                        seen.append((org, obs.kind, obs.detail)) if obs.kind == "retry" else None
-                    )
-                )
+                engine.add_observer(watch(org))
             return await sim.round(1)
 
     out = asyncio.run(scenario())
     assert_consistent(out)
     assert set(out.results) == {"org-0", "org-1", "org-2", "org-4"}
-    took = {org for org, _, detail in seen if "took the masked sum" in detail}
     # every finisher but the one that completed took the sum; nobody ran the ring again
     assert len(took) == 3
     for res in out.results.values():
@@ -258,17 +263,34 @@ def test_a_member_asked_for_a_sum_it_does_not_hold_refuses() -> None:
                 with pytest.raises(Refused) as info:
                     await sender.send("org-1", KIND_TOTAL, payload, run="sim-run", round=1)
                 reasons.append(info.value.reason)
-            # the sum it kept answers a well-formed request
+            # the sum it kept answers a well-formed request from a member of the attempt
             piece = await sender.send(
                 "org-1", KIND_TOTAL, struct.pack(">IQQ", 0, 0, 4), run="sim-run", round=1
             )
             assert len(piece) == 16
+            # and nobody outside the attempt
+            stranger = Envelope(
+                federation="sim-fed",
+                run="sim-run",
+                round=1,
+                stage="reduce:0",
+                kind=KIND_TOTAL,
+                sender="org-9",
+                recipient="org-1",
+                seq=1,
+                sent_at=0.0,
+                payload=struct.pack(">IQQ", 0, 0, 4),
+            )
+            with pytest.raises(Refused) as info:
+                await sim.engines["org-1"]._on_total(stranger)
+            reasons.append(info.value.reason)
             return reasons
 
     assert asyncio.run(scenario()) == [
         RefusalReason.MALFORMED,
         RefusalReason.STALE,
         RefusalReason.MALFORMED,
+        RefusalReason.NOT_MEMBER,
     ]
 
 
