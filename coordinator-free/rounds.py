@@ -1521,7 +1521,11 @@ class RoundEngine:
             # ring completed settled on its own
             final = _Token(_TOKEN_DECIDE, tag, base_hash, me, decided.entries)
             await asyncio.gather(
-                *(send(org, final) for org, _, f in final.entries if org != me and not f)
+                *(
+                    send(org, final)
+                    for org, _, f in final.entries
+                    if org != me and not (f and _decisive(tag))
+                )
             )
         if me not in members:
             raise RoundFailed(tag, "the other participants' proposals leave this node out")

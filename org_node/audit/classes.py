@@ -16,7 +16,9 @@ closed).
 Replies (``KIND.reply``) carry the request's digest and the handler's answer: a reply
 to a membership or gossip message carries membership updates and is classed
 ``membership``, a reply to a shard request (``shard.get``) carries shards and is
-classed ``checkpoint_shard``; every other reply is an acknowledgement (``control``).
+classed ``checkpoint_shard``, a reply to ``round.total`` (a member whose ring broke
+asking one whose ring completed for the masked sum) carries that masked sum and is
+classed ``masked_vector_chunk``; every other reply is an acknowledgement (``control``).
 The reply to an unknown kind is refused like the kind itself.
 """
 
@@ -76,6 +78,7 @@ _RULES: dict[str, PrivacyClass] = {
     "round.view": PrivacyClass.CONTROL,
     "round.commit": PrivacyClass.CONTROL,
     "round.leave": PrivacyClass.CONTROL,
+    "round.total": PrivacyClass.CONTROL,  # (attempt, lo, hi): its reply is the sum piece
     "round.model": PrivacyClass.MODEL_HASH,
     # the ring reduce over masked vectors (coordinator_free.ring)
     "agg.chunk": PrivacyClass.MASKED_CHUNK,
@@ -100,6 +103,11 @@ _RULES: dict[str, PrivacyClass] = {
 
 _REPLY_CARRIES = frozenset({PrivacyClass.MEMBERSHIP, PrivacyClass.CHECKPOINT_SHARD})
 """Classes whose replies carry data of the same class (membership updates, shards)."""
+
+_REPLY_ANSWERS: Mapping[str, PrivacyClass] = MappingProxyType(
+    {"round.total": PrivacyClass.MASKED_CHUNK}
+)
+"""Kinds whose replies carry something of another class than the request."""
 
 KIND_CLASSES: Mapping[str, PrivacyClass] = MappingProxyType(_RULES)
 """The mapping: a key ending in ``.`` is a prefix, any other key an exact kind or a
@@ -152,9 +160,12 @@ def classify(kind: str) -> PrivacyClass:
     if not isinstance(kind, str) or not kind:
         raise UnclassifiedKind(str(kind))
     if kind.endswith(REPLY_SUFFIX):
-        base = _lookup(kind[: -len(REPLY_SUFFIX)])
+        request = kind[: -len(REPLY_SUFFIX)]
+        base = _lookup(request)
         if base is None:
             raise UnclassifiedKind(kind)
+        if request in _REPLY_ANSWERS:
+            return _REPLY_ANSWERS[request]
         return base if base in _REPLY_CARRIES else PrivacyClass.CONTROL
     found = _lookup(kind)
     if found is None:

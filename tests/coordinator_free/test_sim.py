@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from coordinator_free.sim import (
     random_faults,
     simulate,
 )
+from coordinator_free.wire import Envelope
 
 QUICK = RoundConfig(
     ready_timeout=0.6, stage_timeout=4.0, step_timeout=2.0, send_timeout=4.0, ring_min_chunk=1
@@ -289,6 +291,37 @@ def test_two_hundred_peers_with_random_faults_sum_exactly() -> None:
     # after a kill) would add 2 n messages per node and more
     sent = sorted(r.messages_sent for r in out.results.values())
     assert sent[len(sent) // 2] < 2 * n + 4 * 24
+
+
+def test_a_fault_free_secagg_plus_round_settles_by_one_token_and_no_view() -> None:
+    """Under SecAgg+ the participants are settled by one token: ``n`` hops to collect
+    the proposals (the last one back to its starter) and the starter's decision to the
+    ``n - 1`` others; a ring that completes everywhere settles itself. No view is ever
+    sent, and no member asks another for the masked sum."""
+    n = 20
+    rc = RoundConfig(
+        ready_timeout=2.0,
+        stage_timeout=30.0,
+        step_timeout=5.0,
+        send_timeout=5.0,
+        secagg_plus_above=8,
+    )
+    kinds: Counter[str] = Counter()
+
+    def count(env: Envelope, wire: bytes) -> None:
+        kinds[env.kind] += 1
+
+    async def scenario() -> RoundOutcome:
+        async with Simulation(SimConfig(peers=n, length=16, seed=4, round_config=rc)) as sim:
+            for endpoint in sim.endpoints.values():
+                endpoint.on_egress = count
+            return await sim.round(1)
+
+    out = asyncio.run(scenario())
+    assert out.problems() == [] and len(out.results) == n
+    assert all(r.neighbours is not None for r in out.results.values())
+    assert kinds["round.view"] == 0 and kinds["round.total"] == 0
+    assert n <= kinds["round.commit"] <= 2 * n - 1
 
 
 def test_a_split_under_secagg_plus_is_detected_by_the_token_never_summed() -> None:

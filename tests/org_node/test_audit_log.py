@@ -110,6 +110,7 @@ def test_every_kind_used_in_coordinator_free_is_classified_and_allowed() -> None
             PrivacyClass.CONTROL,
             PrivacyClass.MEMBERSHIP,
             PrivacyClass.CHECKPOINT_SHARD,
+            PrivacyClass.MASKED_CHUNK,  # round.total: the masked sum of a ring attempt
         )
 
 
@@ -128,6 +129,8 @@ def test_every_kind_used_in_coordinator_free_is_classified_and_allowed() -> None
         ("swim.ping_req", PrivacyClass.MEMBERSHIP),
         ("gossip.push.reply", PrivacyClass.MEMBERSHIP),
         ("agg.chunk.reply", PrivacyClass.CONTROL),
+        ("round.total", PrivacyClass.CONTROL),
+        ("round.total.reply", PrivacyClass.MASKED_CHUNK),
         ("agg.ping", PrivacyClass.CONTROL),
         ("shard.get.reply", PrivacyClass.CHECKPOINT_SHARD),
         ("shard.put", PrivacyClass.CHECKPOINT_SHARD),
