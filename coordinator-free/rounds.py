@@ -908,8 +908,8 @@ class RoundEngine:
         self._model_events: dict[tuple[str, int], asyncio.Event] = {}
         self._background: set[asyncio.Future[Any]] = set()
         self._running: set[tuple[str, int]] = set()
-        # the masked sums of this node's latest completed ring attempts, kept for the
-        # members whose ring broke (``round.total``), a few rounds back
+        # the masked sum of this node's latest completed ring attempt, kept for the
+        # members whose ring broke (``round.total``)
         self._totals: dict[tuple[str, int], tuple[int, frozenset[str], np.ndarray]] = {}
         self._total_events: dict[tuple[str, int], asyncio.Event] = {}
         for kind, handler in (
@@ -1174,10 +1174,14 @@ class RoundEngine:
         self, run: str, round: int, attempt: int, members: frozenset[str], total: np.ndarray
     ) -> None:
         """Keep a copy of a completed attempt's masked sum for its members whose ring
-        broke (the round unmasks ``total`` in place), the latest two rounds only."""
+        broke (the round unmasks ``total`` in place): the latest round's of each run
+        only, so a node holds one vector more than the round itself needs."""
+        for key in [k for k in self._totals if k[0] == run and k[1] != round]:
+            del self._totals[key]
+            self._total_events.pop(key, None)
         self._totals[(run, round)] = (attempt, members, total.copy())
         self._total_events.setdefault((run, round), asyncio.Event()).set()
-        while len(self._totals) > 2:
+        while len(self._totals) > 4:
             oldest = next(iter(self._totals))
             del self._totals[oldest]
             self._total_events.pop(oldest, None)

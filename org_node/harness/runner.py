@@ -487,7 +487,13 @@ def _export_file(obs: Observation, org: str, round0: int) -> Path:
 
 def _hold_file(obs: Observation, kill: Kill) -> Path:
     """The file that holds ``kill.org`` after its update of the kill's round is exported."""
-    return _export_file(obs, kill.org, kill.round - 1).with_suffix(".hold")
+    return _round_hold(obs, kill.org, kill.round - 1)
+
+
+def _round_hold(obs: Observation, org: str, round0: int) -> Path:
+    """While this file exists, ``org``'s engine (harness nodes only) waits after exporting
+    its update of round ``round0`` (0-based), before sending anything of the round."""
+    return _export_file(obs, org, round0).with_suffix(".hold")
 
 
 def _kill_due(obs: Observation, kill: Kill) -> bool:
@@ -600,11 +606,15 @@ def _engine_round(obs: Observation, node: NodeProcess) -> int:
 
 
 def _release(
-    obs: Observation, held: list[NodeProcess], node: NodeProcess, record: dict[str, Any]
+    obs: Observation,
+    held: list[NodeProcess],
+    node: NodeProcess,
+    record: dict[str, Any],
+    hold: Path | None = None,
 ) -> None:
     """Resume the run at the ``held`` orgs once the restarted ``node`` has caught up with
     the round they are at and all of them see each other alive (90 s at most; at once
-    if the node did not come back)."""
+    if the node did not come back), and let ``node`` go on past ``hold`` with them."""
     if not node.down and node.run_id:
         end = time.monotonic() + 90
         while time.monotonic() < end:
@@ -618,6 +628,8 @@ def _release(
         else:
             record["caught_up_before_resume"] = False
     record["resumed_by"] = sorted(n.org for n in _act_on_all(held, "resume"))
+    if hold is not None:
+        hold.unlink(missing_ok=True)
 
 
 def _inject_wipe(
@@ -661,11 +673,20 @@ def _inject_wipe(
     shutil.copyfile(obs.nodes[peer].data_dir / "federation" / "chain.json", chain)
     record: dict[str, Any] = {"org": wipe.org, "after_round": wipe.round, "chain_from": peer}
     obs.recoveries.append(record)
+    # the restarted org waits at the round the others are held before, so that all of
+    # them enter it together once released (its ready window would otherwise start
+    # while the others wait for the membership views to converge)
+    hold = _round_hold(obs, wipe.org, fault["held_at_round"]) if held else None
+    if hold is not None:
+        hold.parent.mkdir(parents=True, exist_ok=True)
+        hold.touch()
     try:
         _recover_and_restart(procs, obs, node, wipe, chain, record)
     finally:
         if held:
-            _release(obs, held, node, record)
+            _release(obs, held, node, record, hold)
+        if hold is not None:
+            hold.unlink(missing_ok=True)
 
 
 def _recover_and_restart(
