@@ -1327,10 +1327,7 @@ class RoundEngine:
             holders = {o for o, v in views.items() if v.flag and v.members >= view}
             if _decisive(tag) and holders:
                 # a member whose ring completed decides the attempt (see _decisive)
-                members = views[min(holders)].members
-                state.completers.setdefault(tag, set()).update(holders)
-                state.decided[tag] = (members, True)
-                return members, True
+                return self._settle_held(state, tag, views[min(holders)].members, holders)
             missing = (set(others) - set(views)) | failed
             if not missing and all(v.members == view and v.flag == ok for v in views.values()):
                 state.decided[tag] = (view, ok)

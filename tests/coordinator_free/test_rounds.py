@@ -7,6 +7,7 @@ import hashlib
 import struct
 from collections.abc import Callable
 
+import coordinator_free.rounds as rounds_module
 import numpy as np
 import pytest
 from coordinator_free.endpoint import Endpoint
@@ -23,6 +24,7 @@ from coordinator_free.rounds import (
     RoundObservation,
     RoundResult,
     View,
+    _Counters,
     _Token,
     view_hash,
 )
@@ -251,6 +253,36 @@ def test_a_ring_completed_on_one_member_settles_the_attempt_for_all() -> None:
     for res in out.results.values():
         assert res.ring_attempts == 1 and victim in res.survivors
         assert (res.sum == out.expected(res.survivors)).all()
+
+
+def test_a_view_flagged_completed_decides_a_broken_attempt_and_the_sum_comes_in_pieces(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """When the token stalls, the view agreement decides like the token: the view of a
+    member whose ring completed settles the attempt as completed over every member, and
+    the member whose ring broke takes the masked sum from it, piece by piece."""
+    monkeypatch.setattr(rounds_module, "_TOTAL_PIECE_BYTES", 16)  # 4 elements a piece
+
+    async def scenario() -> tuple[tuple[frozenset[str], bool], set[str], np.ndarray]:
+        async with Simulation(sim_config(3)) as sim:
+            holder, broken = sim.engines["org-0"], sim.engines["org-1"]
+            members = frozenset(sim.orgs)
+            for engine in (holder, broken):
+                engine._state("probe", 1).started = 0.0
+            held, mine = holder._states[("probe", 1)], broken._states[("probe", 1)]
+            holder._settled(held, "reduce:0", members, True)
+            holder._keep_total("probe", 1, 0, members, np.arange(10, dtype=np.uint32))
+            sim.network.kill("org-2")  # blamed by org-1, so no view goes to it
+            counters = _Counters()
+            settled = await broken._agree(mine, counters, "reduce:0", members - {"org-2"}, False)
+            like = np.zeros(10, dtype=np.uint32)
+            total = await broken._fetch_total(mine, counters, "reduce:0", 0, like)
+            return settled, mine.completers["reduce:0"], total
+
+    settled, completers, total = asyncio.run(scenario())
+    assert settled == (frozenset({"org-0", "org-1", "org-2"}), True)
+    assert completers == {"org-0"}
+    np.testing.assert_array_equal(total, np.arange(10, dtype=np.uint32))
 
 
 def test_a_member_asked_for_a_sum_it_does_not_hold_refuses() -> None:
