@@ -57,6 +57,10 @@ async def run_node(workdir: Path, me: str, orgs: list[str], die_at: str | None) 
     engine = RoundEngine(
         endpoint, lambda: orgs, secagg_sessions(*endpoint_signer(endpoint)), CONFIG, hook=hook
     )
+    took_sum: list[str] = []
+    engine.add_observer(
+        lambda obs: took_sum.append(obs.peer) if "took the masked sum" in obs.detail else None
+    )
     await endpoint.start()
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -103,6 +107,7 @@ async def run_node(workdir: Path, me: str, orgs: list[str], die_at: str | None) 
         "survivors": list(result.survivors),
         "dropped": list(result.dropped),
         "ring_attempts": result.ring_attempts,
+        "took_sum_from": took_sum,
         "bytes_sent": result.bytes_sent,
         "stage_times": result.stage_times,
     }

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -24,8 +25,55 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 def test_survivors_of_a_node_killed_during_the_reduce_hold_the_sum_of_their_inputs(
     tmp_path: Path,
 ) -> None:
+    """Killed in the reduce-scatter: no ring completes, the ring runs again without it."""
     orgs = [f"org-{i}" for i in range(4)]
     victim = "org-2"
+    survivors = [o for o in orgs if o != victim]
+    summaries = _run(tmp_path, orgs, victim, "reduce.scatter.1")
+    expected = np.zeros_like(node_input(orgs[0]))
+    for org in survivors:
+        np.add(expected, node_input(org), out=expected)
+    everything = expected + node_input(victim)
+    for org in survivors:
+        summary = summaries[org]
+        assert {"ready", "share", "reduce", "unmask"} <= summary["stage_times"].keys()
+        assert sorted(summary["participants"]) == orgs
+        assert sorted(summary["survivors"]) == survivors
+        assert summary["dropped"] == [victim]
+        assert summary["ring_attempts"] == 2
+        total = np.load(tmp_path / f"{org}.sum.npy")
+        np.testing.assert_array_equal(total, expected)
+        assert not np.array_equal(total, everything)
+
+
+def test_a_node_killed_at_the_last_all_gather_step_leaves_a_completed_ring_that_settles(
+    tmp_path: Path,
+) -> None:
+    """Killed as the all-gather's last step begins, the victim has sent every chunk but
+    its last. Its successor misses that chunk, so its ring breaks; its predecessor's
+    breaks too unless its last chunk reached the victim before it died; the third
+    survivor's completes. That settles the attempt: those whose ring broke take the
+    masked sum over TLS (``round.total``) from one whose ring completed, every survivor
+    holds the sum of all four inputs, and the ring ran once."""
+    orgs = [f"org-{i}" for i in range(4)]
+    victim = "org-2"
+    survivors = [o for o in orgs if o != victim]
+    summaries = _run(tmp_path, orgs, victim, "reduce.gather.2")
+    everything = np.zeros_like(node_input(orgs[0]))
+    for org in orgs:
+        np.add(everything, node_input(org), out=everything)
+    took = {org for org in survivors if summaries[org]["took_sum_from"]}
+    holders = {s for org in took for s in summaries[org]["took_sum_from"]}
+    assert 1 <= len(took) <= 2 and holders and holders.isdisjoint(took)
+    for org in survivors:
+        summary = summaries[org]
+        assert sorted(summary["survivors"]) == orgs and summary["dropped"] == []
+        assert summary["ring_attempts"] == 1
+        np.testing.assert_array_equal(np.load(tmp_path / f"{org}.sum.npy"), everything)
+
+
+def _run(tmp_path: Path, orgs: list[str], victim: str, die_at: str) -> dict[str, Any]:
+    """Run the four org processes, ``victim`` dying at ``die_at``; the survivors' summaries."""
     survivors = [o for o in orgs if o != victim]
     identities = {
         o: OrgIdentity.generate(o, hashlib.sha256(f"tls-rounds/{o}".encode()).digest())
@@ -56,7 +104,7 @@ def test_survivors_of_a_node_killed_during_the_reduce_hold_the_sum_of_their_inpu
                 o,
                 "--orgs",
                 ",".join(orgs),
-                *(["--die-at", "reduce.scatter.1"] if o == victim else []),
+                *(["--die-at", die_at] if o == victim else []),
             ],
             cwd=ROOT,
             stdout=logs[o],
@@ -93,18 +141,6 @@ def test_survivors_of_a_node_killed_during_the_reduce_hold_the_sum_of_their_inpu
 
     # the victim died inside the reduce, as planned
     assert procs[victim].returncode == DIE_STATUS, log(victim)
-    expected = np.zeros_like(node_input(orgs[0]))
-    for org in survivors:
-        np.add(expected, node_input(org), out=expected)
-    everything = expected + node_input(victim)
     for org in survivors:
         assert procs[org].returncode == 0, log(org)
-        summary = json.loads((tmp_path / f"{org}.json").read_text())
-        assert {"ready", "share", "reduce", "unmask"} <= summary["stage_times"].keys()
-        assert sorted(summary["participants"]) == orgs
-        assert sorted(summary["survivors"]) == survivors
-        assert summary["dropped"] == [victim]
-        assert summary["ring_attempts"] == 2
-        total = np.load(tmp_path / f"{org}.sum.npy")
-        np.testing.assert_array_equal(total, expected)
-        assert not np.array_equal(total, everything)
+    return {o: json.loads((tmp_path / f"{o}.json").read_text()) for o in survivors}
