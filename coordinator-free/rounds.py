@@ -1324,10 +1324,11 @@ class RoundEngine:
             )
             got = {o: p for o, p in state.inbox.get(key).items() if o in expected}
             views = {o: _decode_view(p) for o, p in got.items()}
-            holders = {o for o, v in views.items() if v.flag and v.members >= view}
-            if _decisive(tag) and holders:
+            if _decisive(tag):
                 # a member whose ring completed decides the attempt (see _decisive)
-                return self._settle_held(state, tag, views[min(holders)].members, holders)
+                holders = {o for o, v in views.items() if v.flag and v.members >= view}
+                if holders:
+                    return self._settle_held(state, tag, views[min(holders)].members, holders)
             missing = (set(others) - set(views)) | failed
             if not missing and all(v.members == view and v.flag == ok for v in views.values()):
                 state.decided[tag] = (view, ok)

@@ -606,15 +606,11 @@ def _engine_round(obs: Observation, node: NodeProcess) -> int:
 
 
 def _release(
-    obs: Observation,
-    held: list[NodeProcess],
-    node: NodeProcess,
-    record: dict[str, Any],
-    hold: Path | None = None,
+    obs: Observation, held: list[NodeProcess], node: NodeProcess, record: dict[str, Any]
 ) -> None:
     """Resume the run at the ``held`` orgs once the restarted ``node`` has caught up with
     the round they are at and all of them see each other alive (90 s at most; at once
-    if the node did not come back), and let ``node`` go on past ``hold`` with them."""
+    if the node did not come back)."""
     if not node.down and node.run_id:
         end = time.monotonic() + 90
         while time.monotonic() < end:
@@ -628,8 +624,6 @@ def _release(
         else:
             record["caught_up_before_resume"] = False
     record["resumed_by"] = sorted(n.org for n in _act_on_all(held, "resume"))
-    if hold is not None:
-        hold.unlink(missing_ok=True)
 
 
 def _inject_wipe(
@@ -684,8 +678,8 @@ def _inject_wipe(
         _recover_and_restart(procs, obs, node, wipe, chain, record)
     finally:
         if held:
-            _release(obs, held, node, record, hold)
-        if hold is not None:
+            _release(obs, held, node, record)
+        if hold is not None:  # the restarted org goes on with the others
             hold.unlink(missing_ok=True)
 
 

@@ -21,25 +21,26 @@ ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
+ORGS = [f"org-{i}" for i in range(4)]
+VICTIM = "org-2"
+SURVIVORS = [o for o in ORGS if o != VICTIM]
+
 
 def test_survivors_of_a_node_killed_during_the_reduce_hold_the_sum_of_their_inputs(
     tmp_path: Path,
 ) -> None:
     """Killed in the reduce-scatter: no ring completes, the ring runs again without it."""
-    orgs = [f"org-{i}" for i in range(4)]
-    victim = "org-2"
-    survivors = [o for o in orgs if o != victim]
-    summaries = _run(tmp_path, orgs, victim, "reduce.scatter.1")
-    expected = np.zeros_like(node_input(orgs[0]))
-    for org in survivors:
+    summaries = _run(tmp_path, ORGS, VICTIM, "reduce.scatter.1")
+    expected = np.zeros_like(node_input(ORGS[0]))
+    for org in SURVIVORS:
         np.add(expected, node_input(org), out=expected)
-    everything = expected + node_input(victim)
-    for org in survivors:
+    everything = expected + node_input(VICTIM)
+    for org in SURVIVORS:
         summary = summaries[org]
         assert {"ready", "share", "reduce", "unmask"} <= summary["stage_times"].keys()
-        assert sorted(summary["participants"]) == orgs
-        assert sorted(summary["survivors"]) == survivors
-        assert summary["dropped"] == [victim]
+        assert sorted(summary["participants"]) == ORGS
+        assert sorted(summary["survivors"]) == SURVIVORS
+        assert summary["dropped"] == [VICTIM]
         assert summary["ring_attempts"] == 2
         total = np.load(tmp_path / f"{org}.sum.npy")
         np.testing.assert_array_equal(total, expected)
@@ -55,19 +56,16 @@ def test_a_node_killed_at_the_last_all_gather_step_leaves_a_completed_ring_that_
     survivor's completes. That settles the attempt: those whose ring broke take the
     masked sum over TLS (``round.total``) from one whose ring completed, every survivor
     holds the sum of all four inputs, and the ring ran once."""
-    orgs = [f"org-{i}" for i in range(4)]
-    victim = "org-2"
-    survivors = [o for o in orgs if o != victim]
-    summaries = _run(tmp_path, orgs, victim, "reduce.gather.2")
-    everything = np.zeros_like(node_input(orgs[0]))
-    for org in orgs:
+    summaries = _run(tmp_path, ORGS, VICTIM, "reduce.gather.2")
+    everything = np.zeros_like(node_input(ORGS[0]))
+    for org in ORGS:
         np.add(everything, node_input(org), out=everything)
-    took = {org for org in survivors if summaries[org]["took_sum_from"]}
+    took = {org for org in SURVIVORS if summaries[org]["took_sum_from"]}
     holders = {s for org in took for s in summaries[org]["took_sum_from"]}
     assert 1 <= len(took) <= 2 and holders and holders.isdisjoint(took)
-    for org in survivors:
+    for org in SURVIVORS:
         summary = summaries[org]
-        assert sorted(summary["survivors"]) == orgs and summary["dropped"] == []
+        assert sorted(summary["survivors"]) == ORGS and summary["dropped"] == []
         assert summary["ring_attempts"] == 1
         np.testing.assert_array_equal(np.load(tmp_path / f"{org}.sum.npy"), everything)
 
