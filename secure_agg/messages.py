@@ -141,6 +141,30 @@ class _Reader:
         _check_id(s, what)
         return s
 
+    def texts(self, count: int, what: str) -> tuple[str, ...]:
+        """``count`` strings as :meth:`text` writes them, in one pass.
+
+        Only UTF-8 decoding is checked here: a list read this way goes into a message
+        whose ``__post_init__`` checks every name (``_check_sorted_unique``), so each
+        name is validated once rather than twice.
+        """
+        data, pos, end = self._data, self._pos, len(self._data)
+        out: list[str] = []
+        append = out.append
+        for _ in range(count):
+            if pos + 2 > end:
+                raise MalformedMessage(f"truncated message: {what} needs 2 bytes")
+            stop = pos + 2 + ((data[pos] << 8) | data[pos + 1])
+            if stop > end:
+                raise MalformedMessage(f"truncated message: {what} needs {stop - pos - 2} bytes")
+            try:
+                append(data[pos + 2 : stop].decode("utf-8"))
+            except UnicodeDecodeError:
+                raise MalformedMessage(f"{what} is not valid UTF-8") from None
+            pos = stop
+        self._pos = pos
+        return tuple(out)
+
     def consumed(self) -> bytes:
         return self._data[: self._pos]
 
@@ -166,7 +190,9 @@ def _check_id(s: object, what: str) -> None:
 
 def _check_sorted_unique(items: tuple[str, ...], what: str) -> None:
     for s in items:
-        _check_id(s, what)
+        # the common case (a short ASCII id) inline; anything else gets the full check
+        if not (isinstance(s, str) and s and len(s) * 4 <= _MAX_ID_BYTES and s.isascii()):
+            _check_id(s, what)
     if any(a >= b for a, b in pairwise(items)):
         raise MalformedMessage(f"{what} must be sorted and free of duplicates")
 
@@ -422,14 +448,13 @@ class UnmaskShares(Message):
     def _read_body(cls, r: _Reader) -> dict[str, Any]:
         lists: list[tuple[str, ...]] = []
         for what in ("survivors", "received_from"):
-            count = r.u16(what)
-            lists.append(tuple(r.text(what) for _ in range(count)))
+            lists.append(r.texts(r.u16(what), what))
         share_lists: list[tuple[tuple[str, Share], ...]] = []
         for what in ("b_shares", "s_shares"):
             count = r.u16(what)
             items: list[tuple[str, Share]] = []
             for _ in range(count):
-                owner = r.text(f"{what} owner")
+                (owner,) = r.texts(1, f"{what} owner")
                 raw = r.blob16(f"{what} share")
                 if len(raw) != _SHARE_LEN:
                     raise MalformedMessage(

@@ -399,8 +399,15 @@ class SecAggPeer:
             raise ConfigError(f"rng({k}) must return {k} bytes")
         return out
 
-    def _authenticate(self, msg: Message) -> None:
-        """Sender, signature and round checks shared by every message type."""
+    def _authenticate(self, msg: Message, authenticated: bool = False) -> None:
+        """Sender, signature and round checks shared by every message type.
+
+        ``authenticated``: the caller already verified, under ``msg.sender``'s identity
+        key, a signature over the exact bytes this message was decoded from (the round
+        engine's signed envelope, whose sender it checked to be ``msg.sender``); the
+        message's own signature then proves nothing more and is not verified again.
+        Every other check still runs.
+        """
         if not isinstance(msg, Message):
             raise MalformedMessage(f"expected a protocol message, got {type(msg).__name__}")
         sender = msg.sender
@@ -408,10 +415,13 @@ class SecAggPeer:
             raise UnknownSender(f"{sender!r} is not a participant of this round")
         if sender == self.me:
             raise DuplicateMessage(f"{self.me} received its own {type(msg).__name__} back")
-        try:
-            ok = bool(self._verify(sender, msg.signed_payload(), msg.signature))
-        except Exception:  # a verifier that raises is a failed verification
-            ok = False
+        if authenticated:
+            ok = True
+        else:
+            try:
+                ok = bool(self._verify(sender, msg.signed_payload(), msg.signature))
+            except Exception:  # a verifier that raises is a failed verification
+                ok = False
         if not ok:
             raise BadSignature(f"{type(msg).__name__} from {sender!r}: signature does not verify")
         if msg.ctx != self.config.ctx:
@@ -456,8 +466,8 @@ class SecAggPeer:
         self._adverts[self.me] = msg
         return msg
 
-    def receive_advertise(self, msg: AdvertiseKeys) -> None:
-        self._authenticate(msg)
+    def receive_advertise(self, msg: AdvertiseKeys, *, authenticated: bool = False) -> None:
+        self._authenticate(msg, authenticated)
         self._require_stage(Stage.ADVERTISE_KEYS, action="receiving AdvertiseKeys")
         if msg.sender in self._adverts:
             raise DuplicateMessage(f"second AdvertiseKeys from {msg.sender!r}")
@@ -515,8 +525,8 @@ class SecAggPeer:
         self._shared = True
         return out
 
-    def receive_shares(self, msg: ShareKeys) -> None:
-        self._authenticate(msg)
+    def receive_shares(self, msg: ShareKeys, *, authenticated: bool = False) -> None:
+        self._authenticate(msg, authenticated)
         self._require_stage(Stage.SHARE_KEYS, action="receiving ShareKeys")
         sender = msg.sender
         assert self._u1 is not None
@@ -672,8 +682,8 @@ class SecAggPeer:
         self._stage = Stage.UNMASK
         return msg
 
-    def receive_unmask(self, msg: UnmaskShares) -> None:
-        self._authenticate(msg)
+    def receive_unmask(self, msg: UnmaskShares, *, authenticated: bool = False) -> None:
+        self._authenticate(msg, authenticated)
         self._require_stage(Stage.UNMASK, action="receiving UnmaskShares")
         cfg = self.config
         sender = msg.sender
@@ -800,8 +810,13 @@ class SecAggPeer:
                 except ConfigError:
                     raise self._abort(f"survivor {j!r} advertised an unusable s_pk") from None
                 dangling.append((pairwise_mask_seed(shared, cfg.ctx, j, k), -cfg.mask_sign(j, k)))
-        z = masked_sum if in_place else masked_sum.copy()
-        prg.add_masks(z, [(b_seeds[j], -1) for j in sorted(b_seeds)] + dangling)
+        masks = [(b_seeds[j], -1) for j in sorted(b_seeds)] + dangling
+        if in_place:
+            z = masked_sum
+            prg.add_masks(z, masks)
+        else:  # one pass from the sum into a fresh array: no copy first
+            z = np.empty_like(masked_sum)
+            prg.add_masks(z, masks, base=masked_sum)
         self._stage = Stage.DONE
         return z
 

@@ -23,6 +23,8 @@ from coordinator_free.rounds import (
     RoundFailed,
     RoundObservation,
     RoundResult,
+    SecAggSession,
+    SessionContext,
     View,
     _Counters,
     _Token,
@@ -34,6 +36,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from secure_agg.codec import FixedPointCodec
+from secure_agg.protocol import _ed25519_identities
 
 # ring_min_chunk=1: even short test vectors take the chunked ring, step by step
 FAST = RoundConfig(
@@ -324,6 +327,23 @@ def test_a_member_asked_for_a_sum_it_does_not_hold_refuses() -> None:
         RefusalReason.MALFORMED,
         RefusalReason.NOT_MEMBER,
     ]
+
+
+def test_a_session_refuses_a_message_signed_by_another_than_its_envelope_sender() -> None:
+    # the session skips a message's own signature because the envelope's covers it;
+    # that holds only while the message's signer is the envelope's sender
+    orgs = ("a", "b", "c")
+    signers, verify = _ed25519_identities(orgs, seed=3)
+
+    def session(org: str) -> SecAggSession:
+        ctx = SessionContext("f", "r", 1, org, orgs, 2, np.zeros(8, dtype=np.uint32))
+        return SecAggSession(ctx, signers[org], verify)
+
+    a, b = session("a"), session("b")
+    advert = a.advertise()
+    with pytest.raises(ValueError, match="signed as 'a' came from 'c'"):
+        b.receive_advert("c", advert)
+    b.receive_advert("a", advert)  # from its signer it is taken
 
 
 def test_too_few_survivors_fail_with_a_reason_and_the_round_closes() -> None:

@@ -166,6 +166,29 @@ def test_verifier_that_raises_counts_as_bad_signature() -> None:
     rejected(peer, BadSignature, "signature", lambda: peer.receive(ad))
 
 
+def test_an_authenticated_caller_skips_only_the_signature_check() -> None:
+    # the round engine verified the envelope these bytes came in, signed by the
+    # message's sender: the message's own signature is not checked again...
+    h = Harness()
+    ad = h.peers["org-0"].advertise_keys()
+    b = h.peers["org-1"]
+    unsigned = replace(ad, signature=bytes(len(ad.signature)))
+    rejected(b, BadSignature, "org-0", lambda: b.receive_advertise(unsigned))
+    b.receive_advertise(unsigned, authenticated=True)
+    # ...but every other check still runs
+    rejected(b, DuplicateMessage, "second", lambda: b.receive_advertise(ad, authenticated=True))
+    other = ProtocolConfig(RoundContext("fed", "run", 10), h.parts, 3, 8)
+    stale = SecAggPeer(other, "org-2", signer("org-2"), verify).advertise_keys()
+    rejected(b, WrongRound, "round=10", lambda: b.receive_advertise(stale, authenticated=True))
+    mallory = replace(ad, header=Header(CTX, Stage.ADVERTISE_KEYS, "mallory"))
+    rejected(
+        b,
+        UnknownSender,
+        "not a participant",
+        lambda: b.receive_advertise(mallory, authenticated=True),
+    )
+
+
 def test_wrong_round_is_refused() -> None:
     h = Harness()
     other = ProtocolConfig(RoundContext("fed", "run", 10), h.parts, 3, 8)
