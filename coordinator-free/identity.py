@@ -34,6 +34,7 @@ __all__ = [
     "OrgIdentity",
     "certificate_fingerprint",
     "certificate_org_id",
+    "load_certificate",
     "verify_signature",
 ]
 
@@ -57,21 +58,30 @@ def verify_signature(public_key: bytes, data: bytes, signature: bytes) -> bool:
     return True
 
 
+def load_certificate(
+    certificate_pem: bytes, what: str = "not a PEM certificate"
+) -> x509.Certificate:
+    """Parse a PEM certificate; :class:`IdentityError` (``what: reason``) on any bad input.
+
+    ``cryptography`` raises ``ValueError`` for most malformed certificates but
+    ``x509.InvalidVersion`` (not a ``ValueError``) for a bad version field: both are
+    the caller's bad input.
+    """
+    try:
+        return x509.load_pem_x509_certificate(certificate_pem)
+    except (ValueError, x509.InvalidVersion) as exc:
+        raise IdentityError(f"{what}: {exc}") from None
+
+
 def certificate_fingerprint(certificate_pem: bytes) -> str:
     """SHA-256 of the DER encoding of a PEM certificate, lowercase hex."""
-    try:
-        cert = x509.load_pem_x509_certificate(certificate_pem)
-    except ValueError as exc:
-        raise IdentityError(f"not a PEM certificate: {exc}") from None
+    cert = load_certificate(certificate_pem)
     return hashlib.sha256(cert.public_bytes(serialization.Encoding.DER)).hexdigest()
 
 
 def certificate_org_id(certificate_pem: bytes) -> str:
     """The org id named in the certificate's subject common name."""
-    try:
-        cert = x509.load_pem_x509_certificate(certificate_pem)
-    except ValueError as exc:
-        raise IdentityError(f"not a PEM certificate: {exc}") from None
+    cert = load_certificate(certificate_pem)
     names = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
     if not names:
         raise IdentityError("certificate has no subject common name")
@@ -171,10 +181,7 @@ class OrgIdentity:
             raise IdentityError(f"cannot read the identity key: {exc}") from None
         if not isinstance(key, Ed25519PrivateKey):
             raise IdentityError("the identity key is not an Ed25519 key")
-        try:
-            cert = x509.load_pem_x509_certificate(certificate_pem)
-        except ValueError as exc:
-            raise IdentityError(f"cannot read the certificate: {exc}") from None
+        cert = load_certificate(certificate_pem, "cannot read the certificate")
         raw = serialization.Encoding.Raw, serialization.PublicFormat.Raw
         if cert.public_key().public_bytes(*raw) != key.public_key().public_bytes(*raw):
             raise IdentityError("the certificate does not belong to the identity key")

@@ -28,10 +28,10 @@ from coordinator_free.identity import (
     OrgIdentity,
     certificate_fingerprint,
     certificate_org_id,
+    load_certificate,
     verify_signature,
 )
 from coordinator_free.tls import PeerAddress
-from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
 __all__ = [
@@ -123,8 +123,8 @@ class Member:
             raise ManifestError(f"member {self.org_id!r}: {exc}") from None
         pem = self.certificate_pem.encode("ascii", "replace")
         try:
-            cert = x509.load_pem_x509_certificate(pem)
-        except ValueError:
+            cert = load_certificate(pem)
+        except IdentityError:
             raise ManifestError(f"member {self.org_id!r}: unreadable certificate") from None
         if certificate_fingerprint(pem) != self.fingerprint:
             raise ManifestError(f"member {self.org_id!r}: fingerprint does not match")

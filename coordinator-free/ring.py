@@ -44,6 +44,7 @@ __all__ = [
     "KIND_ABORT",
     "KIND_CHUNK",
     "KIND_PING",
+    "LIVENESS_POLL_S",
     "MAX_FRAME_BYTES",
     "RingBroken",
     "RingEndpoint",
@@ -77,6 +78,8 @@ _HEADER = struct.Struct(">BBBIIII16s")
 _VERSION = 1
 MAX_FRAME_BYTES = 16 << 20
 """A chunk larger than this travels as several messages (well under the 64 MiB limit)."""
+LIVENESS_POLL_S = 0.25
+"""How often a wait for a chunk asks the ``alive`` callable about the sender (no message)."""
 _ACK = b"ok"
 
 Handler = Callable[[Envelope], Awaitable[bytes | None]]
@@ -191,6 +194,7 @@ class _Link:
     timeout: float
     stats: RingStats
     dtype: np.dtype[Any]
+    alive: Callable[[str], bool] | None = None
 
     @property
     def wire_dtype(self) -> np.dtype[Any]:
@@ -238,7 +242,12 @@ class _Link:
         """The chunk ``src`` sends for (phase, step), all its frames; waits up to ``wait`` s.
 
         While waiting longer than one ``timeout``, pings ``src`` each ``timeout``: a
-        sender that is gone is blamed at once rather than at the end of the wait.
+        sender that is gone is blamed at once rather than at the end of the wait. With
+        ``alive`` (the membership layer's opinion), the wait also looks every
+        :data:`LIVENESS_POLL_S` whether ``src`` is still believed alive and pings it as
+        soon as it is not, so a sender that died silently (having sent everything its
+        own predecessor waited for, so no send failed and nobody aborted) is blamed
+        after the failure detector's delay rather than a whole ``timeout``.
         """
         frames = self.frames(count)
         if len(frames) == 1:
@@ -259,13 +268,18 @@ class _Link:
             box.chunks[key] = fut
         loop = asyncio.get_running_loop()
         end = loop.time() + wait
+        next_ping = loop.time() + self.timeout
+        # membership says src is gone: ping it once at once (not on every poll)
+        doubted = False
+        poll = self.timeout if self.alive is None else min(self.timeout, LIVENESS_POLL_S)
         while True:
             waiter: asyncio.Future[Any] = asyncio.ensure_future(self.abort.wait())
             waited: set[asyncio.Future[Any]] = {fut, waiter}
+            now = loop.time()
             try:
                 done, _ = await asyncio.wait(
                     waited,
-                    timeout=min(self.timeout, max(0.0, end - loop.time())),
+                    timeout=max(0.0, min(poll, next_ping - now, end - now)),
                     return_when=asyncio.FIRST_COMPLETED,
                 )
             finally:
@@ -274,8 +288,15 @@ class _Link:
                 break
             if self.abort.is_set():
                 raise RingBroken("a ring member aborted")
-            if loop.time() >= end:
+            now = loop.time()
+            if now >= end:
                 raise RingBroken(f"no chunk from {src} within {wait:g}s", src)
+            if now >= next_ping:
+                next_ping = now + self.timeout
+            elif self.alive is not None and not doubted and not self.alive(src):
+                doubted = True
+            else:
+                continue
             try:
                 await self.endpoint.send(
                     src,
@@ -424,6 +445,7 @@ class RingReducer:
         stage: str,
         timeout: float,
         stats: RingStats | None,
+        alive: Callable[[str], bool] | None = None,
     ) -> _Link:
         me = self.endpoint.org_id
         if me not in order:
@@ -446,6 +468,7 @@ class RingReducer:
             timeout=timeout,
             stats=stats if stats is not None else RingStats(),
             dtype=vector.dtype,
+            alive=alive,
         )
 
     async def allreduce(
@@ -462,6 +485,7 @@ class RingReducer:
         on_step: Callable[[str, int], Awaitable[None]] | None = None,
         min_chunk: int = 1024,
         start_grace: float = 0.0,
+        alive: Callable[[str], bool] | None = None,
     ) -> np.ndarray:
         """The ring sum of every member's ``vector``, mod ``2^b``; a fresh array.
 
@@ -479,7 +503,9 @@ class RingReducer:
 
         ``start_grace`` is added to the first wait: the members do not all start at the
         same moment (each leaves the previous stage when it has heard enough). A long
-        wait pings the sender each ``timeout``, so a dead member is blamed at once.
+        wait pings the sender each ``timeout``, so a dead member is blamed at once;
+        ``alive(org)``, the membership layer's view, makes it ping as soon as the
+        sender is no longer believed alive (see ``_Link.receive``).
         """
         link = self._link(
             order,
@@ -490,6 +516,7 @@ class RingReducer:
             stage=stage,
             timeout=timeout,
             stats=stats,
+            alive=alive,
         )
         acc = np.array(vector, copy=True)
         n = len(order)

@@ -883,7 +883,8 @@ class RoundEngine:
     is ``U0`` of the masked sum); this org may be among them. session_factory builds
     this org's masked-sum session for a round. live: optionally, the members believed
     alive (the membership layer's view): the ready stage stops waiting once all of
-    them are ready instead of waiting out the deadline for a member known dead.
+    them are ready instead of waiting out the deadline for a member known dead, and
+    a ring step pings a predecessor it waits on as soon as that one leaves the view.
     hook: the simulator's fault-injection seam. observer: called with each
     :class:`RoundObservation` (stage times, arrivals, refusals, dropouts); more can be
     added with :meth:`add_observer`.
@@ -1945,6 +1946,7 @@ class RoundEngine:
                         on_step=self._step_hook(run, rnd),
                         min_chunk=cfg.ring_min_chunk,
                         start_grace=cfg.stage_timeout,
+                        alive=self._believed_alive(),
                     )
             except RingBroken as exc:
                 logger.info("%s: ring attempt %d broke: %s", me, attempt, exc)
@@ -2111,6 +2113,14 @@ class RoundEngine:
             self._observe("refused", run, round, what, peer=sender, detail=str(exc))
             return False
         return True
+
+    def _believed_alive(self) -> Callable[[str], bool] | None:
+        """Whether the membership layer still believes an org alive (``None``: no such
+        layer): a ring step waiting on a predecessor it no longer does pings it at once."""
+        live = self.live
+        if live is None:
+            return None
+        return lambda org: org in set(live())
 
     def _step_hook(self, run: str, round: int) -> Callable[[str, int], Awaitable[None]] | None:
         hook = self.hook

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import datetime as dt
 import json
 import stat
@@ -44,6 +45,28 @@ def test_certificate_names_the_org_and_is_self_signed() -> None:
     raw = cert.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
     assert raw == ident.public_key
     cert.verify_directly_issued_by(cert)
+
+
+def test_a_certificate_with_a_bad_version_field_is_an_identity_error() -> None:
+    # cryptography raises x509.InvalidVersion, not a ValueError, for this one
+    der = x509.load_pem_x509_certificate(OrgIdentity.generate("x").certificate_pem).public_bytes(
+        serialization.Encoding.DER
+    )
+    version_field = bytes.fromhex("a003020102")  # [0] EXPLICIT INTEGER 2 (v3)
+    assert der.count(version_field) == 1
+    bad = der.replace(version_field, bytes.fromhex("a00302013f"))
+    pem = b"".join(
+        [
+            b"-----BEGIN CERTIFICATE-----\n",
+            base64.encodebytes(bad),
+            b"-----END CERTIFICATE-----\n",
+        ]
+    )
+    with pytest.raises(x509.InvalidVersion):
+        x509.load_pem_x509_certificate(pem)
+    for parse in (certificate_fingerprint, certificate_org_id):
+        with pytest.raises(IdentityError, match="not a PEM certificate"):
+            parse(pem)
 
 
 def test_fresh_identities_differ() -> None:

@@ -190,6 +190,67 @@ def test_dead_member_breaks_the_ring_for_everyone(min_chunk: int, phase: str, st
     assert blamed == {victim}
 
 
+def test_a_silent_dead_predecessor_is_pinged_once_membership_drops_it() -> None:
+    # the victim dies after its predecessor handed it its last chunk (so no send
+    # failed and nobody aborted) and before it sends its own last one: its successor
+    # would wait a whole step timeout (300 s here) before pinging it, but pings it
+    # as soon as the membership view (here: the network's dead list) drops it
+    orgs = [f"o{i}" for i in range(4)]
+    order = ring_order(orgs, 2)
+    pred, victim, succ = order[1], order[2], order[3]
+
+    async def scenario() -> dict[str, object]:
+        network = InMemoryNetwork()
+        endpoints, reducers = await make_ring(orgs, network)
+        pred_done = asyncio.Event()
+        asked: list[str] = []
+        dead: set[str] = set()
+
+        def alive(org: str) -> bool:
+            asked.append(org)
+            return org not in dead
+
+        async def on_step(ph: str, st_: int) -> None:
+            if (ph, st_) == ("gather", len(orgs) - 2):
+                await pred_done.wait()
+                network.kill(victim)
+                dead.add(victim)
+                raise asyncio.CancelledError
+
+        async def run(o: str) -> np.ndarray:
+            try:
+                return await reducers[o].allreduce(
+                    order,
+                    np.arange(100, dtype=np.uint32),
+                    run="r",
+                    round=2,
+                    timeout=300.0,
+                    on_step=on_step if o == victim else None,
+                    min_chunk=1,
+                    alive=alive,
+                )
+            finally:
+                if o == pred:
+                    pred_done.set()
+
+        tasks = {o: asyncio.ensure_future(run(o)) for o in orgs if o != victim}
+        killed = asyncio.ensure_future(run(victim))
+        done = await asyncio.wait_for(asyncio.gather(*tasks.values(), return_exceptions=True), 60)
+        killed.cancel()
+        for e in endpoints.values():
+            await e.close()
+        assert victim in asked, done
+        return dict(zip(tasks, done, strict=True))
+
+    results = asyncio.run(scenario())
+    full = np.arange(100, dtype=np.uint32) * 4
+    for o in (order[0], pred):  # they received everything before the death
+        assert np.array_equal(results[o], full)  # type: ignore[arg-type]
+    broken = results[succ]
+    assert isinstance(broken, RingBroken) and broken.suspect == victim
+    assert "is gone" in str(broken)
+
+
 def test_chunks_for_a_round_not_open_are_refused() -> None:
     async def scenario() -> None:
         network = InMemoryNetwork()
