@@ -434,6 +434,17 @@ class MaskedSum(Protocol):
         ``RoundEngine._keep_total``)."""
         ...
 
+    def unmask_part(self, masked_part: np.ndarray, offset: int) -> np.ndarray:
+        """Elements ``[offset, offset + len(masked_part))`` of the sum, still a ring
+        array (see :meth:`decode`), from that part of the masked sum; once
+        :meth:`can_finish`, as often as the engine needs (one call per chunk it holds)."""
+        ...
+
+    def decode(self, total: np.ndarray) -> np.ndarray:
+        """The sum as :meth:`unmasked_sum` returns it, from the ring array that the
+        parts of :meth:`unmask_part` make up."""
+        ...
+
 
 SessionFactory = Callable[[SessionContext], MaskedSum]
 SignFn = Callable[[bytes], bytes]
@@ -536,7 +547,12 @@ class SecAggSession:
         return not self.peer.missing_shares()
 
     def unmasked_sum(self, masked_sum: np.ndarray) -> np.ndarray:
-        total = self.peer.finalize(masked_sum)
+        return self.decode(self.peer.finalize(masked_sum))
+
+    def unmask_part(self, masked_part: np.ndarray, offset: int) -> np.ndarray:
+        return self.peer.finalize_part(masked_part, offset)
+
+    def decode(self, total: np.ndarray) -> np.ndarray:
         return self.codec.decode(total) if self.codec is not None else total
 
 

@@ -36,10 +36,20 @@ _ZEROS.flags.writeable = False
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
 
-def _keystream(seed: bytes) -> CipherContext:
+def _keystream(seed: bytes, start: int = 0) -> CipherContext:
+    """The keystream of ``seed`` from its byte ``start`` on (CTR mode seeks for free:
+    the counter block of byte ``start`` is ``start // 16``)."""
     if not isinstance(seed, bytes | bytearray) or len(seed) != SEED_BYTES:
         raise ConfigError(f"seed must be {SEED_BYTES} bytes")
-    return Cipher(algorithms.AES(bytes(seed)), modes.CTR(_ZERO_COUNTER)).encryptor()
+    if not start:
+        return Cipher(algorithms.AES(bytes(seed)), modes.CTR(_ZERO_COUNTER)).encryptor()
+    block, skip = divmod(start, 16)
+    encryptor = Cipher(
+        algorithms.AES(bytes(seed)), modes.CTR(block.to_bytes(16, "big"))
+    ).encryptor()
+    if skip:
+        encryptor.update(bytes(skip))
+    return encryptor
 
 
 def _fill(encryptor: CipherContext, dest: np.ndarray) -> None:
@@ -88,13 +98,21 @@ FUSED_CHUNK_BYTES = 1 << 18
 
 
 def add_masks(
-    target: np.ndarray, masks: Sequence[tuple[bytes, int]], *, base: np.ndarray | None = None
+    target: np.ndarray,
+    masks: Sequence[tuple[bytes, int]],
+    *,
+    base: np.ndarray | None = None,
+    offset: int = 0,
 ) -> None:
     """Add ``sum(sign * expand(seed))`` over ``masks`` to ``target`` in place, mod ``2^bits``.
 
     With ``base`` (a ring array of the same dtype and length), ``target`` receives
     ``base + sum(...)`` instead, and its previous contents are ignored: the first mask
     is folded straight from ``base``, which saves the caller a copy pass.
+
+    With ``offset``, ``target`` is the part of a longer vector that starts at element
+    ``offset``: it receives elements ``[offset, offset + len(target))`` of each
+    expansion, and the keystream before them is skipped, not computed.
 
     Equal to calling :func:`add_mask` once per ``(seed, sign)``, but fused: ``target``
     is walked once, in cache-sized slices, and each slice receives the next keystream
@@ -123,8 +141,12 @@ def add_masks(
     for _, sign in masks:
         if isinstance(sign, bool) or sign not in (1, -1):
             raise ConfigError(f"sign must be +1 or -1, got {sign!r}")
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        raise ConfigError(f"offset must be a non-negative int, got {offset!r}")
+    start = offset * target.dtype.itemsize
     streams = [
-        (_keystream(seed).update_into, np.add if sign == 1 else np.subtract) for seed, sign in masks
+        (_keystream(seed, start).update_into, np.add if sign == 1 else np.subtract)
+        for seed, sign in masks
     ]
     length = target.shape[0]
     if not streams or length == 0:

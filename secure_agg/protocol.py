@@ -318,6 +318,7 @@ class SecAggPeer:
         self._u3: frozenset[str] | None = None
         self._released: dict[str, ShareKind] = {}
         self._unmasks: dict[str, UnmaskShares] = {}
+        self._removal_masks: list[tuple[bytes, int]] | None = None
 
     # ---------------------------------------------------------------- inspection
 
@@ -764,7 +765,7 @@ class SecAggPeer:
         Reconstructs b_j for j in U3 and s_sk_k for each dropped k some survivor masked
         with, checks them against the advertised commitment and public key, then
         subtracts ``PRG(b_j)`` and each dangling ``sign PRG(s_jk)`` with
-        :func:`secure_agg.prg.add_mask` (chunked, no full-size temporary). A missing
+        :func:`secure_agg.prg.add_masks` (chunked, no full-size temporary). A missing
         share or a reconstruction that fails its check aborts the round.
         """
         self._require_stage(Stage.UNMASK, action="finalize()")
@@ -773,6 +774,49 @@ class SecAggPeer:
             check_ring(masked_sum, cfg.bits, cfg.vector_length)
         except RingError as exc:
             raise BadVector(f"masked sum: {exc}") from None
+        masks = self._removal()
+        if in_place:
+            z = masked_sum
+            prg.add_masks(z, masks)
+        else:  # one pass from the sum into a fresh array: no copy first
+            z = np.empty_like(masked_sum)
+            prg.add_masks(z, masks, base=masked_sum)
+        self._stage = Stage.DONE
+        return z
+
+    def finalize_part(self, masked_part: np.ndarray, offset: int) -> np.ndarray:
+        """Elements ``[offset, offset + len(masked_part))`` of the unmasked sum, a new array.
+
+        The same masks as :meth:`finalize` removes, expanded from ``offset`` on only
+        (:func:`secure_agg.prg.add_masks`), so each org of a ring can unmask the chunk
+        of the masked sum it holds for ``len / n`` of the work of the whole vector and
+        the plain chunks travel on (``coordinator_free.rounds``). It may be called for
+        several parts, before or after :meth:`finalize`; the secrets are reconstructed
+        once, from the releases taken by the first call.
+        """
+        self._require_stage(Stage.UNMASK, Stage.DONE, action="finalize_part()")
+        cfg = self.config
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+            raise BadVector(f"offset must be a non-negative int, got {offset!r}")
+        try:
+            check_ring(masked_part, cfg.bits)
+        except RingError as exc:
+            raise BadVector(f"masked part: {exc}") from None
+        if offset + masked_part.shape[0] > cfg.vector_length:
+            raise BadVector(
+                f"part [{offset}, {offset + masked_part.shape[0]}) runs past the "
+                f"vector's {cfg.vector_length} elements"
+            )
+        z = np.empty_like(masked_part)
+        prg.add_masks(z, self._removal(), base=np.ascontiguousarray(masked_part), offset=offset)
+        return z
+
+    def _removal(self) -> list[tuple[bytes, int]]:
+        """The ``(seed, sign)`` of every mask the sum still carries, reconstructed from
+        the releases taken so far and checked; computed once per round."""
+        if self._removal_masks is not None:
+            return self._removal_masks
+        cfg = self.config
         try:
             b_shares, s_shares, pairs = self._plan()
         except InconsistentView as exc:
@@ -811,14 +855,8 @@ class SecAggPeer:
                     raise self._abort(f"survivor {j!r} advertised an unusable s_pk") from None
                 dangling.append((pairwise_mask_seed(shared, cfg.ctx, j, k), -cfg.mask_sign(j, k)))
         masks = [(b_seeds[j], -1) for j in sorted(b_seeds)] + dangling
-        if in_place:
-            z = masked_sum
-            prg.add_masks(z, masks)
-        else:  # one pass from the sum into a fresh array: no copy first
-            z = np.empty_like(masked_sum)
-            prg.add_masks(z, masks, base=masked_sum)
-        self._stage = Stage.DONE
-        return z
+        self._removal_masks = masks
+        return masks
 
 
 # --------------------------------------------------------------------------- driver

@@ -111,6 +111,40 @@ def test_fused_masks_equal_one_mask_at_a_time(bits: int) -> None:
     np.testing.assert_array_equal(into, one_by_one)
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    bits=st.sampled_from([32, 64]),
+    length=st.integers(0, 3 * 4096 + 37),
+    data=st.data(),
+)
+def test_masks_from_an_offset_are_that_slice_of_the_whole(
+    bits: int, length: int, data: st.DataObject
+) -> None:
+    # a ring member unmasks only its chunk of the sum: the keystream must seek to any
+    # element, including one in the middle of a 16-byte counter block
+    dtype = np.uint32 if bits == 32 else np.uint64
+    lo = data.draw(st.integers(0, length), label="lo")
+    hi = data.draw(st.integers(lo, length), label="hi")
+    base = np.random.default_rng(length).integers(0, 2**bits, size=length, dtype=dtype)
+    masks = [(hashlib.sha256(bytes([i, bits])).digest(), 1 if i % 2 else -1) for i in range(3)]
+    whole = base.copy()
+    add_masks(whole, masks)
+    part = np.empty(hi - lo, dtype=dtype)
+    add_masks(part, masks, base=base[lo:hi], offset=lo)
+    np.testing.assert_array_equal(part, whole[lo:hi])
+    in_place = base[lo:hi].copy()
+    add_masks(in_place, masks, offset=lo)
+    np.testing.assert_array_equal(in_place, whole[lo:hi])
+
+
+def test_masks_refuse_a_bad_offset() -> None:
+    target = np.arange(10, dtype=np.uint32)
+    for offset in (-1, 1.5, True):
+        with pytest.raises(ConfigError, match="offset"):
+            add_masks(target, [(bytes(32), 1)], offset=offset)  # type: ignore[arg-type]
+    np.testing.assert_array_equal(target, np.arange(10, dtype=np.uint32))
+
+
 def test_fused_masks_reject_a_bad_sign_before_touching_the_target() -> None:
     target = np.arange(10, dtype=np.uint32)
     with pytest.raises(ConfigError):

@@ -19,6 +19,7 @@ from secure_agg.graph import NeighbourGraph, graph_seed
 from secure_agg.keys import RoundContext
 from secure_agg.messages import UnmaskShares, decode
 from secure_agg.protocol import (
+    BadVector,
     ProtocolConfig,
     RoundAborted,
     SignFn,
@@ -27,7 +28,7 @@ from secure_agg.protocol import (
     run_round,
     simulate_round,
 )
-from secure_agg.ring import ring_dtype
+from secure_agg.ring import ring_dtype, ring_sum
 
 VECTORS = Path(__file__).resolve().parents[1] / "vectors" / "secagg_protocol.json"
 CTX = RoundContext("fed", "run", 3)
@@ -181,6 +182,37 @@ def test_dropouts_at_every_stage_in_one_round() -> None:
     }
     total = run_round(cfg, inputs, drop, seed=11)
     assert np.array_equal(total, plain_sum(cfg, inputs, expected_survivors(cfg, drop)))
+
+
+@pytest.mark.parametrize("bits", [32, 64], ids=["b32", "b64"])
+def test_parts_unmasked_apart_are_slices_of_the_whole_sum(bits: int) -> None:
+    # a ring member unmasks only the chunks it holds: with dropouts (dangling pairwise
+    # masks) and chunk bounds inside a keystream block, each part equals its slice
+    parts = orgs(7)
+    cfg = ProtocolConfig(CTX, parts, 4, 103, bits)
+    inputs = random_inputs(cfg, np.random.default_rng(4))
+    drop = {"org-02": Stage.MASKED_INPUT, "org-05": Stage.UNMASK}
+    seen: list[np.ndarray] = []
+
+    def aggregate(masked: Mapping[str, np.ndarray]) -> np.ndarray:
+        total = ring_sum(masked[o] for o in sorted(masked))
+        seen.append(total.copy())
+        return total
+
+    result = simulate_round(cfg, inputs, drop, seed=6, aggregate=aggregate)
+    assert not result.aborted and result.sums
+    (masked_total,) = seen
+    expected = plain_sum(cfg, inputs, result.survivors)
+    for org in result.sums:
+        peer = result.peers[org]
+        for lo, hi in ((0, 103), (0, 1), (5, 37), (37, 103), (101, 103), (50, 50)):
+            got = peer.finalize_part(masked_total[lo:hi], lo)
+            np.testing.assert_array_equal(got, expected[lo:hi])
+    peer = result.peers[next(iter(result.sums))]
+    with pytest.raises(BadVector, match="runs past"):
+        peer.finalize_part(masked_total[:10], 100)
+    with pytest.raises(BadVector, match="offset"):
+        peer.finalize_part(masked_total[:10], -1)
 
 
 def _releasers_per_survivor(cfg: ProtocolConfig, drop: Mapping[str, Stage]) -> dict[str, int]:
