@@ -17,10 +17,12 @@ org sends, envelopes and signatures included):
   Target ``>= n / 2.5``.
 - ``round_vs_plain_ring[...]``: wall seconds of a whole secure round (ready, key
   shares, masking, ring, unmasking) ÷ a plaintext ring all-reduce of the same payload
-  over the same transport. Target ``<= 1.5``. Over TLS both run warm (after one
-  untimed run of each, as connections outlive rounds in a deployment), alternate
-  five times, start together at a clock time agreed by a small all-reduce (the
-  processes share one clock), and each figure is the median of its five runs.
+  over the same transport. Target ``<= 1.5``. Both run warm (after one untimed run
+  of each: connections outlive rounds in a deployment, and a process's first
+  vector-sized allocations pay page faults that later rounds do not) and alternate,
+  and each figure is the median of its runs: five over TLS, where the processes start
+  each run together at a clock time agreed by a small all-reduce (they share one
+  clock), three in the simulator.
 - ``detect_seconds[n]``, ``detect_periods[n]``, ``disseminate_periods[n]`` and
   ``msgs_per_node_per_period[n]``: SWIM failure detection and message rate, from
   :mod:`bench.overlay_membership`. Detection is SWIM's *first* detection (SWIM §3.1:
@@ -50,6 +52,7 @@ import argparse
 import asyncio
 import functools
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -123,36 +126,64 @@ def _round_config(n: int, topology: str = "ring") -> RoundConfig:
 # -- simulated peers ----------------------------------------------------------------------
 
 
-async def _sim_figures(n: int, params: int, *, secure: bool) -> dict[str, float]:
-    """Busiest bytes and seconds of a plain ring, and of secure rounds (ring, star)."""
+async def _sim_figures(n: int, params: int, *, secure: bool, repeats: int = 3) -> dict[str, float]:
+    """Busiest bytes and seconds of a plain ring, and of secure rounds (ring, star).
+
+    Seconds are warm, like the TLS rows': one untimed plain ring and one untimed
+    secure round first (the first vector-sized allocations of a process cost page
+    faults that later rounds do not pay), then ``repeats`` of each, interleaved, and
+    the median of each."""
     out: dict[str, float] = {}
+    rounds = itertools.count(1)
     for topology in ("ring", "star") if secure else ("ring",):
         config = SimConfig(peers=n, length=params, seed=1, round_config=_round_config(n, topology))
         async with Simulation(config) as sim:
-            inputs = sim.inputs(1)
-            if topology == "ring":
-                order = ring_order(sim.orgs, 0)
+
+            async def plain() -> tuple[float, float]:
+                rnd = next(rounds)
+                inputs = sim.inputs(rnd)
+                order = ring_order(sim.orgs, rnd)
                 before = dict(sim.network.bytes_sent)
                 t0 = time.perf_counter()
                 await asyncio.gather(
                     *(
                         sim.engines[o].ring.allreduce(
-                            order, inputs[o], run="plain", round=0, timeout=60.0 + n
+                            order, inputs[o], run="plain", round=rnd, timeout=60.0 + n
                         )
                         for o in sim.orgs
                     )
                 )
-                out["plain_s"] = time.perf_counter() - t0
-                out["plain_busiest"] = _busiest(sim.network.bytes_sent, before)
+                seconds = time.perf_counter() - t0
                 for engine in sim.engines.values():
-                    engine.ring.close("plain", 0)
-            if secure:
+                    engine.ring.close("plain", rnd)
+                return seconds, _busiest(sim.network.bytes_sent, before)
+
+            async def round_() -> tuple[float, float]:
+                rnd = next(rounds)
                 before = dict(sim.network.bytes_sent)
-                outcome = await sim.round(1, inputs=inputs)
+                outcome = await sim.round(rnd, inputs=sim.inputs(rnd))
                 if outcome.problems() or len(outcome.results) != n:
                     raise RuntimeError(f"secure round failed: {outcome.summary()}")
-                out[f"{topology}_s"] = outcome.seconds
-                out[f"{topology}_busiest"] = _busiest(sim.network.bytes_sent, before)
+                return outcome.seconds, _busiest(sim.network.bytes_sent, before)
+
+            if topology == "ring":
+                runs = repeats if secure else 1
+                if secure:
+                    await plain()
+                    await round_()
+                timed: dict[str, list[float]] = {"plain": [], "ring": []}
+                for _ in range(runs):
+                    seconds, out["plain_busiest"] = await plain()
+                    timed["plain"].append(seconds)
+                    if secure:
+                        seconds, out["ring_busiest"] = await round_()
+                        timed["ring"].append(seconds)
+                for name, values in timed.items():
+                    if values:
+                        out[f"{name}_s"] = statistics.median(values)
+                        out[f"{name}_min_s"], out[f"{name}_max_s"] = min(values), max(values)
+            else:
+                out["star_s"], out["star_busiest"] = await round_()
     return out
 
 

@@ -44,18 +44,21 @@ __all__ = [
     "KIND_ABORT",
     "KIND_CHUNK",
     "KIND_PING",
+    "KIND_SUM",
     "LIVENESS_POLL_S",
     "MAX_FRAME_BYTES",
     "RingBroken",
     "RingEndpoint",
     "RingReducer",
     "RingStats",
+    "Scattered",
     "chunk_bounds",
     "ring_id",
     "ring_order",
 ]
 
 KIND_CHUNK = "agg.chunk"
+KIND_SUM = "agg.sum"
 KIND_ABORT = "agg.abort"
 KIND_PING = "agg.ping"
 
@@ -65,6 +68,7 @@ _PHASE_CHAIN_REDUCE = 3
 _PHASE_CHAIN_BROADCAST = 4
 _PHASE_STAR_UP = 5
 _PHASE_STAR_DOWN = 6
+_PHASE_SUM = 7  # the all-gather of the unmasked sum (kind agg.sum, see all_gather_sum)
 _PHASES = (
     _PHASE_SCATTER,
     _PHASE_GATHER,
@@ -72,6 +76,7 @@ _PHASES = (
     _PHASE_CHAIN_BROADCAST,
     _PHASE_STAR_UP,
     _PHASE_STAR_DOWN,
+    _PHASE_SUM,
 )
 # version, phase, bits, step, chunk index, frame, element count, ring id (16 bytes)
 _HEADER = struct.Struct(">BBBIIII16s")
@@ -168,6 +173,25 @@ class RingStats:
     gather_bytes: int = 0
 
 
+@dataclass(frozen=True)
+class Scattered:
+    """What :meth:`RingReducer.reduce_scatter` leaves a member.
+
+    acc: a vector of the input's length in which chunk ``own`` holds the complete sum
+    that this member reduced and chunk ``held`` the complete sum its predecessor
+    reduced (a copy, so a chunk outlives one of its holders); the other chunks hold
+    partial sums, meaningless. bounds: the chunks' ``[lo, hi)``, from
+    :func:`chunk_bounds`. filled: the chunks complete so far (``own`` and ``held``,
+    then each one :meth:`RingReducer.all_gather_sum` receives).
+    """
+
+    acc: np.ndarray
+    own: int
+    held: int
+    bounds: list[tuple[int, int]]
+    filled: set[int] = field(default_factory=set)
+
+
 # run, round, ring id, phase, step, frame, sender
 _Key = tuple[str, int, bytes, int, int, int, str]
 
@@ -218,7 +242,7 @@ class _Link:
         try:
             reply = await self.endpoint.send(
                 dest,
-                KIND_CHUNK,
+                KIND_SUM if phase == _PHASE_SUM else KIND_CHUNK,
                 payload,
                 run=self.run,
                 round=self.round,
@@ -359,6 +383,7 @@ class RingReducer:
         self.max_buffered_bytes = max_buffered_bytes
         self._boxes: dict[tuple[str, int], _RoundBox] = {}
         endpoint.on(KIND_CHUNK, self._on_chunk)
+        endpoint.on(KIND_SUM, self._on_chunk)
         endpoint.on(KIND_ABORT, self._on_abort)
         endpoint.on(KIND_PING, self._on_ping)
 
@@ -397,6 +422,9 @@ class RingReducer:
         version, phase, _bits, step, _index, frame, _count, rid = _HEADER.unpack_from(env.payload)
         if version != _VERSION or phase not in _PHASES:
             raise Refused(RefusalReason.MALFORMED, "unknown chunk version or phase")
+        if (phase == _PHASE_SUM) != (env.kind == KIND_SUM):
+            # the kind names what the bytes are (masked or summed) for the audit log
+            raise Refused(RefusalReason.MALFORMED, f"a {env.kind} message of phase {phase}")
         key: _Key = (env.run, env.round, rid, phase, step, frame, env.sender)
         fut = box.chunks.get(key)
         if fut is not None and fut.done():
@@ -527,25 +555,18 @@ class RingReducer:
         bounds = chunk_bounds(acc.shape[0], n)
 
         async def step_once(phase: int, step: int, send_index: int, recv_index: int) -> None:
-            if on_step is not None:
-                await on_step("scatter" if phase == _PHASE_SCATTER else "gather", step)
-            slo, shi = bounds[send_index]
-            rlo, rhi = bounds[recv_index]
-            chunk = await link.exchange(
-                link.send(succ, phase, step, send_index, acc[slo:shi]),
-                link.receive(
-                    pred,
-                    phase,
-                    step,
-                    recv_index,
-                    rhi - rlo,
-                    timeout + (start_grace if (phase, step) == (_PHASE_SCATTER, 0) else 0.0),
-                ),
+            grace = start_grace if (phase, step) == (_PHASE_SCATTER, 0) else 0.0
+            await _step(
+                link,
+                acc,
+                bounds,
+                (succ, pred),
+                phase,
+                step,
+                (send_index, recv_index),
+                on_step,
+                timeout + grace,
             )
-            if phase == _PHASE_SCATTER:
-                np.add(acc[rlo:rhi], chunk, out=acc[rlo:rhi])
-            else:
-                acc[rlo:rhi] = chunk
 
         async def chain() -> None:
             # reduce along the chain order[0] -> ... -> order[n-1], then the total goes
@@ -578,6 +599,129 @@ class RingReducer:
                     await step_once(_PHASE_SCATTER, s, (pos - s) % n, (pos - s - 1) % n)
                 for s in range(n - 1):
                     await step_once(_PHASE_GATHER, s, (pos + 1 - s) % n, (pos - s) % n)
+        except RingBroken as exc:
+            raise await self._broken(order, link, exc) from exc
+        return acc
+
+    async def reduce_scatter(
+        self,
+        order: Sequence[str],
+        vector: np.ndarray,
+        *,
+        run: str,
+        round: int,
+        attempt: int = 0,
+        stage: str = "reduce",
+        timeout: float = 10.0,
+        stats: RingStats | None = None,
+        on_step: Callable[[str, int], Awaitable[None]] | None = None,
+        start_grace: float = 0.0,
+        alive: Callable[[str], bool] | None = None,
+    ) -> Scattered:
+        """The first half of :meth:`allreduce`, and one step of the second.
+
+        The ``n - 1`` reduce-scatter steps leave this member with the complete sum of
+        one chunk; it then sends that chunk to its successor and receives its
+        predecessor's (the all-gather's first step, ``on_step("gather", 0)``), so
+        every complete chunk is held by two members. The round engine unmasks the
+        chunks a member holds and sends the unmasked sum on with
+        :meth:`all_gather_sum`: each member unmasks ``2 / n`` of the vector instead of
+        all of it. Same arguments and failures as :meth:`allreduce`; the vector is
+        always cut in ``n`` chunks (no chain).
+        """
+        link = self._link(
+            order,
+            vector,
+            run=run,
+            round=round,
+            attempt=attempt,
+            stage=stage,
+            timeout=timeout,
+            stats=stats,
+            alive=alive,
+        )
+        n = len(order)
+        if n < 2:
+            raise ValueError("a reduce-scatter needs at least 2 members")
+        acc = np.array(vector, copy=True)
+        pos = order.index(self.endpoint.org_id)
+        ends = (order[(pos + 1) % n], order[(pos - 1) % n])
+        bounds = chunk_bounds(acc.shape[0], n)
+        try:
+            for s in range(n - 1):
+                wait = timeout + (start_grace if s == 0 else 0.0)
+                await _step(
+                    link,
+                    acc,
+                    bounds,
+                    ends,
+                    _PHASE_SCATTER,
+                    s,
+                    ((pos - s) % n, (pos - s - 1) % n),
+                    on_step,
+                    wait,
+                )
+            await _step(
+                link, acc, bounds, ends, _PHASE_GATHER, 0, ((pos + 1) % n, pos), on_step, timeout
+            )
+        except RingBroken as exc:
+            raise await self._broken(order, link, exc) from exc
+        own = (pos + 1) % n
+        return Scattered(acc=acc, own=own, held=pos, bounds=bounds, filled={own, pos})
+
+    async def all_gather_sum(
+        self,
+        order: Sequence[str],
+        scattered: Scattered,
+        *,
+        run: str,
+        round: int,
+        attempt: int = 0,
+        stage: str = "reduce",
+        timeout: float = 10.0,
+        stats: RingStats | None = None,
+        on_step: Callable[[str, int], Awaitable[None]] | None = None,
+        alive: Callable[[str], bool] | None = None,
+    ) -> np.ndarray:
+        """The rest of the all-gather after :meth:`reduce_scatter`, over the unmasked sum.
+
+        ``scattered.acc`` must hold the unmasked sum in chunks ``own`` and ``held``
+        (each member unmasked the two it holds); steps ``1 .. n - 2`` pass the chunks
+        on (kind ``agg.sum``: what travels is the federation's sum, no one org's
+        input) and fill ``scattered.acc`` in place, which is returned complete. A
+        member that died since its chunk was copied breaks it: :class:`RingBroken`
+        after the abort, as in :meth:`allreduce`; the engine then fetches the
+        chunks it lacks from members that hold them.
+        """
+        acc = scattered.acc
+        link = self._link(
+            order,
+            acc,
+            run=run,
+            round=round,
+            attempt=attempt,
+            stage=stage,
+            timeout=timeout,
+            stats=stats,
+            alive=alive,
+        )
+        n = len(order)
+        pos = order.index(self.endpoint.org_id)
+        ends = (order[(pos + 1) % n], order[(pos - 1) % n])
+        try:
+            for s in range(1, n - 1):
+                await _step(
+                    link,
+                    acc,
+                    scattered.bounds,
+                    ends,
+                    _PHASE_SUM,
+                    s,
+                    ((pos + 1 - s) % n, (pos - s) % n),
+                    on_step,
+                    timeout,
+                )
+                scattered.filled.add((pos - s) % n)
         except RingBroken as exc:
             raise await self._broken(order, link, exc) from exc
         return acc
@@ -665,3 +809,36 @@ class RingReducer:
                 )
 
         await asyncio.gather(*(one(p) for p in order if p not in (me, suspect)))
+
+
+_STEP_NAMES = {_PHASE_SCATTER: "scatter", _PHASE_GATHER: "gather", _PHASE_SUM: "gather"}
+
+
+async def _step(
+    link: _Link,
+    acc: np.ndarray,
+    bounds: list[tuple[int, int]],
+    ends: tuple[str, str],
+    phase: int,
+    step: int,
+    indices: tuple[int, int],
+    on_step: Callable[[str, int], Awaitable[None]] | None,
+    wait: float,
+) -> None:
+    """One ring step: send chunk ``indices[0]`` of ``acc`` to the successor while
+    receiving chunk ``indices[1]`` from the predecessor (``ends``), which is added in
+    the reduce-scatter and copied in the all-gathers."""
+    if on_step is not None:
+        await on_step(_STEP_NAMES[phase], step)
+    succ, pred = ends
+    send_index, recv_index = indices
+    slo, shi = bounds[send_index]
+    rlo, rhi = bounds[recv_index]
+    chunk = await link.exchange(
+        link.send(succ, phase, step, send_index, acc[slo:shi]),
+        link.receive(pred, phase, step, recv_index, rhi - rlo, wait),
+    )
+    if phase == _PHASE_SCATTER:
+        np.add(acc[rlo:rhi], chunk, out=acc[rlo:rhi])
+    else:
+        acc[rlo:rhi] = chunk

@@ -44,6 +44,18 @@ stalls falls back to the exchange above. A round of :meth:`RoundEngine.run_round
    costs no agreement message at all, and a death late in the all-gather costs one
    fetch instead of a second ring. Privacy does not rest on this agreement: releases
    are once per round per node and ``t`` exceeds half the members (step 4).
+   **Owner unmasking** (from ``RoundConfig.owner_unmask_from`` members on, when the
+   vector is cut in chunks): the ring stops after the reduce-scatter and one more
+   step that copies each member's complete chunk to its successor
+   (:meth:`~coordinator_free.ring.RingReducer.reduce_scatter`); the members agree by
+   the token (tag ``scatter:N``) that every reduce-scatter and copy completed (the
+   AND of the flags; otherwise the ring runs again over the intersection), release
+   as in step 4, and each unmasks only the two chunks it holds (``2 L`` of mask
+   expansion instead of ``n L``); the all-gather then carries the unmasked sum
+   (``agg.sum``). A member whose all-gather broke (a death after the agreement)
+   takes each chunk it lacks from its owner, else from the successor that holds its
+   copy (``round.part``), so one death loses nothing; two neighbours on the ring
+   dying after the agreement lose a chunk and fail the round with that reason.
 4. **unmask** — for the agreed survivors ``U3`` each node releases the self-mask
    shares of survivors and the mask-key shares of the dropped (§4 round 4), once per
    round, so one honest node never releases both kinds of share for one org; every
@@ -93,7 +105,7 @@ from coordinator_free.errors import (
     TransportError,
 )
 from coordinator_free.identity import verify_signature
-from coordinator_free.ring import RingBroken, RingReducer, RingStats, ring_order
+from coordinator_free.ring import RingBroken, RingReducer, RingStats, Scattered, ring_order
 from coordinator_free.wire import Envelope
 
 from secure_agg.codec import FixedPointCodec
@@ -106,6 +118,7 @@ __all__ = [
     "KIND_COMMIT",
     "KIND_LEAVE",
     "KIND_MODEL",
+    "KIND_PART",
     "KIND_READY",
     "KIND_SHARE",
     "KIND_TOTAL",
@@ -140,6 +153,7 @@ KIND_COMMIT = "round.commit"
 KIND_LEAVE = "round.leave"
 KIND_MODEL = "round.model"
 KIND_TOTAL = "round.total"
+KIND_PART = "round.part"
 
 _HASH = 32
 # the reply of a member whose ring attempt completed to a token or probe of that
@@ -148,6 +162,8 @@ _COMPLETED = b"completed"
 # the largest piece of a masked sum one ``round.total`` reply carries
 _TOTAL_PIECE_BYTES = 8 << 20
 _TOTAL_REQUEST = struct.Struct(">IQQ")
+# attempt, chunk index, [lo, hi) of the elements wanted (within that chunk)
+_PART_REQUEST = struct.Struct(">IIQQ")
 
 
 OBSERVATION_KINDS = frozenset(
@@ -238,6 +254,15 @@ class RoundConfig:
         along the ring as a chain (few messages) rather than chunked (see ``ring``).
     topology: ``"ring"``, or ``"star"`` (every masked vector through the first member
         of the ring order: the baseline the overlay benchmark compares against).
+    owner_unmask_from: with at least this many members and a vector long enough to be
+        cut in chunks (``n * ring_min_chunk`` elements), each member unmasks only the
+        two chunks of the masked sum it holds after the reduce-scatter (its own and
+        its predecessor's copy) and the ring's all-gather carries the unmasked sum:
+        ``2 L`` of mask expansion per member instead of ``n L`` (every self mask over
+        the whole vector), for one agreement token after the reduce-scatter (``2 n``
+        small messages, ``n`` of them one after another). ``None``: every member
+        unmasks the whole sum (the fewest messages one after another; see
+        ``docs/ARCHITECTURE.md``, "A round").
     secagg_plus_above: with more members than this, the masked sum runs as SecAgg+
         (Bell et al., CCS'20, §3): each org sends ShareKeys to, masks with and has its
         secrets reconstructed by only its :meth:`neighbours_for` neighbours of the
@@ -257,6 +282,7 @@ class RoundConfig:
     lookahead_rounds: int = 2
     ring_min_chunk: int = 1024
     topology: str = "ring"
+    owner_unmask_from: int | None = 8
     secagg_plus_above: int | None = 32
 
     def __post_init__(self) -> None:
@@ -292,6 +318,15 @@ class RoundConfig:
             raise ValueError(
                 "RoundConfig.secagg_plus_above must be None or an int >= 3, "
                 f"got {self.secagg_plus_above!r}"
+            )
+        if self.owner_unmask_from is not None and (
+            isinstance(self.owner_unmask_from, bool)
+            or not isinstance(self.owner_unmask_from, int)
+            or self.owner_unmask_from < 3
+        ):
+            raise ValueError(
+                "RoundConfig.owner_unmask_from must be None or an int >= 3, "
+                f"got {self.owner_unmask_from!r}"
             )
         if self.topology not in ("ring", "star"):
             raise ValueError(
@@ -864,6 +899,18 @@ class _Inbox:
 
 
 @dataclass
+class _Parts:
+    """The chunks of a round's unmasked sum a node holds (owner unmasking)."""
+
+    attempt: int
+    members: frozenset[str]
+    scattered: Scattered
+
+    def holds(self, index: int) -> bool:
+        return index in self.scattered.filled
+
+
+@dataclass
 class _RoundState:
     run: str
     round: int
@@ -937,6 +984,10 @@ class RoundEngine:
         # members whose ring broke (``round.total``)
         self._totals: dict[tuple[str, int], tuple[int, frozenset[str], np.ndarray]] = {}
         self._total_events: dict[tuple[str, int], asyncio.Event] = {}
+        # with owner unmasking: the chunks of the unmasked sum this node holds, kept
+        # for the members whose all-gather broke (``round.part``)
+        self._parts: dict[tuple[str, int], _Parts] = {}
+        self._part_events: dict[tuple[str, int], asyncio.Event] = {}
         for kind, handler in (
             (KIND_READY, self._on_ready),
             (KIND_VIEW, self._on_view),
@@ -946,6 +997,7 @@ class RoundEngine:
             (KIND_LEAVE, self._on_leave),
             (KIND_MODEL, self._on_model),
             (KIND_TOTAL, self._on_total),
+            (KIND_PART, self._on_part),
         ):
             endpoint.on(kind, self._observed(kind, handler))
 
@@ -1063,6 +1115,8 @@ class RoundEngine:
         self._last_done[run] = round if last is None else max(last, round)
         if (run, round) not in self._totals:
             self._total_events.pop((run, round), None)
+        if (run, round) not in self._parts:
+            self._part_events.pop((run, round), None)
         for key in [k for k in self._states if k[0] == run and k[1] <= round]:
             del self._states[key]
             self.ring.close(*key)
@@ -1211,6 +1265,112 @@ class RoundEngine:
             oldest = next(iter(self._totals))
             del self._totals[oldest]
             self._total_events.pop(oldest, None)
+
+    async def _on_part(self, env: Envelope) -> bytes:
+        """A piece of a chunk of this node's unmasked sum (owner unmasking), for a member
+        whose all-gather broke: ``(attempt, chunk, lo, hi)`` in, elements ``[lo, hi)``
+        of that chunk out. A node still unmasking is waited for, up to a stage."""
+        try:
+            attempt, index, lo, hi = _PART_REQUEST.unpack(env.payload)
+        except struct.error:
+            raise Refused(
+                RefusalReason.MALFORMED, "a part request is (attempt, chunk, lo, hi)"
+            ) from None
+        key = (env.run, env.round)
+        parts = self._parts.get(key)
+        if parts is None and key in self._running:
+            event = self._part_events.setdefault(key, asyncio.Event())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), self.config.stage_timeout)
+            parts = self._parts.get(key)
+        if parts is None or parts.attempt != attempt:
+            raise Refused(RefusalReason.STALE, f"no unmasked sum of ring attempt {attempt} here")
+        if env.sender not in parts.members:
+            raise Refused(
+                RefusalReason.NOT_MEMBER, f"{env.sender!r} is not in ring attempt {attempt}"
+            )
+        bounds = parts.scattered.bounds
+        if index >= len(bounds):
+            raise Refused(RefusalReason.MALFORMED, f"no chunk {index} in {len(bounds)}")
+        if not parts.holds(index):
+            raise Refused(RefusalReason.STALE, f"chunk {index} of the sum is not held here")
+        clo, chi = bounds[index]
+        acc = parts.scattered.acc
+        if not clo <= lo < hi <= chi or (hi - lo) * acc.itemsize > _TOTAL_PIECE_BYTES:
+            raise Refused(RefusalReason.MALFORMED, f"part [{lo}, {hi}) is not in chunk {index}")
+        return acc[lo:hi].tobytes()
+
+    def _keep_parts(
+        self, run: str, round: int, attempt: int, members: frozenset[str], scattered: Scattered
+    ) -> None:
+        """Serve the unmasked chunks of ``scattered`` (those it holds, growing as the
+        all-gather fills it) to the attempt's members: the latest round of each run."""
+        for key in [k for k in self._parts if k[0] == run and k[1] != round]:
+            del self._parts[key]
+            self._part_events.pop(key, None)
+        self._parts[(run, round)] = _Parts(attempt, members, scattered)
+        self._part_events.setdefault((run, round), asyncio.Event()).set()
+        while len(self._parts) > 4:
+            oldest = next(iter(self._parts))
+            del self._parts[oldest]
+            self._part_events.pop(oldest, None)
+
+    async def _fetch_parts(
+        self,
+        state: _RoundState,
+        counters: _Counters,
+        order: list[str],
+        attempt: int,
+        scattered: Scattered,
+    ) -> None:
+        """Fill the chunks of ``scattered`` that a broken all-gather left empty, each from
+        its owner, else the successor that holds its copy, else any member that
+        gathered it; :class:`RoundFailed` when no member can send one."""
+        acc, n = scattered.acc, len(order)
+        step = max(1, _TOTAL_PIECE_BYTES // acc.itemsize)
+        for index in range(n):
+            if index in scattered.filled:
+                continue
+            owner = (index - 1) % n
+            holders = [order[(owner + i) % n] for i in range(n)]
+            lo, hi = scattered.bounds[index]
+            for org in [o for o in holders if o != self.org_id]:
+                try:
+                    for start in range(lo, hi, step):
+                        stop = min(hi, start + step)
+                        piece = await self._send(
+                            counters,
+                            org,
+                            KIND_PART,
+                            _PART_REQUEST.pack(attempt, index, start, stop),
+                            run=state.run,
+                            round=state.round,
+                            stage="gather",
+                        )
+                        if len(piece) != (stop - start) * acc.itemsize:
+                            raise Refused(RefusalReason.MALFORMED, "a part of the wrong size")
+                        acc[start:stop] = np.frombuffer(piece, dtype=acc.dtype)
+                except TransportError as exc:
+                    self._observe(
+                        "unreachable", state.run, state.round, "gather", peer=org, detail=str(exc)
+                    )
+                    continue
+                scattered.filled.add(index)
+                self._observe(
+                    "retry",
+                    state.run,
+                    state.round,
+                    "gather",
+                    peer=org,
+                    detail=f"took chunk {index} of the sum from a member that holds it",
+                )
+                break
+            else:
+                raise RoundFailed(
+                    "gather",
+                    f"chunk {index} of the sum is lost: neither its owner {holders[0]} nor "
+                    f"{holders[1]}, which held its copy, nor any other member could send it",
+                )
 
     async def _on_unmask(self, env: Envelope) -> bytes:
         return self._put_bound(env, "unmask")
@@ -1927,19 +2087,35 @@ class RoundEngine:
             raise RoundFailed("mask", f"cannot mask the input: {exc}") from exc
         lap("mask")
         total: np.ndarray | None = None
+        scattered: Scattered | None = None  # with owner unmasking, the ring's first half
         attempt = 0
-        while total is None:
+        while total is None and scattered is None:
             if attempt >= cfg.max_reduce_attempts:
                 raise RoundFailed("reduce", f"the ring broke {attempt} times")
             await self._enter(run, rnd, "reduce")
             if attempt:
                 self._observe("retry", run, rnd, "reduce", detail=f"ring attempt {attempt + 1}")
             order = ring_order(members, rnd)
+            owners = self._owner_unmask(len(order), masked)
             t_ring, ring_before = time.perf_counter(), counters.ring.bytes_sent
             acc: np.ndarray | None = None
+            part: Scattered | None = None
             suspects: frozenset[str] = frozenset()
             try:
-                if cfg.topology == "star":
+                if owners:
+                    part = await self.ring.reduce_scatter(
+                        order,
+                        masked,
+                        run=run,
+                        round=rnd,
+                        attempt=attempt,
+                        timeout=cfg.step_timeout,
+                        stats=counters.ring,
+                        on_step=self._step_hook(run, rnd),
+                        start_grace=cfg.stage_timeout,
+                        alive=self._believed_alive(),
+                    )
+                elif cfg.topology == "star":
                     acc = await self.ring.star_allreduce(
                         order,
                         masked,
@@ -1969,7 +2145,7 @@ class RoundEngine:
                 suspects = (exc.suspects | self.ring.suspects(run, rnd, order, attempt)) - {me}
                 for org in sorted(suspects):
                     self._observe("suspect", run, rnd, "reduce", peer=org, detail=str(exc))
-            if acc is not None and len(order) > 1:
+            if (acc is not None or part is not None) and len(order) > 1:
                 self._observe(
                     "link",
                     run,
@@ -1981,6 +2157,28 @@ class RoundEngine:
                 )
             lap("reduce")
             await self._enter(run, rnd, "agree-reduce")
+            if owners:
+                # every member holds a complete chunk only when every reduce-scatter
+                # completed, which no single member can see: the members agree on it
+                # (the AND of the flags) before anyone releases a share
+                tag = f"scatter:{attempt}"
+                done = part is not None
+                agreed, complete = await self._settle(
+                    state, counters, tag, members, members - suspects, done
+                )
+                if me not in agreed:
+                    raise RoundFailed("reduce", "the other members' proposals leave this node out")
+                if complete and agreed == members:
+                    scattered = part
+                else:
+                    members = agreed
+                    if len(members) < t:
+                        raise RoundFailed(
+                            "reduce", f"{len(members)} survivors, fewer than the threshold t={t}"
+                        )
+                lap("agree-reduce")
+                attempt += 1
+                continue
             tag = f"reduce:{attempt}"
             if acc is not None:
                 # this node holds the masked sum of every member of the attempt: that
@@ -2084,11 +2282,17 @@ class RoundEngine:
         released = len(accepted) + 1
         if released < t:
             raise RoundFailed("unmask", f"{released} orgs released shares, fewer than t={t}")
-        try:
-            result = session.unmasked_sum(total)
-        except (SecAggError, ValueError) as exc:
-            raise RoundFailed("unmask", f"cannot remove the masks: {exc}") from exc
-        lap("unmask")
+        if scattered is not None:
+            result = await self._gather_sum(
+                state, counters, session, scattered, order, attempt - 1, lap
+            )
+        else:
+            assert total is not None
+            try:
+                result = session.unmasked_sum(total)
+            except (SecAggError, ValueError) as exc:
+                raise RoundFailed("unmask", f"cannot remove the masks: {exc}") from exc
+            lap("unmask")
         await self._enter(run, rnd, "done")
         order1 = tuple(ring_order(u1, rnd))
         for org in sorted(u1 - u3):
@@ -2111,6 +2315,61 @@ class RoundEngine:
             stage_times=times,
             neighbours=k,
         )
+
+    def _owner_unmask(self, n: int, masked: np.ndarray) -> bool:
+        """Whether a ring of ``n`` members unmasks by chunk owners (see
+        :attr:`RoundConfig.owner_unmask_from`): the same on every member of the ring."""
+        cfg = self.config
+        return (
+            cfg.owner_unmask_from is not None
+            and cfg.topology == "ring"
+            and n >= cfg.owner_unmask_from
+            and len(masked) >= n * cfg.ring_min_chunk
+        )
+
+    async def _gather_sum(
+        self,
+        state: _RoundState,
+        counters: _Counters,
+        session: MaskedSum,
+        scattered: Scattered,
+        order: list[str],
+        attempt: int,
+        lap: Callable[[str], None],
+    ) -> np.ndarray:
+        """Owner unmasking: unmask the two chunks this node holds, serve them, and take
+        the rest of the unmasked sum along the ring (``all_gather_sum``), or, when that
+        breaks, chunk by chunk from members that hold them (:meth:`_fetch_parts`)."""
+        run, rnd, cfg = state.run, state.round, self.config
+        acc = scattered.acc
+        try:
+            for index in sorted({scattered.own, scattered.held}):
+                lo, hi = scattered.bounds[index]
+                acc[lo:hi] = session.unmask_part(acc[lo:hi], lo)
+        except (SecAggError, ValueError) as exc:
+            raise RoundFailed("unmask", f"cannot remove the masks: {exc}") from exc
+        self._keep_parts(run, rnd, attempt, frozenset(order), scattered)
+        lap("unmask")
+        await self._enter(run, rnd, "gather")
+        try:
+            await self.ring.all_gather_sum(
+                order,
+                scattered,
+                run=run,
+                round=rnd,
+                attempt=attempt,
+                timeout=cfg.step_timeout,
+                stats=counters.ring,
+                on_step=self._step_hook(run, rnd),
+                alive=self._believed_alive(),
+            )
+        except RingBroken as exc:
+            logger.info("%s: the all-gather of the sum broke: %s", self.org_id, exc)
+            await self._fetch_parts(state, counters, order, attempt, scattered)
+        result = session.decode(acc)
+        lap("gather")
+        # the kept chunks are served to others: the caller gets its own array
+        return result.copy() if result is acc else result
 
     def _accept(
         self,
@@ -2205,4 +2464,6 @@ def _known_tag(tag: str, config: RoundConfig) -> bool:
     if tag in ("ready", "share"):
         return True
     prefix, _, num = tag.partition(":")
-    return prefix == "reduce" and num.isdigit() and int(num) < config.max_reduce_attempts
+    return (
+        prefix in ("reduce", "scatter") and num.isdigit() and int(num) < config.max_reduce_attempts
+    )

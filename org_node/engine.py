@@ -170,6 +170,9 @@ class EngineConfig:
     model_seed: seed of the round-0 model (the same on every node).
     checkpoint_every: push erasure-coded state every this many rounds (0: never).
     ready_timeout_s: how long a round waits for every participant's ``ready``.
+    owner_unmask_from: from this many participants on, each unmasks only the chunks
+        of the sum it holds (``RoundConfig.owner_unmask_from``); 0 turns it off. Every
+        participant must use the same.
     model_hash_timeout_s: how long the model-hash check waits for the survivors.
     max_attempts: attempts per round before the run fails (at most ``ATTEMPTS``).
     l2_clip / noise_multiplier / delta: org-level DP (only for runs with an epsilon):
@@ -187,6 +190,7 @@ class EngineConfig:
     model_seed: int = 0
     checkpoint_every: int = 1
     ready_timeout_s: float = 30.0
+    owner_unmask_from: int = 8
     model_hash_timeout_s: float = 30.0
     max_attempts: int = 3
     l2_clip: float = 1.0e4
@@ -211,6 +215,9 @@ class EngineConfig:
         _integer(s, "model_seed", self.model_seed, low=0)
         _integer(s, "checkpoint_every", self.checkpoint_every, low=0)
         _number(s, "ready_timeout_s", self.ready_timeout_s, low=0, open_low=True)
+        _integer(s, "owner_unmask_from", self.owner_unmask_from, low=0)
+        if 0 < self.owner_unmask_from < 3:
+            raise EngineError(f"{s}.owner_unmask_from", "expected 0 (off) or at least 3")
         _number(s, "model_hash_timeout_s", self.model_hash_timeout_s, low=0, open_low=True)
         _integer(s, "max_attempts", self.max_attempts, low=1)
         if self.max_attempts > ATTEMPTS:

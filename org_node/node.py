@@ -192,6 +192,7 @@ class OrgNode:
         self.round_config = round_config or RoundConfig(
             ready_timeout=config.engine.ready_timeout_s,
             lookahead_rounds=2 * ATTEMPTS,
+            owner_unmask_from=config.engine.owner_unmask_from or None,
         )
         self._events = events or RunEventBus()
         self.observability = Observability(

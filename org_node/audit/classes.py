@@ -3,7 +3,8 @@
 Every message an org sends is put in one :class:`PrivacyClass` before it leaves
 (``docs/SECURITY.md``, "Privacy audit"). The class says what the bytes can reveal:
 a public key, a Shamir share encrypted to its holder, a chunk of a *masked* vector, a
-CKKS ciphertext, a model hash, membership/gossip state, a checkpoint shard (encrypted
+chunk of the federation's *sum* (every survivor's update added together: what the
+round gives every participant, never one org's update), a CKKS ciphertext, a model hash, membership/gossip state, a checkpoint shard (encrypted
 with the owner's key before coding), or protocol control (views of agreed sets,
 aborts, acknowledgements).
 
@@ -18,7 +19,9 @@ to a membership or gossip message carries membership updates and is classed
 ``membership``, a reply to a shard request (``shard.get``) carries shards and is
 classed ``checkpoint_shard``, a reply to ``round.total`` (a member whose ring broke
 asking one whose ring completed for the masked sum) carries that masked sum and is
-classed ``masked_vector_chunk``; every other reply is an acknowledgement (``control``).
+classed ``masked_vector_chunk``, a reply to ``round.part`` (a member asking a chunk's
+holder for its unmasked chunk of the sum) is classed ``aggregate_chunk``; every other
+reply is an acknowledgement (``control``).
 The reply to an unknown kind is refused like the kind itself.
 """
 
@@ -49,6 +52,7 @@ class PrivacyClass(StrEnum):
     ENCRYPTED_SHARE = "encrypted_share"
     RELEASED_SHARE = "released_share"
     MASKED_CHUNK = "masked_vector_chunk"
+    AGGREGATE_CHUNK = "aggregate_chunk"
     CIPHERTEXT = "ciphertext"
     MODEL_HASH = "model_hash"
     MEMBERSHIP = "membership"
@@ -79,9 +83,12 @@ _RULES: dict[str, PrivacyClass] = {
     "round.commit": PrivacyClass.CONTROL,
     "round.leave": PrivacyClass.CONTROL,
     "round.total": PrivacyClass.CONTROL,  # (attempt, lo, hi): its reply is the sum piece
+    "round.part": PrivacyClass.CONTROL,  # (attempt, chunk, lo, hi): its reply, of the sum
     "round.model": PrivacyClass.MODEL_HASH,
     # the ring reduce over masked vectors (coordinator_free.ring)
     "agg.chunk": PrivacyClass.MASKED_CHUNK,
+    # the all-gather of the unmasked sum, after each member unmasked the chunks it holds
+    "agg.sum": PrivacyClass.AGGREGATE_CHUNK,
     "agg.abort": PrivacyClass.CONTROL,
     "agg.ping": PrivacyClass.CONTROL,
     "ring.": PrivacyClass.MASKED_CHUNK,
@@ -105,7 +112,7 @@ _REPLY_CARRIES = frozenset({PrivacyClass.MEMBERSHIP, PrivacyClass.CHECKPOINT_SHA
 """Classes whose replies carry data of the same class (membership updates, shards)."""
 
 _REPLY_ANSWERS: Mapping[str, PrivacyClass] = MappingProxyType(
-    {"round.total": PrivacyClass.MASKED_CHUNK}
+    {"round.total": PrivacyClass.MASKED_CHUNK, "round.part": PrivacyClass.AGGREGATE_CHUNK}
 )
 """Kinds whose replies carry something of another class than the request."""
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import socket
@@ -25,7 +26,13 @@ import numpy as np
 import uvicorn
 from coordinator_free.endpoint import Endpoint
 from coordinator_free.identity import OrgIdentity
-from coordinator_free.rounds import RoundConfig, RoundEngine, endpoint_signer, secagg_sessions
+from coordinator_free.rounds import (
+    RoundConfig,
+    RoundEngine,
+    RoundObservation,
+    endpoint_signer,
+    secagg_sessions,
+)
 from coordinator_free.tls import PeerAddress, TlsTransport, uvicorn_ssl_options
 
 FEDERATION = "fed-tls-rounds"
@@ -41,7 +48,9 @@ def node_input(org: str) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 2**32, LENGTH, dtype=np.uint32)
 
 
-async def run_node(workdir: Path, me: str, orgs: list[str], die_at: str | None) -> None:
+async def run_node(
+    workdir: Path, me: str, orgs: list[str], die_at: str | None, owners: bool = False
+) -> None:
     identity = OrgIdentity.load(workdir / me)
     members = json.loads((workdir / "members.json").read_text())
     keys = {o: bytes.fromhex(m["public_key"]) for o, m in members.items()}
@@ -54,13 +63,22 @@ async def run_node(workdir: Path, me: str, orgs: list[str], die_at: str | None) 
         if stage == die_at:
             os._exit(DIE_STATUS)
 
+    # owners: every member unmasks only the chunks it holds (the owner path, which
+    # the engine takes from 8 members on by default)
+    config = dataclasses.replace(CONFIG, owner_unmask_from=3) if owners else CONFIG
     engine = RoundEngine(
-        endpoint, lambda: orgs, secagg_sessions(*endpoint_signer(endpoint)), CONFIG, hook=hook
+        endpoint, lambda: orgs, secagg_sessions(*endpoint_signer(endpoint)), config, hook=hook
     )
     took_sum: list[str] = []
-    engine.add_observer(
-        lambda obs: took_sum.append(obs.peer) if "took the masked sum" in obs.detail else None
-    )
+    took_chunks: list[str] = []
+
+    def watch(obs: RoundObservation) -> None:
+        if "took the masked sum" in obs.detail:
+            took_sum.append(obs.peer)
+        if "of the sum from a member that holds it" in obs.detail:
+            took_chunks.append(obs.peer)
+
+    engine.add_observer(watch)
     await endpoint.start()
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -108,6 +126,7 @@ async def run_node(workdir: Path, me: str, orgs: list[str], die_at: str | None) 
         "dropped": list(result.dropped),
         "ring_attempts": result.ring_attempts,
         "took_sum_from": took_sum,
+        "took_chunks_from": took_chunks,
         "bytes_sent": result.bytes_sent,
         "stage_times": result.stage_times,
     }
@@ -130,8 +149,9 @@ def main() -> None:
     parser.add_argument("--org", required=True)
     parser.add_argument("--orgs", required=True)
     parser.add_argument("--die-at", default=None)
+    parser.add_argument("--owners", action="store_true")
     args = parser.parse_args()
-    asyncio.run(run_node(args.dir, args.org, args.orgs.split(","), args.die_at))
+    asyncio.run(run_node(args.dir, args.org, args.orgs.split(","), args.die_at, args.owners))
 
 
 if __name__ == "__main__":

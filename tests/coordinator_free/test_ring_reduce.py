@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import struct
 from collections.abc import Awaitable, Callable
 
 import numpy as np
 import pytest
 from coordinator_free.endpoint import Endpoint
+from coordinator_free.errors import RefusalReason, Refused
 from coordinator_free.identity import OrgIdentity
 from coordinator_free.memory import InMemoryNetwork
 from coordinator_free.ring import (
+    KIND_CHUNK,
+    KIND_SUM,
     RingBroken,
     RingReducer,
     RingStats,
+    Scattered,
     chunk_bounds,
     ring_id,
     ring_order,
@@ -109,6 +114,92 @@ def test_allreduce_equals_modular_sum(
     for out in outs:
         assert out.dtype == np.dtype(dtype)
         np.testing.assert_array_equal(out, expected)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    n=st.integers(2, 6),
+    length=st.integers(0, 40),
+    wide=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_reduce_scatter_leaves_two_holders_per_chunk_and_the_sum_gathers(
+    n: int, length: int, wide: bool, seed: int
+) -> None:
+    # the owner path: each member holds its own complete chunk and its predecessor's,
+    # transforms them (the engine unmasks them; here: adds 1), and the all-gather of
+    # the transformed chunks gives every member the whole transformed sum
+    dtype = np.uint64 if wide else np.uint32
+
+    async def scenario() -> tuple[dict[str, Scattered], list[np.ndarray], np.ndarray, int]:
+        network = InMemoryNetwork()
+        orgs = [f"o{i}" for i in range(n)]
+        endpoints, reducers = await make_ring(orgs, network)
+        rng = np.random.default_rng(seed)
+        info = np.iinfo(dtype)
+        inputs = {o: rng.integers(0, info.max, size=length, dtype=dtype) for o in orgs}
+        order = ring_order(orgs, 1)
+        stats = {o: RingStats() for o in orgs}
+        scattered = dict(
+            zip(
+                orgs,
+                await asyncio.gather(
+                    *(
+                        reducers[o].reduce_scatter(
+                            order, inputs[o], run="r", round=1, stats=stats[o], timeout=5
+                        )
+                        for o in orgs
+                    )
+                ),
+                strict=True,
+            )
+        )
+        for sc in scattered.values():
+            for index in {sc.own, sc.held}:
+                lo, hi = sc.bounds[index]
+                sc.acc[lo:hi] += dtype(1)
+        outs = await asyncio.gather(
+            *(
+                reducers[o].all_gather_sum(
+                    order, scattered[o], run="r", round=1, stats=stats[o], timeout=5
+                )
+                for o in orgs
+            )
+        )
+        expected = np.zeros(length, dtype=dtype)
+        for v in inputs.values():
+            np.add(expected, v, out=expected)
+        for e in endpoints.values():
+            await e.close()
+        return scattered, list(outs), expected, max(s.messages_sent for s in stats.values())
+
+    scattered, outs, expected, most = asyncio.run(scenario())
+    plus_one = expected + dtype(1)
+    owners = [sc.own for sc in scattered.values()]
+    assert sorted(owners) == list(range(n))  # every chunk has one owner...
+    assert sorted(sc.held for sc in scattered.values()) == list(range(n))  # ...and one copy
+    for out in outs:
+        np.testing.assert_array_equal(out, plus_one)
+    assert all(sc.filled == set(range(n)) for sc in scattered.values())
+    assert most == 2 * (n - 1)  # as many messages as the all-reduce
+
+
+def test_a_sum_chunk_must_come_as_agg_sum_and_a_masked_one_as_agg_chunk() -> None:
+    async def scenario() -> list[RefusalReason]:
+        network = InMemoryNetwork()
+        endpoints, reducers = await make_ring(["a", "b"], network)
+        reducers["b"].open("r", 1)
+        reasons = []
+        for kind, phase in ((KIND_SUM, 1), (KIND_CHUNK, 7)):
+            header = struct.pack(">BBBIIII16s", 1, phase, 32, 0, 0, 0, 1, bytes(16))
+            with pytest.raises(Refused) as info:
+                await endpoints["a"].send("b", kind, header + bytes(4), run="r", round=1)
+            reasons.append(info.value.reason)
+        for e in endpoints.values():
+            await e.close()
+        return reasons
+
+    assert asyncio.run(scenario()) == [RefusalReason.MALFORMED] * 2
 
 
 def test_each_node_sends_about_two_payloads() -> None:

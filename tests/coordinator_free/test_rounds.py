@@ -14,7 +14,9 @@ from coordinator_free.endpoint import Endpoint
 from coordinator_free.errors import RefusalReason, Refused
 from coordinator_free.identity import OrgIdentity
 from coordinator_free.memory import InMemoryNetwork
+from coordinator_free.ring import ring_order
 from coordinator_free.rounds import (
+    KIND_PART,
     KIND_READY,
     KIND_TOTAL,
     ModelHashMismatch,
@@ -119,6 +121,8 @@ def test_view_decoding_refuses_tampering() -> None:
         ("max_reduce_attempts", 0),
         ("ring_min_chunk", 0),
         ("topology", "mesh"),
+        ("owner_unmask_from", 2),
+        ("owner_unmask_from", True),
     ],
 )
 def test_round_config_refuses_invalid_values(field: str, value: float) -> None:
@@ -223,6 +227,128 @@ def test_a_peer_killed_at_each_stage(stage: str, victim_in_sum: bool) -> None:
     # the next round works, without the dead peer
     assert_consistent(second)
     assert set(second.results) == {"org-0", "org-1", "org-2", "org-4"}
+
+
+# eight members, a chunked ring: each member unmasks only the chunks it holds
+OWNER_KILL_STAGES = [
+    ("reduce.scatter.1", False),
+    # it dies before copying its chunk to its successor: no agreement completes
+    ("reduce.gather.0", False),
+    # it dies before proposing: the members agree without it and run the ring again
+    ("agree-reduce", False),
+    # after the agreement: a survivor, its chunk unmasked by its successor's copy and
+    # fetched from there by every member whose all-gather broke
+    ("unmask", True),
+    ("gather", True),
+    ("reduce.gather.3", True),
+]
+
+
+@pytest.mark.parametrize(
+    "stage, victim_in_sum", OWNER_KILL_STAGES, ids=[s for s, _ in OWNER_KILL_STAGES]
+)
+def test_owner_unmasking_with_a_peer_killed_at_each_stage(stage: str, victim_in_sum: bool) -> None:
+    victim = "org-3"
+    orgs = {f"org-{i}" for i in range(8)}
+
+    async def scenario() -> tuple[RoundOutcome, RoundOutcome]:
+        faults = [FaultSpec(victim, Fault.KILL, stage, round=1)]
+        async with Simulation(sim_config(8), faults) as sim:
+            return await sim.round(1), await sim.round(2)
+
+    first, second = asyncio.run(scenario())
+    assert_consistent(first)
+    assert set(first.results) == orgs - {victim}
+    for res in first.results.values():
+        assert (victim in res.survivors) is victim_in_sum
+        assert (res.sum == first.expected(res.survivors)).all()
+        assert res.ring_attempts == (1 if victim_in_sum else 2)
+    assert_consistent(second)
+    assert set(second.results) == orgs - {victim}
+
+
+def test_owner_unmasking_fault_free_sends_the_ring_messages_of_a_plain_all_reduce() -> None:
+    async def scenario() -> RoundOutcome:
+        async with Simulation(sim_config(8)) as sim:
+            return await sim.round(1)
+
+    out = asyncio.run(scenario())
+    assert_consistent(out)
+    assert len(out.results) == 8
+    for res in out.results.values():
+        assert (res.sum == out.expected(res.survivors)).all()
+        # the gather stage is the owner path's; one ring attempt, agreed by the token
+        assert "gather" in res.stage_times and res.ring_attempts == 1
+        # ready, share, unmask: 7 each; the ring: 2 (n - 1); the token: 1 to 8 more
+        assert 5 * 7 + 1 <= res.messages_sent <= 5 * 7 + 8
+
+
+def test_owner_unmasking_fails_clearly_when_a_chunk_and_its_copy_are_both_lost() -> None:
+    # two neighbours on the ring die after the agreement: the chunk one owned and the
+    # other held a copy of is gone, and the round fails with that reason (shares were
+    # released, so it cannot run again); the next round works
+    orgs = [f"org-{i}" for i in range(8)]
+    order = ring_order(orgs, 1)
+    pair = (order[2], order[3])
+
+    async def scenario() -> tuple[RoundOutcome, RoundOutcome]:
+        faults = [FaultSpec(o, Fault.KILL, "unmask", round=1) for o in pair]
+        async with Simulation(sim_config(8), faults) as sim:
+            return await sim.round(1), await sim.round(2)
+
+    first, second = asyncio.run(scenario())
+    assert_consistent(first)
+    assert not first.results and set(first.failures) == set(orgs) - set(pair)
+    for reason in first.failures.values():
+        assert "of the sum is lost" in reason and order[3] in reason
+    assert_consistent(second)
+    assert set(second.results) == set(orgs) - set(pair)
+
+
+def test_a_member_asked_for_a_part_it_does_not_hold_refuses() -> None:
+    async def scenario() -> list[RefusalReason]:
+        async with Simulation(sim_config(8)) as sim:
+            assert_consistent(await sim.round(1))
+            sender = sim.endpoints["org-0"]
+            reasons = []
+            for payload in (
+                b"short",
+                struct.pack(">IIQQ", 7, 0, 0, 1),  # another attempt
+                struct.pack(">IIQQ", 0, 99, 0, 1),  # no such chunk
+                struct.pack(">IIQQ", 0, 0, 0, 64),  # past the chunk
+            ):
+                with pytest.raises(Refused) as info:
+                    await sender.send("org-1", KIND_PART, payload, run="sim-run", round=1)
+                reasons.append(info.value.reason)
+            # after the all-gather, a member serves any chunk of the sum
+            piece = await sender.send(
+                "org-1", KIND_PART, struct.pack(">IIQQ", 0, 2, 16, 18), run="sim-run", round=1
+            )
+            assert len(piece) == 8
+            stranger = Envelope(
+                federation="sim-fed",
+                run="sim-run",
+                round=1,
+                stage="gather",
+                kind=KIND_PART,
+                sender="org-9",
+                recipient="org-1",
+                seq=1,
+                sent_at=0.0,
+                payload=struct.pack(">IIQQ", 0, 0, 0, 1),
+            )
+            with pytest.raises(Refused) as info:
+                await sim.engines["org-1"]._on_part(stranger)
+            reasons.append(info.value.reason)
+            return reasons
+
+    assert asyncio.run(scenario()) == [
+        RefusalReason.MALFORMED,
+        RefusalReason.STALE,
+        RefusalReason.MALFORMED,
+        RefusalReason.MALFORMED,
+        RefusalReason.NOT_MEMBER,
+    ]
 
 
 def test_a_ring_completed_on_one_member_settles_the_attempt_for_all() -> None:

@@ -70,7 +70,32 @@ def test_a_node_killed_at_the_last_all_gather_step_leaves_a_completed_ring_that_
         np.testing.assert_array_equal(np.load(tmp_path / f"{org}.sum.npy"), everything)
 
 
-def _run(tmp_path: Path, orgs: list[str], victim: str, die_at: str) -> dict[str, Any]:
+def test_owner_unmasking_over_tls_survives_a_node_killed_after_the_agreement(
+    tmp_path: Path,
+) -> None:
+    """Each member unmasks only the chunks it holds. The victim dies as the unmask
+    begins, after every member agreed that the reduce-scatter completed: it is a
+    survivor (its shares are released like anyone's), its chunk of the sum is
+    unmasked by its successor from the copy it holds, and the members whose all-gather
+    broke take the chunks they lack over TLS (``round.part``). Every survivor holds the
+    sum of all four inputs, after one ring attempt."""
+    summaries = _run(tmp_path, ORGS, VICTIM, "unmask", owners=True)
+    everything = np.zeros_like(node_input(ORGS[0]))
+    for org in ORGS:
+        np.add(everything, node_input(org), out=everything)
+    for org in SURVIVORS:
+        summary = summaries[org]
+        assert "gather" in summary["stage_times"]  # the owner path ran
+        assert sorted(summary["survivors"]) == ORGS and summary["dropped"] == []
+        assert summary["ring_attempts"] == 1
+        np.testing.assert_array_equal(np.load(tmp_path / f"{org}.sum.npy"), everything)
+    fetched = {s for org in SURVIVORS for s in summaries[org]["took_chunks_from"]}
+    assert fetched and VICTIM not in fetched
+
+
+def _run(
+    tmp_path: Path, orgs: list[str], victim: str, die_at: str, owners: bool = False
+) -> dict[str, Any]:
     """Run the four org processes, ``victim`` dying at ``die_at``; the survivors' summaries."""
     survivors = [o for o in orgs if o != victim]
     identities = {
@@ -103,6 +128,7 @@ def _run(tmp_path: Path, orgs: list[str], victim: str, die_at: str) -> dict[str,
                 "--orgs",
                 ",".join(orgs),
                 *(["--die-at", die_at] if o == victim else []),
+                *(["--owners"] if owners else []),
             ],
             cwd=ROOT,
             stdout=logs[o],

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from coordinator_free.rounds import RoundConfig
 from coordinator_free.sim import (
+    STAGES,
     Fault,
     FaultSpec,
     PartitionSpec,
@@ -58,6 +59,33 @@ def test_fifty_peers_with_random_faults() -> None:
     assert out.killed - set(res.survivors) == out.killed - after_the_ring(faults)
     assert (res.sum == out.expected(res.survivors)).all()
     assert set(out.results) | set(out.failures) | out.killed == set(orgs)
+
+
+# the owner path's stages after the agreement: a peer killed there is a survivor
+AFTER_AGREEMENT = ("unmask", "gather", "reduce.gather.1", "reduce.gather.4")
+
+
+# seeds 7, 14, 19 and 24 each kill a peer after the agreement (and others before it,
+# or send garbage, replays, wrong rounds, delays); seed 3 kills none after it
+@pytest.mark.parametrize("seed", [3, 7, 14, 19, 24])
+def test_owner_unmasking_with_random_faults(seed: int) -> None:
+    # 12 peers and a chunked ring: each unmasks only the chunks it holds
+    config = SimConfig(peers=12, length=48, seed=seed, round_config=QUICK)
+    orgs = [f"org-{i:02d}" for i in range(12)]
+    faults = random_faults(orgs, 3, seed=seed, stages=(*STAGES, *AFTER_AGREEMENT))
+    outcomes = run_rounds(config, faults, rounds=2)
+    for out in outcomes:
+        assert out.problems() == []
+        assert set(out.results) | set(out.failures) | out.killed == set(orgs)
+    first = outcomes[0]
+    res = next(iter(first.results.values()))
+    assert "gather" in res.stage_times  # the owner path ran
+    assert (res.sum == first.expected(res.survivors)).all()
+    survivors_killed = {
+        f.org for f in faults if f.fault is Fault.KILL and f.stage in AFTER_AGREEMENT
+    }
+    assert first.killed - set(res.survivors) == first.killed - survivors_killed
+    assert outcomes[1].results  # the next round works
 
 
 STAGE_OF = {

@@ -111,6 +111,7 @@ def test_every_kind_used_in_coordinator_free_is_classified_and_allowed() -> None
             PrivacyClass.MEMBERSHIP,
             PrivacyClass.CHECKPOINT_SHARD,
             PrivacyClass.MASKED_CHUNK,  # round.total: the masked sum of a ring attempt
+            PrivacyClass.AGGREGATE_CHUNK,  # round.part: a chunk of the federation's sum
         )
 
 
@@ -131,6 +132,10 @@ def test_every_kind_used_in_coordinator_free_is_classified_and_allowed() -> None
         ("agg.chunk.reply", PrivacyClass.CONTROL),
         ("round.total", PrivacyClass.CONTROL),
         ("round.total.reply", PrivacyClass.MASKED_CHUNK),
+        ("agg.sum", PrivacyClass.AGGREGATE_CHUNK),
+        ("agg.sum.reply", PrivacyClass.CONTROL),
+        ("round.part", PrivacyClass.CONTROL),
+        ("round.part.reply", PrivacyClass.AGGREGATE_CHUNK),
         ("agg.ping", PrivacyClass.CONTROL),
         ("shard.get.reply", PrivacyClass.CHECKPOINT_SHARD),
         ("shard.put", PrivacyClass.CHECKPOINT_SHARD),
