@@ -88,6 +88,26 @@ def test_owner_unmasking_with_random_faults(seed: int) -> None:
     assert outcomes[1].results  # the next round works
 
 
+def test_owner_unmasking_under_secagg_plus_keeps_a_peer_killed_after_the_agreement() -> None:
+    # 40 peers: SecAgg+ (16 neighbours each) and owner unmasking together. One peer
+    # dies in the reduce-scatter (the ring runs again without it), another as the
+    # unmask begins (a survivor: its neighbours release its self-mask shares, its
+    # chunk comes from its successor's copy)
+    config = SimConfig(peers=40, length=80, seed=5, round_config=QUICK)
+    faults = [
+        FaultSpec("org-07", Fault.KILL, "reduce.scatter.1", round=1),
+        FaultSpec("org-21", Fault.KILL, "unmask", round=1),
+    ]
+    (out,) = run_rounds(config, faults, rounds=1)
+    assert out.problems() == []
+    assert len(out.results) == 38
+    for res in out.results.values():
+        assert res.neighbours == 16 and "gather" in res.stage_times
+        assert "org-07" not in res.survivors and "org-21" in res.survivors
+        assert res.ring_attempts == 2
+        assert (res.sum == out.expected(res.survivors)).all()
+
+
 STAGE_OF = {
     Fault.KILL: "reduce.scatter.1",
     Fault.GARBAGE: "share",
