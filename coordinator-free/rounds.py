@@ -1348,8 +1348,15 @@ class RoundEngine:
                             stage="gather",
                         )
                         if len(piece) != (stop - start) * acc.itemsize:
-                            raise Refused(RefusalReason.MALFORMED, "a part of the wrong size")
+                            raise ValueError(f"a part of chunk {index} of the wrong size")
                         acc[start:stop] = np.frombuffer(piece, dtype=acc.dtype)
+                except Refused:
+                    continue  # alive, but it does not hold that chunk: no fault of its
+                except ValueError as exc:
+                    self._observe(
+                        "refused", state.run, state.round, "gather", peer=org, detail=str(exc)
+                    )
+                    continue
                 except TransportError as exc:
                     self._observe(
                         "unreachable", state.run, state.round, "gather", peer=org, detail=str(exc)
