@@ -305,6 +305,38 @@ def test_owner_unmasking_fails_clearly_when_a_chunk_and_its_copy_are_both_lost()
     assert set(second.results) == set(orgs) - set(pair)
 
 
+def test_a_holder_that_sends_a_bad_part_is_noted_and_passed_over() -> None:
+    # a peer dies after the agreement, so the all-gathers break and the others fetch
+    # chunks from their holders; one holder answers with parts of the wrong size: it
+    # is noted as refused and the chunk comes from the next holder
+    victim, liar = "org-3", "org-5"
+    noted: list[str] = []
+
+    async def short(env: Envelope) -> bytes:
+        return b"\x00"
+
+    def watch(obs: RoundObservation) -> None:
+        if obs.kind == "refused" and obs.stage == "gather":
+            noted.append(obs.peer)
+
+    async def scenario() -> RoundOutcome:
+        faults = [FaultSpec(victim, Fault.KILL, "unmask", round=1)]
+        async with Simulation(sim_config(8), faults) as sim:
+            sim.endpoints[liar]._handlers[KIND_PART] = short  # its round.part handler lies
+            for org, engine in sim.engines.items():
+                if org != liar:
+                    engine.add_observer(watch)
+            return await sim.round(1)
+
+    out = asyncio.run(scenario())
+    assert_consistent(out)
+    assert len(out.results) == 7
+    for res in out.results.values():
+        assert victim in res.survivors
+        assert (res.sum == out.expected(res.survivors)).all()
+    assert noted and set(noted) == {liar}
+
+
 def test_a_member_asked_for_a_part_it_does_not_hold_refuses() -> None:
     async def scenario() -> list[RefusalReason]:
         async with Simulation(sim_config(8)) as sim:
