@@ -898,6 +898,30 @@ class _Inbox:
         return {s: box[s] for s in wanted if s in box}
 
 
+class _BadPiece(ValueError):
+    """A member answered a piece request with the wrong number of bytes."""
+
+
+def _keep_latest(
+    store: dict[tuple[str, int], Any],
+    events: dict[tuple[str, int], asyncio.Event],
+    run: str,
+    round: int,
+    value: Any,
+) -> None:
+    """Keep ``value`` for ``(run, round)``, dropping the other rounds of ``run`` and all
+    but the four newest entries, and wake whoever waits for it."""
+    for key in [k for k in store if k[0] == run and k[1] != round]:
+        del store[key]
+        events.pop(key, None)
+    store[(run, round)] = value
+    events.setdefault((run, round), asyncio.Event()).set()
+    while len(store) > 4:
+        oldest = next(iter(store))
+        del store[oldest]
+        events.pop(oldest, None)
+
+
 @dataclass
 class _Parts:
     """The chunks of a round's unmasked sum a node holds (owner unmasking)."""
@@ -1256,15 +1280,7 @@ class RoundEngine:
         session unmasks into a new array and leaves ``total`` as it is): the latest
         round's of each run only, so a node holds one vector more than the round
         itself needs."""
-        for key in [k for k in self._totals if k[0] == run and k[1] != round]:
-            del self._totals[key]
-            self._total_events.pop(key, None)
-        self._totals[(run, round)] = (attempt, members, total)
-        self._total_events.setdefault((run, round), asyncio.Event()).set()
-        while len(self._totals) > 4:
-            oldest = next(iter(self._totals))
-            del self._totals[oldest]
-            self._total_events.pop(oldest, None)
+        _keep_latest(self._totals, self._total_events, run, round, (attempt, members, total))
 
     async def _on_part(self, env: Envelope) -> bytes:
         """A piece of a chunk of this node's unmasked sum (owner unmasking), for a member
@@ -1305,15 +1321,9 @@ class RoundEngine:
     ) -> None:
         """Serve the unmasked chunks of ``scattered`` (those it holds, growing as the
         all-gather fills it) to the attempt's members: the latest round of each run."""
-        for key in [k for k in self._parts if k[0] == run and k[1] != round]:
-            del self._parts[key]
-            self._part_events.pop(key, None)
-        self._parts[(run, round)] = _Parts(attempt, members, scattered)
-        self._part_events.setdefault((run, round), asyncio.Event()).set()
-        while len(self._parts) > 4:
-            oldest = next(iter(self._parts))
-            del self._parts[oldest]
-            self._part_events.pop(oldest, None)
+        _keep_latest(
+            self._parts, self._part_events, run, round, _Parts(attempt, members, scattered)
+        )
 
     async def _fetch_parts(
         self,
@@ -1326,33 +1336,27 @@ class RoundEngine:
         """Fill the chunks of ``scattered`` that a broken all-gather left empty, each from
         its owner, else the successor that holds its copy, else any member that
         gathered it; :class:`RoundFailed` when no member can send one."""
-        acc, n = scattered.acc, len(order)
-        step = max(1, _TOTAL_PIECE_BYTES // acc.itemsize)
+        n = len(order)
         for index in range(n):
             if index in scattered.filled:
                 continue
             owner = (index - 1) % n
             holders = [order[(owner + i) % n] for i in range(n)]
-            lo, hi = scattered.bounds[index]
             for org in [o for o in holders if o != self.org_id]:
                 try:
-                    for start in range(lo, hi, step):
-                        stop = min(hi, start + step)
-                        piece = await self._send(
-                            counters,
-                            org,
-                            KIND_PART,
-                            _PART_REQUEST.pack(attempt, index, start, stop),
-                            run=state.run,
-                            round=state.round,
-                            stage="gather",
-                        )
-                        if len(piece) != (stop - start) * acc.itemsize:
-                            raise ValueError(f"a part of chunk {index} of the wrong size")
-                        acc[start:stop] = np.frombuffer(piece, dtype=acc.dtype)
+                    await self._take_pieces(
+                        state,
+                        counters,
+                        org,
+                        KIND_PART,
+                        functools.partial(_PART_REQUEST.pack, attempt, index),
+                        scattered.acc,
+                        scattered.bounds[index],
+                        "gather",
+                    )
                 except Refused:
                     continue  # alive, but it does not hold that chunk: no fault of its
-                except ValueError as exc:
+                except _BadPiece as exc:
                     self._observe(
                         "refused", state.run, state.round, "gather", peer=org, detail=str(exc)
                     )
@@ -1815,30 +1819,56 @@ class RoundEngine:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    async def _take_pieces(
+        self,
+        state: _RoundState,
+        counters: _Counters,
+        org: str,
+        kind: str,
+        request: Callable[[int, int], bytes],
+        into: np.ndarray,
+        span: tuple[int, int],
+        stage: str,
+    ) -> None:
+        """Fill ``into[lo:hi]`` (``span``) from ``org``'s answers to ``request(start,
+        stop)``, in pieces of at most ``_TOTAL_PIECE_BYTES``; :class:`_BadPiece` when an
+        answer has the wrong size, a transport error as it comes."""
+        lo, hi = span
+        step = max(1, _TOTAL_PIECE_BYTES // into.itemsize)
+        for start in range(lo, hi, step):
+            stop = min(hi, start + step)
+            piece = await self._send(
+                counters,
+                org,
+                kind,
+                request(start, stop),
+                run=state.run,
+                round=state.round,
+                stage=stage,
+            )
+            if len(piece) != (stop - start) * into.itemsize:
+                raise _BadPiece(f"{kind}: a piece [{start}, {stop}) of the wrong size")
+            into[start:stop] = np.frombuffer(piece, dtype=into.dtype)
+
     async def _fetch_total(
         self, state: _RoundState, counters: _Counters, tag: str, attempt: int, like: np.ndarray
     ) -> np.ndarray:
         """The masked sum of ring attempt ``attempt`` from a member that holds it (its
         ring completed, or it took the sum already), piece by piece."""
         total = np.empty_like(like)
-        step = max(1, _TOTAL_PIECE_BYTES // total.itemsize)
         for org in sorted(state.completers.get(tag, set()) - {self.org_id}):
             try:
-                for lo in range(0, len(total), step):
-                    hi = min(len(total), lo + step)
-                    piece = await self._send(
-                        counters,
-                        org,
-                        KIND_TOTAL,
-                        _TOTAL_REQUEST.pack(attempt, lo, hi),
-                        run=state.run,
-                        round=state.round,
-                        stage=tag,
-                    )
-                    if len(piece) != (hi - lo) * total.itemsize:
-                        raise Refused(RefusalReason.MALFORMED, "a sum piece of the wrong size")
-                    total[lo:hi] = np.frombuffer(piece, dtype=total.dtype)
-            except TransportError as exc:
+                await self._take_pieces(
+                    state,
+                    counters,
+                    org,
+                    KIND_TOTAL,
+                    functools.partial(_TOTAL_REQUEST.pack, attempt),
+                    total,
+                    (0, len(total)),
+                    tag,
+                )
+            except (TransportError, _BadPiece) as exc:
                 self._observe(
                     "unreachable", state.run, state.round, "reduce", peer=org, detail=str(exc)
                 )

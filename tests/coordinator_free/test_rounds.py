@@ -50,6 +50,22 @@ def sim_config(peers: int) -> SimConfig:
     return SimConfig(peers=peers, length=64, seed=7, round_config=FAST)
 
 
+def from_a_stranger(kind: str, stage: str, payload: bytes) -> Envelope:
+    """A message of round 1 of the simulator's run to org-1 from org-9, no member."""
+    return Envelope(
+        federation="sim-fed",
+        run="sim-run",
+        round=1,
+        stage=stage,
+        kind=kind,
+        sender="org-9",
+        recipient="org-1",
+        seq=1,
+        sent_at=0.0,
+        payload=payload,
+    )
+
+
 def assert_consistent(out: RoundOutcome) -> None:
     assert out.problems() == []
 
@@ -357,18 +373,7 @@ def test_a_member_asked_for_a_part_it_does_not_hold_refuses() -> None:
                 "org-1", KIND_PART, struct.pack(">IIQQ", 0, 2, 16, 18), run="sim-run", round=1
             )
             assert len(piece) == 8
-            stranger = Envelope(
-                federation="sim-fed",
-                run="sim-run",
-                round=1,
-                stage="gather",
-                kind=KIND_PART,
-                sender="org-9",
-                recipient="org-1",
-                seq=1,
-                sent_at=0.0,
-                payload=struct.pack(">IIQQ", 0, 0, 0, 1),
-            )
+            stranger = from_a_stranger(KIND_PART, "gather", struct.pack(">IIQQ", 0, 0, 0, 1))
             with pytest.raises(Refused) as info:
                 await sim.engines["org-1"]._on_part(stranger)
             reasons.append(info.value.reason)
@@ -462,18 +467,7 @@ def test_a_member_asked_for_a_sum_it_does_not_hold_refuses() -> None:
             )
             assert len(piece) == 16
             # and nobody outside the attempt
-            stranger = Envelope(
-                federation="sim-fed",
-                run="sim-run",
-                round=1,
-                stage="reduce:0",
-                kind=KIND_TOTAL,
-                sender="org-9",
-                recipient="org-1",
-                seq=1,
-                sent_at=0.0,
-                payload=struct.pack(">IQQ", 0, 0, 4),
-            )
+            stranger = from_a_stranger(KIND_TOTAL, "reduce:0", struct.pack(">IQQ", 0, 0, 4))
             with pytest.raises(Refused) as info:
                 await sim.engines["org-1"]._on_total(stranger)
             reasons.append(info.value.reason)
