@@ -105,7 +105,14 @@ from coordinator_free.errors import (
     TransportError,
 )
 from coordinator_free.identity import verify_signature
-from coordinator_free.ring import RingBroken, RingReducer, RingStats, Scattered, ring_order
+from coordinator_free.ring import (
+    LIVENESS_POLL_S,
+    RingBroken,
+    RingReducer,
+    RingStats,
+    Scattered,
+    ring_order,
+)
 from coordinator_free.wire import Envelope
 
 from secure_agg.codec import FixedPointCodec
@@ -120,6 +127,7 @@ __all__ = [
     "KIND_MODEL",
     "KIND_PART",
     "KIND_READY",
+    "KIND_SEED",
     "KIND_SHARE",
     "KIND_TOTAL",
     "KIND_UNMASK",
@@ -154,6 +162,7 @@ KIND_LEAVE = "round.leave"
 KIND_MODEL = "round.model"
 KIND_TOTAL = "round.total"
 KIND_PART = "round.part"
+KIND_SEED = "round.seed"
 
 _HASH = 32
 # the reply of a member whose ring attempt completed to a token or probe of that
@@ -164,6 +173,8 @@ _TOTAL_PIECE_BYTES = 8 << 20
 _TOTAL_REQUEST = struct.Struct(">IQQ")
 # attempt, chunk index, [lo, hi) of the elements wanted (within that chunk)
 _PART_REQUEST = struct.Struct(">IIQQ")
+# one revealed self-mask seed: the owner's index among the sorted survivors, the seed
+_SEED_ENTRY = struct.Struct(">H32s")
 
 
 OBSERVATION_KINDS = frozenset(
@@ -459,8 +470,19 @@ class MaskedSum(Protocol):
         """Take the shares another survivor released."""
         ...
 
+    def self_seed(self) -> bytes:
+        """After :meth:`unmask` with a survivor set that holds this org: its own
+        self-mask seed, which it reveals to the other survivors instead of having its
+        holders release shares of it (see :meth:`secure_agg.protocol.SecAggPeer.self_seed`)."""
+        ...
+
+    def receive_seed(self, owner: str, seed: bytes) -> bool:
+        """Take a survivor's revealed self-mask seed, from whoever relayed it (it is
+        checked against the owner's commitment); ``False`` when already held."""
+        ...
+
     def can_finish(self) -> bool:
-        """Whether the releases taken so far suffice for :meth:`unmasked_sum`."""
+        """Whether the seeds and releases taken so far suffice for :meth:`unmasked_sum`."""
         ...
 
     def unmasked_sum(self, masked_sum: np.ndarray) -> np.ndarray:
@@ -577,6 +599,12 @@ class SecAggSession:
         msg = self._decode(UnmaskShares, sender, data)
         assert isinstance(msg, UnmaskShares)
         self.peer.receive_unmask(msg, authenticated=True)
+
+    def self_seed(self) -> bytes:
+        return self.peer.self_seed()
+
+    def receive_seed(self, owner: str, seed: bytes) -> bool:
+        return self.peer.receive_seed(owner, seed)
 
     def can_finish(self) -> bool:
         return not self.peer.missing_shares()
@@ -805,6 +833,12 @@ class _Token:
         return cls(phase, tag, base, starter, tuple(entries))
 
 
+def _patience(config: RoundConfig) -> float:
+    """How long a node waits for the messages its peers send first in a pairwise
+    exchange before it sends its own to those still silent."""
+    return min(config.send_timeout, config.stage_timeout) / 8
+
+
 def _decisive(tag: str) -> bool:
     """Whether one flagged proposal decides the agreement of ``tag`` on its own.
 
@@ -848,6 +882,9 @@ class _Inbox:
 
     def get(self, key: tuple[str, ...]) -> dict[str, bytes]:
         return dict(self._items.get(key, {}))
+
+    def item(self, key: tuple[str, ...], sender: str) -> bytes | None:
+        return self._items.get(key, _EMPTY).get(sender)
 
     def since(self, key: tuple[str, ...], start: int) -> list[tuple[str, bytes]]:
         """The messages filed under ``key`` after the first ``start``, in arrival order."""
@@ -935,10 +972,43 @@ class _Parts:
 
 
 @dataclass
+class _Offer:
+    """This node's own message of one pairwise exchange (ready, share, release): a
+    peer's message of that exchange is answered with it, which spares this node the
+    request of its own to that peer (see :meth:`RoundEngine._targets`)."""
+
+    payload: bytes | Mapping[str, bytes]  # one for every peer, or per peer
+    served: set[str] = field(default_factory=set)  # the peers answered with it
+
+    def for_peer(self, peer: str) -> bytes | None:
+        if isinstance(self.payload, bytes):
+            return self.payload
+        return self.payload.get(peer)
+
+
+def _initiator(run: str, round: int, a: str, b: str) -> str:
+    """Which of two orgs sends first in their pairwise exchanges of a round (the
+    other answers with its own message in the reply): a hash of the pair, so each
+    org initiates with about half of the others, and both compute the same."""
+    lo, hi = sorted((a, b))
+    digest = hashlib.sha256(
+        b"fedweave/pair\0%s\0%d\0%s\0%s" % (run.encode(), round, lo.encode(), hi.encode())
+    ).digest()
+    return lo if digest[0] & 1 else hi
+
+
+@dataclass
 class _RoundState:
     run: str
     round: int
     inbox: _Inbox = field(default_factory=_Inbox)
+    # per exchange (its inbox key): this node's own message, once it has one; the
+    # peers whose message of it is being held until then; and the wake-up for them
+    offers: dict[tuple[str, ...], _Offer] = field(default_factory=dict)
+    deferred: dict[tuple[str, ...], set[str]] = field(default_factory=dict)
+    offered: dict[tuple[str, ...], asyncio.Event] = field(default_factory=dict)
+    # the peers that sent two different messages of one exchange
+    equivocal: set[str] = field(default_factory=set)
     released_for: frozenset[str] | None = None
     # per stage tag, the set (and flag) this node settled on, and the views it has sent
     decided: dict[str, tuple[frozenset[str], bool]] = field(default_factory=dict)
@@ -1012,6 +1082,10 @@ class RoundEngine:
         # for the members whose all-gather broke (``round.part``)
         self._parts: dict[tuple[str, int], _Parts] = {}
         self._part_events: dict[tuple[str, int], asyncio.Event] = {}
+        # per (run, round): this node's release (view hash, survivors, message), kept
+        # after the round for a survivor that still needs it (see _on_unmask)
+        self._releases: dict[tuple[str, int], tuple[bytes, frozenset[str], bytes]] = {}
+        self._release_events: dict[tuple[str, int], asyncio.Event] = {}
         for kind, handler in (
             (KIND_READY, self._on_ready),
             (KIND_VIEW, self._on_view),
@@ -1022,6 +1096,7 @@ class RoundEngine:
             (KIND_MODEL, self._on_model),
             (KIND_TOTAL, self._on_total),
             (KIND_PART, self._on_part),
+            (KIND_SEED, self._on_seed),
         ):
             endpoint.on(kind, self._observed(kind, handler))
 
@@ -1149,9 +1224,66 @@ class RoundEngine:
 
     async def _on_ready(self, env: Envelope) -> bytes:
         state = self._state(env.run, env.round)
-        if not state.inbox.put(("ready",), env.sender, env.payload):
-            raise Refused(RefusalReason.REPLAY, "second ready for this round")
-        return b""
+        self._file(state, ("ready",), env.sender, env.payload, "ready")
+        return self._answer(state, ("ready",), env.sender)
+
+    def _file(
+        self, state: _RoundState, key: tuple[str, ...], sender: str, payload: bytes, what: str
+    ) -> None:
+        """File a peer's message of a pairwise exchange; the same message again (a
+        retry whose first reply was lost) is taken, a different one refused."""
+        if not self._filed(state, key, sender, payload):
+            raise Refused(RefusalReason.REPLAY, f"a second, different {what} for this round")
+
+    @staticmethod
+    def _filed(state: _RoundState, key: tuple[str, ...], sender: str, payload: bytes) -> bool:
+        """File ``payload`` (a request's or a reply's); ``False`` when ``sender``
+        already sent another one: it equivocates, and stays out of this node's views."""
+        if state.inbox.put(key, sender, payload) or state.inbox.item(key, sender) == payload:
+            return True
+        state.equivocal.add(sender)
+        return False
+
+    def _answer(self, state: _RoundState, key: tuple[str, ...], peer: str) -> bytes:
+        """The reply to ``peer``'s message of an exchange: this node's own message for
+        ``peer`` when it has one (``peer`` is then served), else nothing (this node
+        sends its own once it has it, see :meth:`_targets`)."""
+        offer = state.offers.get(key)
+        if offer is None:
+            return b""
+        data = offer.for_peer(peer)
+        if data is None:
+            return b""
+        offer.served.add(peer)
+        return data
+
+    def _offer(
+        self, state: _RoundState, key: tuple[str, ...], payload: bytes | Mapping[str, bytes]
+    ) -> _Offer:
+        offer = state.offers[key] = _Offer(payload)
+        event = state.offered.get(key)
+        if event is not None:
+            event.set()
+        return offer
+
+    def _targets(self, state: _RoundState, key: tuple[str, ...], peers: Iterable[str]) -> list[str]:
+        """The peers this node sends its message of an exchange to: those it initiates
+        with (:func:`_initiator`), and those whose message came before this node had
+        its own to answer with; never one already answered with it, or one whose
+        message waits for it (:meth:`_on_share`)."""
+        offer = state.offers.get(key)
+        served = offer.served if offer is not None else set()
+        waiting = state.deferred.get(key, set())
+        heard = state.inbox.senders(key)
+        me, run, rnd = self.org_id, state.run, state.round
+        return sorted(
+            p
+            for p in peers
+            if p != me
+            and p not in served
+            and p not in waiting
+            and (p in heard or _initiator(run, rnd, me, p) == me)
+        )
 
     async def _on_view(self, env: Envelope) -> bytes:
         state = self._state(env.run, env.round)
@@ -1190,9 +1322,21 @@ class RoundEngine:
         state = self._state(env.run, env.round)
         if len(env.payload) < _HASH:
             raise Refused(RefusalReason.MALFORMED, "share without a view hash")
-        if not state.inbox.put(("share",), env.sender, env.payload):
-            raise Refused(RefusalReason.REPLAY, "second share for this round")
-        return b""
+        key = ("share",)
+        self._file(state, key, env.sender, env.payload, "share")
+        if key not in state.offers and state.started is not None:
+            # this node runs the round but has not shared yet (its ready stage is still
+            # open): the reply waits a little for its shares rather than go empty and
+            # cost a request of its own later; bounded well inside the send timeout
+            waiting = state.deferred.setdefault(key, set())
+            waiting.add(env.sender)
+            event = state.offered.setdefault(key, asyncio.Event())
+            try:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(event.wait(), self.config.send_timeout / 4)
+            finally:
+                waiting.discard(env.sender)
+        return self._answer(state, key, env.sender)
 
     async def _on_leave(self, env: Envelope) -> bytes:
         state = self._state(env.run, env.round)
@@ -1384,16 +1528,31 @@ class RoundEngine:
                 )
 
     async def _on_unmask(self, env: Envelope) -> bytes:
-        return self._put_bound(env, "unmask")
-
-    def _put_bound(self, env: Envelope, what: str) -> bytes:
-        """File a message bound to an agreed view by its leading 32-byte view hash."""
-        state = self._state(env.run, env.round)
         if len(env.payload) < _HASH:
-            raise Refused(RefusalReason.MALFORMED, f"{what} without a view hash")
-        key = (what, env.payload[:_HASH].hex())
-        if not state.inbox.put(key, env.sender, env.payload[_HASH:]):
-            raise Refused(RefusalReason.REPLAY, f"second {what} for this view")
+            raise Refused(RefusalReason.MALFORMED, "release without a view hash")
+        kept = self._releases.get((env.run, env.round))
+        if kept is not None and (env.run, env.round) not in self._states:
+            # this node finished the round (it needed only some of the releases, or
+            # none: the seeds): a survivor that still needs its release gets it
+            h3, survivors, data = kept
+            if env.sender not in survivors:
+                raise Refused(RefusalReason.NOT_MEMBER, f"{env.sender!r} is not a survivor")
+            if env.payload[:_HASH] != h3:
+                raise Refused(RefusalReason.STALE, "a release for another survivor set")
+            return data
+        state = self._state(env.run, env.round)
+        key = ("unmask", env.payload[:_HASH].hex())
+        self._file(state, key, env.sender, env.payload[_HASH:], "release")
+        return self._answer(state, key, env.sender)
+
+    async def _on_seed(self, env: Envelope) -> bytes:
+        state = self._state(env.run, env.round)
+        payload = env.payload
+        if len(payload) < _HASH + 1 or (len(payload) - _HASH - 1) % _SEED_ENTRY.size:
+            raise Refused(RefusalReason.MALFORMED, "seeds of the wrong size")
+        key = ("seed", payload[:_HASH].hex(), str(payload[_HASH]))
+        if not state.inbox.put(key, env.sender, payload[_HASH + 1 :]):
+            raise Refused(RefusalReason.REPLAY, "second seeds of this step")
         return b""
 
     async def _on_model(self, env: Envelope) -> bytes:
@@ -1451,16 +1610,20 @@ class RoundEngine:
         round: int,
         stage: str,
         timeout: float | None = None,
+        on_reply: Callable[[str, bytes], None] | None = None,
     ) -> set[str]:
-        """Send to every peer at once; return the peers that failed to take it."""
+        """Send to every peer at once; return the peers that failed to take it.
+        ``on_reply(peer, data)`` gets each non-empty reply."""
         failed: set[str] = set()
 
         async def one(peer: str) -> None:
             data = payload if isinstance(payload, bytes) else payload[peer]
             try:
-                await self._send(
+                reply = await self._send(
                     counters, peer, kind, data, run=run, round=round, stage=stage, timeout=timeout
                 )
+                if reply and on_reply is not None:
+                    on_reply(peer, reply)
             except TransportError as exc:
                 logger.info("%s: %s to %s failed: %s", self.org_id, kind, peer, exc)
                 failed.add(peer)
@@ -1991,13 +2154,21 @@ class RoundEngine:
             )
         )
         h0 = view_hash("members", u0)
-        advert = session.advertise()
-        state.inbox.put(("ready",), me, h0 + advert)
+        own_ready = h0 + session.advertise()
+        state.inbox.put(("ready",), me, own_ready)
+        self._offer(state, ("ready",), own_ready)
         wait_s = (deadline - self.clock()) if deadline is not None else cfg.ready_timeout
         ready_end = loop.time() + max(0.0, wait_s)
-        # a peer not reached (a partition, a peer still starting) is tried again a few
-        # times before the deadline, so a partition that heals in time costs nothing
-        pending: set[str] = set(u0) - {me}
+        # each pair of members exchanges its readies in one request and its reply: this
+        # node sends to the peers it initiates with and to those whose ready came before
+        # it had its own (see _targets). A peer not reached (a partition, a peer still
+        # starting) is tried again a few times before the deadline, so a partition
+        # that heals in time costs nothing
+        pending: set[str] = set(self._targets(state, ("ready",), u0))
+
+        def file_ready(peer: str, data: bytes) -> None:
+            self._filed(state, ("ready",), peer, data)
+
         retry_s = max(0.05, wait_s / 8)
         # the wait ends early once every member believed alive is ready
         awaited = set(u0) if self.live is None else (set(self.live()) & set(u0)) | {me}
@@ -2011,10 +2182,11 @@ class RoundEngine:
                 counters,
                 sorted(pending),
                 KIND_READY,
-                h0 + advert,
+                own_ready,
                 run=run,
                 round=rnd,
                 stage="ready",
+                on_reply=file_ready,
             )
             if not pending or loop.time() + retry_s >= ready_end:
                 break
@@ -2057,21 +2229,50 @@ class RoundEngine:
         # undirected): every other ready org, or only the SecAgg+ neighbours
         holders = frozenset(outgoing) & (view1 - {me})
         sparse = holders != view1 - {me}
+        share_end = loop.time() + cfg.stage_timeout
+        mine = {o: h1 + outgoing[o] for o in holders}
+        # one request and its reply per pair of holders, as for the readies
+        self._offer(state, ("share",), mine)
+        sent_to = set(self._targets(state, ("share",), holders))
+
+        def file_share(peer: str, data: bytes) -> None:
+            if len(data) >= _HASH:
+                self._filed(state, ("share",), peer, data)
+
         unshared = await self._broadcast(
             counters,
-            sorted(holders),
+            sorted(sent_to),
             KIND_SHARE,
-            {o: h1 + outgoing[o] for o in holders},
+            mine,
             run=run,
             round=rnd,
             stage="share",
+            on_reply=file_share,
         )
         expected_shares = holders - unshared
+
+        def shared() -> bool:
+            return expected_shares - state.gone() <= state.inbox.senders(("share",))
+
+        # the holders that send first get a moment; a holder whose share still did not
+        # come is then sent this node's (a dead one is unreachable, and no longer awaited)
         await state.inbox.wait_any(
-            [("share",), ("gone",)],
-            lambda: expected_shares - state.gone() <= state.inbox.senders(("share",)),
-            loop.time() + cfg.stage_timeout,
+            [("share",), ("gone",)], shared, min(share_end, loop.time() + _patience(cfg))
         )
+        late = expected_shares - state.inbox.senders(("share",)) - state.gone() - sent_to
+        if late:
+            unshared |= await self._broadcast(
+                counters,
+                sorted(late),
+                KIND_SHARE,
+                mine,
+                run=run,
+                round=rnd,
+                stage="share",
+                on_reply=file_share,
+            )
+            expected_shares = holders - unshared
+        await state.inbox.wait_any([("share",), ("gone",)], shared, share_end)
         shares = {o: p for o, p in state.inbox.get(("share",)).items() if o in expected_shares}
         for org in sorted(expected_shares - shares.keys()):
             why = "it left the round" if org in state.gone() else "no share by the deadline"
@@ -2086,13 +2287,15 @@ class RoundEngine:
         await self._enter(run, rnd, "agree-ready")
         if (
             not sparse
+            and not state.equivocal & view1
             and shares.keys() == view1 - {me}
             and all(p[:_HASH] == h1 for p in shares.values())
         ):
             u1 = view1
             state.decided["ready"] = (u1, True)
         else:
-            proposal = view1 - unshared
+            # an org that sent this node two different readies or shares is left out
+            proposal = view1 - unshared - state.equivocal
             if sparse:
                 # every node runs this agreement: the token (O(n) messages) suffices
                 proposal -= expected_shares - shares.keys()
@@ -2254,21 +2457,45 @@ class RoundEngine:
         except (SecAggError, ValueError) as exc:
             raise RoundFailed("unmask", f"cannot release shares: {exc}") from exc
         h3 = view_hash("unmask", u3)
+        key3 = ("unmask", h3.hex())
+        others3 = u3 - {me}
+        self._offer(state, key3, dict.fromkeys(others3, h3 + release))
+        _keep_latest(self._releases, self._release_events, run, rnd, (h3, u3, h3 + release))
+        # nobody dropped since U1: each survivor reveals its own self-mask seed, and
+        # the seeds spread by recursive doubling (no share is reconstructed)
+        if u3 == u1 and await self._spread_seeds(state, counters, session, u3, h3):
+            result = await self._unmasked(
+                state, counters, session, total, scattered, order, attempt, lap
+            )
+            return await self._completed(
+                state, result, u1, u3, t, k, attempt, counters, times, t_round
+            )
+        if u3 == u1:
+            # a seed did not come (its owner died after the agreement, or a relay did):
+            # the releases reconstruct it; survivors answer a release with their own
+            self._observe("retry", run, rnd, "unmask", detail="seeds missing: releases")
+            targets = sorted(others3 - state.inbox.senders(key3))
+        else:
+            targets = self._targets(state, key3, others3)
+
+        def file_release(peer: str, data: bytes) -> None:
+            if data[:_HASH] == h3:
+                self._filed(state, key3, peer, data[_HASH:])
+
         await self._broadcast(
             counters,
-            sorted(u3 - {me}),
+            targets,
             KIND_UNMASK,
             h3 + release,
             run=run,
             round=rnd,
             stage="unmask",
+            on_reply=file_release,
         )
         # finish as soon as the session holds every share it needs (a survivor that
         # died after the reduce is simply not waited for), or at the stage deadline
         unmask_end = loop.time() + cfg.stage_timeout
         accepted: set[str] = set()
-        key3 = ("unmask", h3.hex())
-        others3 = u3 - {me}
         # asking the session whether it can finish costs O(n k) (it plans every
         # reconstruction), so it is asked once t - 1 releases are in, then after each
         # further sixteenth of the survivors or a quiet spell, not on every arrival
@@ -2319,23 +2546,57 @@ class RoundEngine:
         released = len(accepted) + 1
         if released < t:
             raise RoundFailed("unmask", f"{released} orgs released shares, fewer than t={t}")
+        result = await self._unmasked(
+            state, counters, session, total, scattered, order, attempt, lap
+        )
+        return await self._completed(state, result, u1, u3, t, k, attempt, counters, times, t_round)
+
+    async def _unmasked(
+        self,
+        state: _RoundState,
+        counters: _Counters,
+        session: MaskedSum,
+        total: np.ndarray | None,
+        scattered: Scattered | None,
+        order: list[str],
+        attempt: int,
+        lap: Callable[[str], None],
+    ) -> np.ndarray:
+        """The sum, once the session can remove every mask: from the whole masked sum,
+        or by owner unmasking of the chunks this node holds (``order``: the ring)."""
         if scattered is not None:
-            result = await self._gather_sum(
+            return await self._gather_sum(
                 state, counters, session, scattered, order, attempt - 1, lap
             )
-        else:
-            assert total is not None
-            try:
-                result = session.unmasked_sum(total)
-            except (SecAggError, ValueError) as exc:
-                raise RoundFailed("unmask", f"cannot remove the masks: {exc}") from exc
-            lap("unmask")
+        assert total is not None
+        try:
+            result = session.unmasked_sum(total)
+        except (SecAggError, ValueError) as exc:
+            raise RoundFailed("unmask", f"cannot remove the masks: {exc}") from exc
+        lap("unmask")
+        return result
+
+    async def _completed(
+        self,
+        state: _RoundState,
+        result: np.ndarray,
+        u1: frozenset[str],
+        u3: frozenset[str],
+        t: int,
+        k: int | None,
+        attempt: int,
+        counters: _Counters,
+        times: dict[str, float],
+        t_round: float,
+    ) -> RoundResult:
+        run, rnd = state.run, state.round
         await self._enter(run, rnd, "done")
         order1 = tuple(ring_order(u1, rnd))
         for org in sorted(u1 - u3):
             self._observe("dropped", run, rnd, "unmask", peer=org)
+        sent = counters.bytes_sent + counters.ring.bytes_sent
         self._observe(
-            "completed", run, rnd, "done", seconds=time.perf_counter() - t_round, bytes=sent()
+            "completed", run, rnd, "done", seconds=time.perf_counter() - t_round, bytes=sent
         )
         return RoundResult(
             run=run,
@@ -2345,13 +2606,104 @@ class RoundEngine:
             survivors=tuple(o for o in order1 if o in u3),
             dropped=tuple(sorted(u1 - u3)),
             threshold=t,
-            bytes_sent=counters.bytes_sent + counters.ring.bytes_sent,
+            bytes_sent=sent,
             messages_sent=counters.messages_sent + counters.ring.messages_sent,
             ring_bytes_sent=counters.ring.bytes_sent,
             ring_attempts=attempt,
             stage_times=times,
             neighbours=k,
         )
+
+    async def _spread_seeds(
+        self,
+        state: _RoundState,
+        counters: _Counters,
+        session: MaskedSum,
+        u3: frozenset[str],
+        h3: bytes,
+    ) -> bool:
+        """Reveal this survivor's self-mask seed and gather every survivor's, by
+        recursive doubling (Bruck et al.) over the ring order of ``u3``: at step ``i``
+        a node sends every seed it holds to the member ``2**i`` places before it and
+        takes those of the member ``2**i`` places after it, so after ``ceil(log2 n)``
+        steps each holds all ``n``, for ``n log2 n`` small messages in all instead of
+        the ``n (n - 1)`` releases. Relayed seeds are checked against their owners'
+        commitments, so a relay can withhold a seed but not change one. A sender that
+        stays silent for a step timeout (or that left, or that membership holds dead)
+        is not waited for again: this node sends its remaining steps at once, and
+        returns whether it holds every seed; if not, the releases reconstruct the rest.
+        """
+        me, run, rnd, cfg = self.org_id, state.run, state.round, self.config
+        try:
+            known = {me: session.self_seed()}
+        except (SecAggError, ValueError) as exc:
+            raise RoundFailed("unmask", f"cannot reveal the self-mask seed: {exc}") from exc
+        order = ring_order(u3, rnd)
+        names = sorted(u3)
+        index = {o: i for i, o in enumerate(names)}
+        n, here = len(order), order.index(me)
+        loop = asyncio.get_running_loop()
+        alive = self._believed_alive()
+        sends: list[asyncio.Future[set[str]]] = []
+        waiting = True
+        step, distance = 0, 1
+        while distance < n:
+            payload = b"".join(
+                [h3, bytes([step])]
+                + [_SEED_ENTRY.pack(index[o], seed) for o, seed in sorted(known.items())]
+            )
+            dest, src = order[(here - distance) % n], order[(here + distance) % n]
+            sends.append(
+                asyncio.ensure_future(
+                    self._broadcast(
+                        counters, [dest], KIND_SEED, payload, run=run, round=rnd, stage="unmask"
+                    )
+                )
+            )
+            if waiting:
+                key = ("seed", h3.hex(), str(step))
+                got = await self._await_from(state, key, src, loop.time() + cfg.step_timeout, alive)
+                if got is None:
+                    waiting = False
+                    self._observe(
+                        "missing", run, rnd, "unmask", peer=src, detail=f"no seeds at step {step}"
+                    )
+                else:
+                    for at in range(0, len(got), _SEED_ENTRY.size):
+                        i, seed = _SEED_ENTRY.unpack_from(got, at)
+                        owner = names[i] if i < n else f"#{i}"
+                        if self._accept(session.receive_seed, owner, seed, "seed", run, rnd):
+                            known[owner] = seed
+            step, distance = step + 1, 2 * distance
+        await asyncio.gather(*sends)
+        return len(known) == n and session.can_finish()
+
+    async def _await_from(
+        self,
+        state: _RoundState,
+        key: tuple[str, ...],
+        sender: str,
+        deadline: float,
+        alive: Callable[[str], bool] | None,
+    ) -> bytes | None:
+        """``sender``'s message under ``key`` once it came; ``None`` at ``deadline``,
+        or as soon as ``sender`` left the round or membership no longer holds it alive."""
+        loop = asyncio.get_running_loop()
+
+        def arrived() -> bool:
+            return sender in state.inbox.senders(key) or sender in state.gone()
+
+        while True:
+            got = state.inbox.item(key, sender)
+            now = loop.time()
+            if got is not None:
+                return got
+            if now >= deadline or sender in state.gone():
+                return None
+            if alive is not None and not alive(sender):
+                return None
+            until = deadline if alive is None else min(deadline, now + LIVENESS_POLL_S)
+            await state.inbox.wait_any([key, ("gone",)], arrived, until)
 
     def _owner_unmask(self, n: int, masked: np.ndarray) -> bool:
         """Whether a ring of ``n`` members unmasks by chunk owners (see
@@ -2410,7 +2762,7 @@ class RoundEngine:
 
     def _accept(
         self,
-        receive: Callable[[str, bytes], None],
+        receive: Callable[[str, bytes], object],
         sender: str,
         data: bytes,
         what: str,

@@ -16,7 +16,8 @@ Stages (``Stage``), each closed explicitly when the overlay's deadline passes::
     ADVERTISE_KEYS  advertise_keys()      receive(AdvertiseKeys)  close_advertise() -> U1
     SHARE_KEYS      share_keys()          receive(ShareKeys)      close_shares()    -> U2
     MASKED_INPUT    masked_input(x) -> y                          unmask(U3)        -> UnmaskShares
-    UNMASK                                receive(UnmaskShares)   finalize(sum)     -> sum of x over U3
+    UNMASK          self_seed() -> b      receive(UnmaskShares)   finalize(sum)     -> sum of x over U3
+                                          receive_seed(owner, b)
     DONE | ABORTED
 
 ``y_i = x_i + PRG(b_i) + sum_{j in U2, j ~ i} sign(i, j) PRG(s_ij)`` with
@@ -318,6 +319,9 @@ class SecAggPeer:
         self._u3: frozenset[str] | None = None
         self._released: dict[str, ShareKind] = {}
         self._unmasks: dict[str, UnmaskShares] = {}
+        # self-mask seeds of survivors revealed by their owners, checked against the
+        # owner's advertised commitment (``self_seed`` / ``receive_seed``)
+        self._seeds: dict[str, bytes] = {}
         self._removal_masks: list[tuple[bytes, int]] | None = None
 
     # ---------------------------------------------------------------- inspection
@@ -368,6 +372,7 @@ class SecAggPeer:
             self._u3,
             tuple(sorted(self._released.items())),
             tuple(sorted((k, v.to_bytes()) for k, v in self._unmasks.items())),
+            tuple(sorted(self._seeds.items())),
         )
 
     # ---------------------------------------------------------------- helpers
@@ -653,6 +658,11 @@ class SecAggPeer:
                 raise InconsistentView(
                     f"survivors {missing} sent no shares to {self.me}: their masks with it would not cancel"
                 )
+        if self._seeds and u3 != self._u3:
+            raise DoubleRelease(
+                f"{self.me} refuses another survivor set: the self-mask seeds of "
+                f"{sorted(self._seeds)} were revealed for the agreed one"
+            )
         t = cfg.threshold
         release: dict[str, ShareKind] = {}
         for owner in self._held:
@@ -721,17 +731,67 @@ class SecAggPeer:
                 raise InvalidShare(f"{sender!r} released a share with x={share.x}, its x is {x}")
         self._unmasks[sender] = msg
 
+    def self_seed(self) -> bytes:
+        """This survivor's own self-mask seed ``b``, to reveal to the other survivors.
+
+        Bonawitz et al. reconstruct ``b_i`` of every survivor from ``t`` released
+        shares; the owner revealing ``b_i`` itself gives every survivor the same value
+        (checked against the commitment advertised in round 0) for one message instead
+        of ``t``, and no reconstruction. It is allowed only in UNMASK, after
+        :meth:`unmask` fixed a survivor set that contains this peer: from then on no
+        honest holder releases this peer's ``s_sk``-share, and :meth:`unmask` refuses
+        any other survivor set (:class:`DoubleRelease`), so ``b_i`` and ``s_sk_i`` are
+        never both known, as with released shares.
+        """
+        self._require_stage(Stage.UNMASK, action="self_seed()")
+        assert self._u3 is not None
+        if self.me not in self._u3:
+            raise InconsistentView(f"{self.me} is not a survivor: its self mask is not removed")
+        b = self._own().b
+        self._seeds[self.me] = b
+        return b
+
+    def receive_seed(self, owner: str, seed: bytes) -> bool:
+        """Take a survivor's revealed self-mask seed; ``False`` when already held.
+
+        The seed may come relayed by any survivor: it is checked against the
+        commitment ``owner`` advertised in round 0 (:class:`InvalidShare` otherwise),
+        which binds it. Raises :class:`InconsistentView` for an owner that is not a
+        survivor. A refused seed changes nothing.
+        """
+        self._require_stage(Stage.UNMASK, action="receiving a self-mask seed")
+        assert self._u3 is not None
+        if not isinstance(seed, bytes) or len(seed) != _SEED_BYTES:
+            raise MalformedMessage(f"a self-mask seed is {_SEED_BYTES} bytes")
+        if owner not in self._u3:
+            raise InconsistentView(f"a self-mask seed of {owner!r}, which is not a survivor")
+        held = self._seeds.get(owner)
+        if held is not None:
+            if held != seed:
+                raise InvalidShare(f"a second, different self-mask seed of {owner!r}")
+            return False
+        if shamir.commitment(seed) != self._adverts[owner].b_commitment:
+            raise InvalidShare(f"the self-mask seed of {owner!r} does not match its commitment")
+        self._seeds[owner] = seed
+        return True
+
+    @property
+    def seeds(self) -> Mapping[str, bytes]:
+        """The survivors' self-mask seeds held so far (revealed, never reconstructed)."""
+        return dict(self._seeds)
+
     def _plan(self) -> tuple[dict[str, list[Share]], dict[str, list[Share]], dict[str, list[str]]]:
         """Which secrets to reconstruct and which (survivor, dropped) masks to remove."""
         assert self._u3 is not None
         cfg = self.config
         u3 = self._u3
         views = {s: frozenset(m.received_from) for s, m in self._unmasks.items()}
-        b_shares: dict[str, list[Share]] = {j: [] for j in u3}
+        b_shares: dict[str, list[Share]] = {j: [] for j in u3 if j not in self._seeds}
         s_shares: dict[str, list[Share]] = {}
         for m in self._unmasks.values():
             for owner, share in m.b_shares:
-                b_shares[owner].append(share)
+                if owner in b_shares:
+                    b_shares[owner].append(share)
             for owner, share in m.s_shares:
                 s_shares.setdefault(owner, []).append(share)
         dropped = sorted({k for v in views.values() for k in v} - u3)
@@ -762,8 +822,9 @@ class SecAggPeer:
     def finalize(self, masked_sum: np.ndarray, *, in_place: bool = False) -> np.ndarray:
         """Remove every mask from the sum of the survivors' masked inputs; return sum x over U3.
 
-        Reconstructs b_j for j in U3 and s_sk_k for each dropped k some survivor masked
-        with, checks them against the advertised commitment and public key, then
+        Takes b_j for j in U3 as revealed (:meth:`receive_seed`) or reconstructs it,
+        and s_sk_k for each dropped k some survivor masked with, checks them against
+        the advertised commitment and public key, then
         subtracts ``PRG(b_j)`` and each dangling ``sign PRG(s_jk)`` with
         :func:`secure_agg.prg.add_masks` (chunked, no full-size temporary). A missing
         share or a reconstruction that fails its check aborts the round.
@@ -822,7 +883,7 @@ class SecAggPeer:
         except InconsistentView as exc:
             raise self._abort(str(exc)) from None
         t = cfg.threshold
-        b_seeds: dict[str, bytes] = {}
+        b_seeds = {j: b for j, b in self._seeds.items() if j not in b_shares}
         for j, shares in sorted(b_shares.items()):
             try:
                 b_seeds[j] = shamir.combine(shares, t, _SEED_BYTES, self._adverts[j].b_commitment)

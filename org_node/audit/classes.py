@@ -20,8 +20,12 @@ to a membership or gossip message carries membership updates and is classed
 classed ``checkpoint_shard``, a reply to ``round.total`` (a member whose ring broke
 asking one whose ring completed for the masked sum) carries that masked sum and is
 classed ``masked_vector_chunk``, a reply to ``round.part`` (a member asking a chunk's
-holder for its unmasked chunk of the sum) is classed ``aggregate_chunk``; every other
-reply is an acknowledgement (``control``).
+holder for its unmasked chunk of the sum) is classed ``aggregate_chunk``. The round's
+pairwise exchanges answer a peer's message with the responder's own of the same kind
+(one request per pair instead of two), so a reply to ``round.ready`` is classed
+``public_key``, to ``round.share`` ``encrypted_share`` and to ``round.unmask``
+``released_share``, like the requests; every other reply is an acknowledgement
+(``control``).
 The reply to an unknown kind is refused like the kind itself.
 """
 
@@ -79,6 +83,9 @@ _RULES: dict[str, PrivacyClass] = {
     "round.ready": PrivacyClass.PUBLIC_KEY,
     "round.share": PrivacyClass.ENCRYPTED_SHARE,
     "round.unmask": PrivacyClass.RELEASED_SHARE,
+    # round.seed: survivors' self-mask seeds, revealed by their owners once the
+    # survivors are agreed: the very secret t released b-shares reconstruct
+    "round.seed": PrivacyClass.RELEASED_SHARE,
     "round.view": PrivacyClass.CONTROL,
     "round.commit": PrivacyClass.CONTROL,
     "round.leave": PrivacyClass.CONTROL,
@@ -112,7 +119,13 @@ _REPLY_CARRIES = frozenset({PrivacyClass.MEMBERSHIP, PrivacyClass.CHECKPOINT_SHA
 """Classes whose replies carry data of the same class (membership updates, shards)."""
 
 _REPLY_ANSWERS: Mapping[str, PrivacyClass] = MappingProxyType(
-    {"round.total": PrivacyClass.MASKED_CHUNK, "round.part": PrivacyClass.AGGREGATE_CHUNK}
+    {
+        "round.total": PrivacyClass.MASKED_CHUNK,
+        "round.part": PrivacyClass.AGGREGATE_CHUNK,
+        "round.ready": PrivacyClass.PUBLIC_KEY,
+        "round.share": PrivacyClass.ENCRYPTED_SHARE,
+        "round.unmask": PrivacyClass.RELEASED_SHARE,
+    }
 )
 """Kinds whose replies carry something of another class than the request."""
 

@@ -112,6 +112,10 @@ def test_every_kind_used_in_coordinator_free_is_classified_and_allowed() -> None
             PrivacyClass.CHECKPOINT_SHARD,
             PrivacyClass.MASKED_CHUNK,  # round.total: the masked sum of a ring attempt
             PrivacyClass.AGGREGATE_CHUNK,  # round.part: a chunk of the federation's sum
+            # the round's pairwise exchanges: the responder's own ready, share, release
+            PrivacyClass.PUBLIC_KEY,
+            PrivacyClass.ENCRYPTED_SHARE,
+            PrivacyClass.RELEASED_SHARE,
         )
 
 
@@ -136,6 +140,12 @@ def test_every_kind_used_in_coordinator_free_is_classified_and_allowed() -> None
         ("agg.sum.reply", PrivacyClass.CONTROL),
         ("round.part", PrivacyClass.CONTROL),
         ("round.part.reply", PrivacyClass.AGGREGATE_CHUNK),
+        # a pairwise exchange's reply carries the responder's own message of the kind
+        ("round.ready.reply", PrivacyClass.PUBLIC_KEY),
+        ("round.share.reply", PrivacyClass.ENCRYPTED_SHARE),
+        ("round.unmask.reply", PrivacyClass.RELEASED_SHARE),
+        ("round.seed", PrivacyClass.RELEASED_SHARE),
+        ("round.seed.reply", PrivacyClass.CONTROL),
         ("agg.ping", PrivacyClass.CONTROL),
         ("shard.get.reply", PrivacyClass.CHECKPOINT_SHARD),
         ("shard.put", PrivacyClass.CHECKPOINT_SHARD),
