@@ -17,9 +17,14 @@ to every member, ``2 n`` messages (:meth:`RoundEngine._token_agree`); a token th
 stalls falls back to the exchange above. A round of :meth:`RoundEngine.run_round`
 (``docs/ARCHITECTURE.md``, "A round", steps 1, 3-5; Bonawitz et al., CCS'17, §4):
 
-1. **ready** — the node broadcasts a signed ``round.ready`` carrying the hash of the
-   member list ``U0`` and its ``AdvertiseKeys`` (§4 round 0), retrying peers it cannot
-   reach, and collects the others' until the ready deadline (or until all answered).
+1. **ready** — the node exchanges with every member a signed ``round.ready`` carrying
+   the hash of the member list ``U0`` and its ``AdvertiseKeys`` (§4 round 0), retrying
+   peers it cannot reach, and collects the others' until the ready deadline (or until
+   all answered). Like the share and release exchanges below, it costs **one request
+   per pair**: a hash of the pair (:func:`_initiator`) says which of the two sends, and
+   the reply carries the other's own message; a member that had none yet when the
+   request came sends it once it has (:meth:`RoundEngine._targets`), and one that
+   sends two different messages of an exchange is left out of the receiver's view.
 2. **share keys** — to every org it saw ready, the Shamir shares of its self-mask
    seed and mask key, encrypted to the holder (§4 round 1), each message prefixed by
    the hash of the sender's ready view. When every share arrives with this node's own
@@ -56,16 +61,23 @@ stalls falls back to the exchange above. A round of :meth:`RoundEngine.run_round
    takes each chunk it lacks from its owner, else from the successor that holds its
    copy (``round.part``), so one death loses nothing; two neighbours on the ring
    dying after the agreement lose a chunk and fail the round with that reason.
-4. **unmask** — for the agreed survivors ``U3`` each node releases the self-mask
-   shares of survivors and the mask-key shares of the dropped (§4 round 4), once per
-   round, so one honest node never releases both kinds of share for one org; every
-   node removes the masks from the same sum as soon as it holds ``t`` releases. Every
-   survivor ends with the same sum. Fewer than ``t`` orgs at any stage fail the round
+4. **unmask** — when nobody dropped since ``U1`` (``U3 = U1``), each survivor
+   reveals its own self-mask seed, checked against the commitment of its
+   ``AdvertiseKeys``, and the seeds spread by recursive doubling (``round.seed``,
+   :meth:`RoundEngine._spread_seeds`): ``n ceil(log2 n)`` messages in all and no
+   reconstruction. Otherwise, or when a seed does not arrive (its owner died), for
+   the agreed survivors ``U3`` each node releases the self-mask shares of survivors
+   and the mask-key shares of the dropped (§4 round 4), once per round, so one honest
+   node never releases both kinds of share for one org; every node removes the masks
+   from the same sum as soon as it holds ``t`` releases, and keeps its release after
+   the round for a survivor that still needs it. Every survivor ends with the same
+   sum. Fewer than ``t`` orgs at any stage fail the round
    with :class:`RoundFailed`, its stage and a reason; a node whose round fails tells
    the others (``round.leave``) so that none waits out a timeout for it.
 
-The cost per node is ``O(n)`` small signed messages for each of the ready, share and
-unmask stages (the pairwise shares of Bonawitz et al. make that inherent) plus about
+The cost per node is about ``(n - 1) / 2`` small signed requests (and as many
+replies) for each of the ready and share stages (the pairwise shares of Bonawitz et
+al. make ``O(n)`` inherent), ``ceil(log2 n)`` for the seeds, plus about
 ``2 (n - 1) / n`` times the vector along the ring. Above
 ``RoundConfig.secagg_plus_above`` members the masked sum runs as SecAgg+ (Bell et
 al., CCS'20, §3): ShareKeys go to the ``k = O(log n)`` graph neighbours only, each
@@ -1158,6 +1170,7 @@ class RoundEngine:
         stage = kind.partition(".")[2]
 
         async def observed(env: Envelope) -> bytes | None:
+            arrived = asyncio.get_running_loop().time()  # a share's reply may wait
             try:
                 reply = await handler(env)
             except Refused as exc:
@@ -1169,21 +1182,23 @@ class RoundEngine:
                 if kind == KIND_LEAVE:
                     self._observe("left", env.run, env.round, stage, peer=env.sender)
                 else:
-                    state = self._states.get((env.run, env.round))
-                    started = state.started if state is not None else None
-                    since = 0.0 if started is None else asyncio.get_running_loop().time() - started
-                    self._observe(
-                        "arrival",
-                        env.run,
-                        env.round,
-                        stage,
-                        peer=env.sender,
-                        seconds=max(0.0, since),
-                        bytes=len(env.payload),
-                    )
+                    self._arrival(env.run, env.round, stage, env.sender, len(env.payload), arrived)
             return reply
 
         return observed
+
+    def _arrival(
+        self, run: str, round: int, stage: str, peer: str, size: int, at: float | None = None
+    ) -> None:
+        """Report that ``peer``'s message of ``stage`` arrived (by request, or in the
+        reply to this node's own), in seconds since this node started the round."""
+        if not self.observers:
+            return
+        state = self._states.get((run, round))
+        started = state.started if state is not None else None
+        now = asyncio.get_running_loop().time() if at is None else at
+        since = 0.0 if started is None else now - started
+        self._observe("arrival", run, round, stage, peer=peer, seconds=max(0.0, since), bytes=size)
 
     # -- round state --------------------------------------------------------------------
 
@@ -2167,7 +2182,8 @@ class RoundEngine:
         pending: set[str] = set(self._targets(state, ("ready",), u0))
 
         def file_ready(peer: str, data: bytes) -> None:
-            self._filed(state, ("ready",), peer, data)
+            if self._filed(state, ("ready",), peer, data):
+                self._arrival(run, rnd, "ready", peer, len(data))
 
         retry_s = max(0.05, wait_s / 8)
         # the wait ends early once every member believed alive is ready
@@ -2236,8 +2252,8 @@ class RoundEngine:
         sent_to = set(self._targets(state, ("share",), holders))
 
         def file_share(peer: str, data: bytes) -> None:
-            if len(data) >= _HASH:
-                self._filed(state, ("share",), peer, data)
+            if len(data) >= _HASH and self._filed(state, ("share",), peer, data):
+                self._arrival(run, rnd, "share", peer, len(data))
 
         unshared = await self._broadcast(
             counters,
@@ -2479,8 +2495,8 @@ class RoundEngine:
             targets = self._targets(state, key3, others3)
 
         def file_release(peer: str, data: bytes) -> None:
-            if data[:_HASH] == h3:
-                self._filed(state, key3, peer, data[_HASH:])
+            if data[:_HASH] == h3 and self._filed(state, key3, peer, data[_HASH:]):
+                self._arrival(run, rnd, "unmask", peer, len(data))
 
         await self._broadcast(
             counters,

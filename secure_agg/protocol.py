@@ -786,7 +786,10 @@ class SecAggPeer:
         cfg = self.config
         u3 = self._u3
         views = {s: frozenset(m.received_from) for s, m in self._unmasks.items()}
-        b_shares: dict[str, list[Share]] = {j: [] for j in u3 if j not in self._seeds}
+        # a survivor's own seed and the revealed ones need no reconstruction
+        b_shares: dict[str, list[Share]] = {
+            j: [] for j in u3 if j not in self._seeds and j != self.me
+        }
         s_shares: dict[str, list[Share]] = {}
         for m in self._unmasks.values():
             for owner, share in m.b_shares:
@@ -883,7 +886,9 @@ class SecAggPeer:
         except InconsistentView as exc:
             raise self._abort(str(exc)) from None
         t = cfg.threshold
-        b_seeds = {j: b for j, b in self._seeds.items() if j not in b_shares}
+        b_seeds = dict(self._seeds)
+        if self._u3 is not None and self.me in self._u3:
+            b_seeds[self.me] = self._own().b
         for j, shares in sorted(b_shares.items()):
             try:
                 b_seeds[j] = shamir.combine(shares, t, _SEED_BYTES, self._adverts[j].b_commitment)
