@@ -61,9 +61,11 @@ stalls falls back to the exchange above. A round of :meth:`RoundEngine.run_round
    takes each chunk it lacks from its owner, else from the successor that holds its
    copy (``round.part``), so one death loses nothing; two neighbours on the ring
    dying after the agreement lose a chunk and fail the round with that reason.
-4. **unmask** — when nobody dropped since ``U1`` (``U3 = U1``), each survivor
-   reveals its own self-mask seed, checked against the commitment of its
-   ``AdvertiseKeys``, and the seeds spread by recursive doubling (``round.seed``,
+4. **unmask** — with owner unmasking, when nobody dropped since ``U1`` (``U3 =
+   U1``) and at least ``t`` members settled the survivors on one token decision (its
+   starter's ``round.permit``, :meth:`RoundEngine._permitted`), each survivor reveals
+   its own self-mask seed, checked against the commitment of its ``AdvertiseKeys``,
+   and the seeds spread by recursive doubling (``round.seed``,
    :meth:`RoundEngine._spread_seeds`): ``n ceil(log2 n)`` messages in all and no
    reconstruction. Otherwise, or when a seed does not arrive (its owner died), for
    the agreed survivors ``U3`` each node releases the self-mask shares of survivors
@@ -77,7 +79,8 @@ stalls falls back to the exchange above. A round of :meth:`RoundEngine.run_round
 
 The cost per node is about ``(n - 1) / 2`` small signed requests (and as many
 replies) for each of the ready and share stages (the pairwise shares of Bonawitz et
-al. make ``O(n)`` inherent), ``ceil(log2 n)`` for the seeds, plus about
+al. make ``O(n)`` inherent), ``ceil(log2 n)`` for the seeds (or ``(n - 1) / 2`` for
+the releases), plus about
 ``2 (n - 1) / n`` times the vector along the ring. Above
 ``RoundConfig.secagg_plus_above`` members the masked sum runs as SecAgg+ (Bell et
 al., CCS'20, §3): ShareKeys go to the ``k = O(log n)`` graph neighbours only, each
@@ -138,6 +141,7 @@ __all__ = [
     "KIND_LEAVE",
     "KIND_MODEL",
     "KIND_PART",
+    "KIND_PERMIT",
     "KIND_READY",
     "KIND_SEED",
     "KIND_SHARE",
@@ -175,11 +179,15 @@ KIND_MODEL = "round.model"
 KIND_TOTAL = "round.total"
 KIND_PART = "round.part"
 KIND_SEED = "round.seed"
+KIND_PERMIT = "round.permit"
 
 _HASH = 32
 # the reply of a member whose ring attempt completed to a token or probe of that
 # attempt's agreement: it holds the masked sum, which settles the attempt for all
 _COMPLETED = b"completed"
+# the reply of a member to the token's decision when it settles on it (it had not given
+# up on the token): the starter counts these before it permits revealing seeds
+_SETTLED = b"settled"
 # the largest piece of a masked sum one ``round.total`` reply carries
 _TOTAL_PIECE_BYTES = 8 << 20
 _TOTAL_REQUEST = struct.Struct(">IQQ")
@@ -1021,6 +1029,10 @@ class _RoundState:
     offered: dict[tuple[str, ...], asyncio.Event] = field(default_factory=dict)
     # the peers that sent two different messages of one exchange
     equivocal: set[str] = field(default_factory=set)
+    # the agreement tags whose token this node gave up on (it fell back to views), and,
+    # where it started the token, the members that settled on its decision (itself too)
+    stalled: set[str] = field(default_factory=set)
+    settled_by: dict[str, frozenset[str]] = field(default_factory=dict)
     released_for: frozenset[str] | None = None
     # per stage tag, the set (and flag) this node settled on, and the views it has sent
     decided: dict[str, tuple[frozenset[str], bool]] = field(default_factory=dict)
@@ -1109,6 +1121,7 @@ class RoundEngine:
             (KIND_TOTAL, self._on_total),
             (KIND_PART, self._on_part),
             (KIND_SEED, self._on_seed),
+            (KIND_PERMIT, self._on_permit),
         ):
             endpoint.on(kind, self._observed(kind, handler))
 
@@ -1339,19 +1352,24 @@ class RoundEngine:
             raise Refused(RefusalReason.MALFORMED, "share without a view hash")
         key = ("share",)
         self._file(state, key, env.sender, env.payload, "share")
-        if key not in state.offers and state.started is not None:
-            # this node runs the round but has not shared yet (its ready stage is still
-            # open): the reply waits a little for its shares rather than go empty and
-            # cost a request of its own later; bounded well inside the send timeout
-            waiting = state.deferred.setdefault(key, set())
-            waiting.add(env.sender)
-            event = state.offered.setdefault(key, asyncio.Event())
-            try:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(event.wait(), self.config.send_timeout / 4)
-            finally:
-                waiting.discard(env.sender)
+        await self._await_offer(state, key, env.sender)
         return self._answer(state, key, env.sender)
+
+    async def _await_offer(self, state: _RoundState, key: tuple[str, ...], sender: str) -> None:
+        """When this node runs the round but has no message of the exchange yet (its
+        previous stage is still open), the reply to ``sender`` waits a little for it
+        rather than go empty and cost a request of its own later; bounded well inside
+        the send timeout."""
+        if key in state.offers or state.started is None:
+            return
+        waiting = state.deferred.setdefault(key, set())
+        waiting.add(sender)
+        event = state.offered.setdefault(key, asyncio.Event())
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), self.config.send_timeout / 4)
+        finally:
+            waiting.discard(sender)
 
     async def _on_leave(self, env: Envelope) -> bytes:
         state = self._state(env.run, env.round)
@@ -1391,6 +1409,8 @@ class RoundEngine:
             raise Refused(RefusalReason.REPLAY, "second token")
         if slot == "collect":
             state.joined[token.tag] = token.starter
+        if slot == "decide" and token.tag not in state.stalled:
+            return _SETTLED  # it still waits for this decision: it settles on it
         return b""
 
     def _holds_sum(self, state: _RoundState, token: _Token) -> bool:
@@ -1558,7 +1578,15 @@ class RoundEngine:
         state = self._state(env.run, env.round)
         key = ("unmask", env.payload[:_HASH].hex())
         self._file(state, key, env.sender, env.payload[_HASH:], "release")
+        await self._await_offer(state, key, env.sender)
         return self._answer(state, key, env.sender)
+
+    async def _on_permit(self, env: Envelope) -> bytes:
+        if len(env.payload) != _HASH:
+            raise Refused(RefusalReason.MALFORMED, "a permit is the 32-byte hash of the survivors")
+        state = self._state(env.run, env.round)
+        state.inbox.put(("permit", env.payload.hex()), env.sender, b"")
+        return b""
 
     async def _on_seed(self, env: Envelope) -> bytes:
         state = self._state(env.run, env.round)
@@ -1741,6 +1769,7 @@ class RoundEngine:
         settled = await self._token_agree(state, counters, tag, base, proposal, flag)
         if settled is not None:
             return settled
+        state.stalled.add(tag)  # a decision that comes from now on is not settled on
         self._observe("retry", state.run, state.round, tag, detail="token stalled: views")
         return await self._agree(state, counters, tag, proposal, flag)
 
@@ -1897,12 +1926,10 @@ class RoundEngine:
             # second pass round the ring: the others settle together); a member whose
             # ring completed settled on its own
             final = _Token(_TOKEN_DECIDE, tag, base_hash, me, decided.entries)
-            await asyncio.gather(
-                *(
-                    send(org, final)
-                    for org, _, f in final.entries
-                    if org != me and not (f and _decisive(tag))
-                )
+            told = [org for org, _, f in final.entries if org != me and not (f and _decisive(tag))]
+            outcomes = await asyncio.gather(*(send(org, final) for org in told))
+            state.settled_by[tag] = frozenset(
+                [me, *(org for org, got in zip(told, outcomes, strict=True) if got == "settled")]
             )
         if me not in members:
             raise RoundFailed(tag, "the other participants' proposals leave this node out")
@@ -1945,6 +1972,8 @@ class RoundEngine:
         except TransportError as exc:
             self._observe("unreachable", state.run, state.round, tag, peer=peer, detail=str(exc))
             return "skip"
+        if reply == _SETTLED:
+            return "settled"
         return "completed" if reply == _COMPLETED and _decisive(tag) else "ok"
 
     async def _pass_token(
@@ -2344,6 +2373,7 @@ class RoundEngine:
         lap("mask")
         total: np.ndarray | None = None
         scattered: Scattered | None = None  # with owner unmasking, the ring's first half
+        agreed_by: str | None = None  # and the tag of the token agreement that settled it
         attempt = 0
         while total is None and scattered is None:
             if attempt >= cfg.max_reduce_attempts:
@@ -2426,6 +2456,7 @@ class RoundEngine:
                     raise RoundFailed("reduce", "the other members' proposals leave this node out")
                 if complete and agreed == members:
                     scattered = part
+                    agreed_by = tag
                 else:
                     members = agreed
                     if len(members) < t:
@@ -2477,16 +2508,22 @@ class RoundEngine:
         others3 = u3 - {me}
         self._offer(state, key3, dict.fromkeys(others3, h3 + release))
         _keep_latest(self._releases, self._release_events, run, rnd, (h3, u3, h3 + release))
-        # nobody dropped since U1: each survivor reveals its own self-mask seed, and
-        # the seeds spread by recursive doubling (no share is reconstructed)
-        if u3 == u1 and await self._spread_seeds(state, counters, session, u3, h3):
+        # nobody dropped since U1 and at least t members settled the survivors by one
+        # token (the permit): each survivor reveals its own self-mask seed, and the
+        # seeds spread by recursive doubling (no share is reconstructed)
+        by_seeds = (
+            u3 == u1
+            and agreed_by is not None
+            and await self._permitted(state, counters, agreed_by, u3, h3, t)
+        )
+        if by_seeds and await self._spread_seeds(state, counters, session, u3, h3):
             result = await self._unmasked(
                 state, counters, session, total, scattered, order, attempt, lap
             )
             return await self._completed(
                 state, result, u1, u3, t, k, attempt, counters, times, t_round
             )
-        if u3 == u1:
+        if by_seeds:
             # a seed did not come (its owner died after the agreement, or a relay did):
             # the releases reconstruct it; survivors answer a release with their own
             self._observe("retry", run, rnd, "unmask", detail="seeds missing: releases")
@@ -2629,6 +2666,46 @@ class RoundEngine:
             stage_times=times,
             neighbours=k,
         )
+
+    async def _permitted(
+        self,
+        state: _RoundState,
+        counters: _Counters,
+        tag: str,
+        u3: frozenset[str],
+        h3: bytes,
+        t: int,
+    ) -> bool:
+        """Whether this survivor may reveal its self-mask seed rather than have its
+        holders release shares of it: when at least ``t`` members settled the
+        survivors ``u3`` on one token decision (``tag``), fewer than ``t`` can ever
+        settle a set without this node and release its mask-key shares, the same bound
+        that keeps ``t`` released b-shares safe. The token's starter knows who settled
+        on its decision (their replies say so) and tells the survivors
+        (``round.permit``); a node that settled otherwise, or hears no permit within a
+        step timeout, releases shares instead."""
+        me = self.org_id
+        starter = state.joined.get(tag)
+        if starter is None or tag in state.stalled:
+            return False
+        if starter == me:
+            if len(state.settled_by.get(tag, frozenset()) & u3) < t:
+                return False
+            await self._broadcast(
+                counters,
+                sorted(u3 - {me}),
+                KIND_PERMIT,
+                h3,
+                run=state.run,
+                round=state.round,
+                stage="unmask",
+            )
+            return True
+        deadline = asyncio.get_running_loop().time() + self.config.step_timeout
+        got = await self._await_from(
+            state, ("permit", h3.hex()), starter, deadline, self._believed_alive()
+        )
+        return got is not None
 
     async def _spread_seeds(
         self,

@@ -86,6 +86,7 @@ _RULES: dict[str, PrivacyClass] = {
     # round.seed: survivors' self-mask seeds, revealed by their owners once the
     # survivors are agreed: the very secret t released b-shares reconstruct
     "round.seed": PrivacyClass.RELEASED_SHARE,
+    "round.permit": PrivacyClass.CONTROL,  # the hash of the survivors: seeds may go
     "round.view": PrivacyClass.CONTROL,
     "round.commit": PrivacyClass.CONTROL,
     "round.leave": PrivacyClass.CONTROL,

@@ -16,7 +16,9 @@ from coordinator_free.identity import OrgIdentity
 from coordinator_free.memory import InMemoryNetwork
 from coordinator_free.ring import ring_order
 from coordinator_free.rounds import (
+    KIND_COMMIT,
     KIND_PART,
+    KIND_PERMIT,
     KIND_READY,
     KIND_SEED,
     KIND_TOTAL,
@@ -299,9 +301,9 @@ def test_owner_unmasking_fault_free_sends_the_ring_messages_of_a_plain_all_reduc
         # the gather stage is the owner path's; one ring attempt, agreed by the token
         assert "gather" in res.stage_times and res.ring_attempts == 1
     # one request per pair for the readies and one for the shares (each reply carries
-    # the other's), log2(8) = 3 seed messages each, the ring's 2 (n - 1) each, and the
-    # token's n to 2 n
-    fixed = 2 * (8 * 7 // 2) + 8 * 3 + 8 * 2 * 7
+    # the other's), the token starter's 7 permits, log2(8) = 3 seed messages each, the
+    # ring's 2 (n - 1) each, and the token's n to 2 n
+    fixed = 2 * (8 * 7 // 2) + 7 + 8 * 3 + 8 * 2 * 7
     total = sum(res.messages_sent for res in out.results.values())
     assert fixed + 8 <= total <= fixed + 16
 
@@ -646,13 +648,12 @@ def test_a_fault_free_round_settles_without_any_view_exchange() -> None:
     out = asyncio.run(scenario())
     assert_consistent(out)
     assert len(out.results) == n
-    # one request per pair of members for the readies and one for the shares (each
-    # reply carries the other's), ceil(log2 n) self-mask seed messages and 2 (n-1) ring
-    # chunks each, and nothing more: the share messages settle U1, a ring that
-    # completed everywhere settles itself (each node holds every member's masked sum),
-    # so no view or token is ever sent, and no share is released
+    # one request per pair of members for the readies, the shares and the releases
+    # (each reply carries the other's) and 2 (n-1) ring chunks each, and nothing more:
+    # the share messages settle U1, and a ring that completed everywhere settles itself
+    # (each node holds every member's masked sum), so no view or token is ever sent
     total = sum(res.messages_sent for res in out.results.values())
-    assert total == 2 * (n * (n - 1) // 2) + n * 3 + n * 2 * (n - 1)
+    assert total == 3 * (n * (n - 1) // 2) + n * 2 * (n - 1)
     for res in out.results.values():
         assert res.ring_attempts == 1
 
@@ -689,31 +690,37 @@ def test_each_pair_agrees_on_who_sends_first_and_each_org_sends_to_about_half(
     assert sum(first.values()) == n * (n - 1) // 2
 
 
-def test_a_survivor_killed_before_revealing_its_seed_is_unmasked_from_the_releases() -> None:
-    # the ring completed, so org-3's masked input is in the sum; it dies as the unmask
-    # begins, before revealing its self-mask seed: the seeds do not all arrive, the
-    # others answer each other's releases, and its seed is reconstructed from them
-    victim = "org-3"
+@pytest.mark.parametrize("starter", [False, True], ids=["member", "token-starter"])
+def test_a_survivor_killed_before_revealing_its_seed_is_unmasked_from_the_releases(
+    starter: bool,
+) -> None:
+    # owner unmasking, 8 peers: the agreement settled every member, so the victim's
+    # masked input is in the sum; it dies as the unmask begins, before revealing its
+    # self-mask seed. A member: the others' seeds spread, its own does not arrive, and
+    # the releases (each survivor answers a release with its own) reconstruct it. The
+    # token's starter: nobody is permitted to reveal a seed, and the releases do it all
+    orgs = [f"org-{i}" for i in range(8)]
+    order = ring_order(orgs, 1)
+    victim = order[0] if starter else order[3]
     seen: list[RoundObservation] = []
 
     async def scenario() -> tuple[RoundOutcome, RoundOutcome]:
         faults = [FaultSpec(victim, Fault.KILL, "unmask", round=1)]
-        async with Simulation(sim_config(6), faults) as sim:
+        async with Simulation(sim_config(8), faults) as sim:
             for engine in sim.engines.values():
                 engine.add_observer(seen.append)
             return await sim.round(1), await sim.round(2)
 
     first, second = asyncio.run(scenario())
     assert_consistent(first)
-    assert set(first.results) == {f"org-{i}" for i in range(6)} - {victim}
+    assert set(first.results) == set(orgs) - {victim}
     for res in first.results.values():
-        assert victim in res.survivors and "gather" not in res.stage_times
+        assert victim in res.survivors and "gather" in res.stage_times
         assert (res.sum == first.expected(res.survivors)).all()
-    retried = {o.peer for o in seen if o.kind == "missing" and o.stage == "unmask"}
-    assert victim in retried
-    assert any(o.kind == "retry" and "seeds missing" in o.detail for o in seen)
+    seeds_missing = any(o.kind == "retry" and "seeds missing" in o.detail for o in seen)
+    assert seeds_missing is not starter
     assert_consistent(second)
-    assert len(second.results) == 5
+    assert len(second.results) == 7
 
 
 def test_seed_messages_that_are_malformed_or_replayed_are_refused() -> None:
@@ -791,3 +798,43 @@ def test_a_member_that_equivocates_in_the_share_stage_is_left_out() -> None:
         assert (res.sum == out.expected(res.survivors)).all()
     assert_consistent(after)
     assert len(after.results) == 6
+
+
+def test_a_member_tells_the_token_starter_whether_it_settles_on_the_decision() -> None:
+    # the starter permits revealing seeds only when t members settled on its decision:
+    # a member still waiting for the decision says "settled"; one that gave up on the
+    # token (it fell back to the views) says nothing, and is not counted
+    async def scenario() -> tuple[bytes, bytes, RefusalReason]:
+        async with Simulation(sim_config(4)) as sim:
+            engine = sim.engines["org-1"]
+            state = engine._state("sim-run", 1)
+            state.started = asyncio.get_running_loop().time()
+            entries = tuple((o, frozenset(sim.orgs), True) for o in sim.orgs)
+            replies = []
+            for tag in ("scatter:0", "scatter:1"):
+                state.joined[tag] = "org-0"
+                decide = _Token(2, tag, bytes(32), "org-0", entries).to_bytes()
+                env = Envelope(
+                    federation="sim-fed",
+                    run="sim-run",
+                    round=1,
+                    stage=tag,
+                    kind=KIND_COMMIT,
+                    sender="org-0",
+                    recipient="org-1",
+                    seq=1,
+                    sent_at=0.0,
+                    payload=decide,
+                )
+                if tag == "scatter:1":
+                    state.stalled.add(tag)
+                replies.append(await engine._on_commit(env))
+            with pytest.raises(Refused) as info:
+                await sim.endpoints["org-0"].send(
+                    "org-1", KIND_PERMIT, b"short", run="sim-run", round=1
+                )
+            return replies[0], replies[1], info.value.reason
+
+    settled, stalled, refused = asyncio.run(scenario())
+    assert settled == b"settled" and stalled == b""
+    assert refused is RefusalReason.MALFORMED

@@ -146,6 +146,7 @@ def test_every_kind_used_in_coordinator_free_is_classified_and_allowed() -> None
         ("round.unmask.reply", PrivacyClass.RELEASED_SHARE),
         ("round.seed", PrivacyClass.RELEASED_SHARE),
         ("round.seed.reply", PrivacyClass.CONTROL),
+        ("round.permit", PrivacyClass.CONTROL),
         ("agg.ping", PrivacyClass.CONTROL),
         ("shard.get.reply", PrivacyClass.CHECKPOINT_SHARD),
         ("shard.put", PrivacyClass.CHECKPOINT_SHARD),
