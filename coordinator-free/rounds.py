@@ -2517,6 +2517,21 @@ class RoundEngine:
             and await self._permitted(state, counters, agreed_by, u3, h3, t)
         )
         if by_seeds and await self._spread_seeds(state, counters, session, u3, h3):
+            # a survivor short of a seed asked for this node's release before it had
+            # one, and the reply waited in vain: it gets the release now
+            owed = self._targets(state, key3, state.inbox.senders(key3))
+            if owed:
+                self._spawn(
+                    self._broadcast(
+                        _Counters(),
+                        owed,
+                        KIND_UNMASK,
+                        h3 + release,
+                        run=run,
+                        round=rnd,
+                        stage="unmask",
+                    )
+                )
             result = await self._unmasked(
                 state, counters, session, total, scattered, order, attempt, lap
             )
