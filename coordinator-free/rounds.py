@@ -2578,8 +2578,24 @@ class RoundEngine:
         def arrivals(count: int) -> Callable[[], bool]:
             return lambda: len(state.inbox.senders(key3)) >= count
 
+        # the survivors that send first get a moment; then those still silent are
+        # asked (one that finished by the seeds sends its release only when asked)
+        pull_at: float | None = loop.time() + _patience(cfg)
         finished = False
         while not finished:
+            if pull_at is not None and loop.time() >= pull_at:
+                pull_at = None
+                late = others3 - state.inbox.senders(key3) - set(targets) - state.gone()
+                await self._broadcast(
+                    counters,
+                    sorted(late),
+                    KIND_UNMASK,
+                    h3 + release,
+                    run=run,
+                    round=rnd,
+                    stage="unmask",
+                    on_reply=file_release,
+                )
             # releases are decoded one by one, up to the next check: those still
             # queued when the session can finish are never decoded
             for org, payload in state.inbox.since(key3, seen):
@@ -2604,7 +2620,10 @@ class RoundEngine:
             if last:
                 break
             wake = arrivals(seen + max(1, check_at - len(accepted)))
-            await state.inbox.wait_any([key3], wake, min(unmask_end, loop.time() + quiet))
+            until = min(unmask_end, loop.time() + quiet)
+            if pull_at is not None:
+                until = min(until, pull_at)
+            await state.inbox.wait_any([key3], wake, until)
             lull = not wake()
         if not session.can_finish() or len(accepted) + 1 < t:
             for org in sorted(u3 - accepted - {me}):

@@ -838,3 +838,26 @@ def test_a_member_tells_the_token_starter_whether_it_settles_on_the_decision() -
     settled, stalled, refused = asyncio.run(scenario())
     assert settled == b"settled" and stalled == b""
     assert refused is RefusalReason.MALFORMED
+
+
+def test_a_member_without_a_permit_releases_and_everyone_still_finishes() -> None:
+    # one member hears no permit (here: it never will), so it releases shares while
+    # the others reveal seeds: its seed messages never come, the others' recursive
+    # doubling falls back to the releases, and it asks the members that finished by
+    # the seeds for theirs; every member ends with the exact sum
+    outsider = "org-5"
+
+    async def never(*args: object, **kwargs: object) -> bool:
+        return False
+
+    async def scenario() -> tuple[RoundOutcome, RoundOutcome]:
+        async with Simulation(sim_config(8)) as sim:
+            sim.engines[outsider]._permitted = never  # type: ignore[method-assign]
+            return await sim.round(1), await sim.round(2)
+
+    first, second = asyncio.run(scenario())
+    for out in (first, second):
+        assert_consistent(out)
+        assert len(out.results) == 8
+        for res in out.results.values():
+            assert (res.sum == out.expected(res.survivors)).all()
