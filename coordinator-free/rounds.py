@@ -2284,16 +2284,19 @@ class RoundEngine:
             if len(data) >= _HASH and self._filed(state, ("share",), peer, data):
                 self._arrival(run, rnd, "share", peer, len(data))
 
-        unshared = await self._broadcast(
-            counters,
-            sorted(sent_to),
-            KIND_SHARE,
-            mine,
-            run=run,
-            round=rnd,
-            stage="share",
-            on_reply=file_share,
-        )
+        def send_shares(peers: Iterable[str]) -> Awaitable[set[str]]:
+            return self._broadcast(
+                counters,
+                sorted(peers),
+                KIND_SHARE,
+                mine,
+                run=run,
+                round=rnd,
+                stage="share",
+                on_reply=file_share,
+            )
+
+        unshared = await send_shares(sent_to)
         expected_shares = holders - unshared
 
         def shared() -> bool:
@@ -2306,16 +2309,7 @@ class RoundEngine:
         )
         late = expected_shares - state.inbox.senders(("share",)) - state.gone() - sent_to
         if late:
-            unshared |= await self._broadcast(
-                counters,
-                sorted(late),
-                KIND_SHARE,
-                mine,
-                run=run,
-                round=rnd,
-                stage="share",
-                on_reply=file_share,
-            )
+            unshared |= await send_shares(late)
             expected_shares = holders - unshared
         await state.inbox.wait_any([("share",), ("gone",)], shared, share_end)
         shares = {o: p for o, p in state.inbox.get(("share",)).items() if o in expected_shares}
@@ -2508,6 +2502,27 @@ class RoundEngine:
         others3 = u3 - {me}
         self._offer(state, key3, dict.fromkeys(others3, h3 + release))
         _keep_latest(self._releases, self._release_events, run, rnd, (h3, u3, h3 + release))
+
+        def file_release(peer: str, data: bytes) -> None:
+            if data[:_HASH] == h3 and self._filed(state, key3, peer, data[_HASH:]):
+                self._arrival(run, rnd, "unmask", peer, len(data))
+
+        def send_release(
+            peers: Iterable[str],
+            sent: _Counters = counters,
+            on_reply: Callable[[str, bytes], None] | None = file_release,
+        ) -> Awaitable[set[str]]:
+            return self._broadcast(
+                sent,
+                sorted(peers),
+                KIND_UNMASK,
+                h3 + release,
+                run=run,
+                round=rnd,
+                stage="unmask",
+                on_reply=on_reply,
+            )
+
         # nobody dropped since U1 and at least t members settled the survivors by one
         # token (the permit): each survivor reveals its own self-mask seed, and the
         # seeds spread by recursive doubling (no share is reconstructed)
@@ -2521,17 +2536,7 @@ class RoundEngine:
             # one, and the reply waited in vain: it gets the release now
             owed = self._targets(state, key3, state.inbox.senders(key3))
             if owed:
-                self._spawn(
-                    self._broadcast(
-                        _Counters(),
-                        owed,
-                        KIND_UNMASK,
-                        h3 + release,
-                        run=run,
-                        round=rnd,
-                        stage="unmask",
-                    )
-                )
+                self._spawn(send_release(owed, _Counters(), None))
             result = await self._unmasked(
                 state, counters, session, total, scattered, order, attempt, lap
             )
@@ -2545,21 +2550,7 @@ class RoundEngine:
             targets = sorted(others3 - state.inbox.senders(key3))
         else:
             targets = self._targets(state, key3, others3)
-
-        def file_release(peer: str, data: bytes) -> None:
-            if data[:_HASH] == h3 and self._filed(state, key3, peer, data[_HASH:]):
-                self._arrival(run, rnd, "unmask", peer, len(data))
-
-        await self._broadcast(
-            counters,
-            targets,
-            KIND_UNMASK,
-            h3 + release,
-            run=run,
-            round=rnd,
-            stage="unmask",
-            on_reply=file_release,
-        )
+        await send_release(targets)
         # finish as soon as the session holds every share it needs (a survivor that
         # died after the reduce is simply not waited for), or at the stage deadline
         unmask_end = loop.time() + cfg.stage_timeout
@@ -2585,16 +2576,8 @@ class RoundEngine:
         while not finished:
             if pull_at is not None and loop.time() >= pull_at:
                 pull_at = None
-                late = others3 - state.inbox.senders(key3) - set(targets) - state.gone()
-                await self._broadcast(
-                    counters,
-                    sorted(late),
-                    KIND_UNMASK,
-                    h3 + release,
-                    run=run,
-                    round=rnd,
-                    stage="unmask",
-                    on_reply=file_release,
+                await send_release(
+                    others3 - state.inbox.senders(key3) - set(targets) - state.gone()
                 )
             # releases are decoded one by one, up to the next check: those still
             # queued when the session can finish are never decoded

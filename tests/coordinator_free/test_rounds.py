@@ -55,20 +55,25 @@ def sim_config(peers: int) -> SimConfig:
     return SimConfig(peers=peers, length=64, seed=7, round_config=FAST)
 
 
-def from_a_stranger(kind: str, stage: str, payload: bytes) -> Envelope:
-    """A message of round 1 of the simulator's run to org-1 from org-9, no member."""
+def to_org1(kind: str, stage: str, payload: bytes, sender: str) -> Envelope:
+    """A message of round 1 of the simulator's run to org-1 from ``sender``."""
     return Envelope(
         federation="sim-fed",
         run="sim-run",
         round=1,
         stage=stage,
         kind=kind,
-        sender="org-9",
+        sender=sender,
         recipient="org-1",
         seq=1,
         sent_at=0.0,
         payload=payload,
     )
+
+
+def from_a_stranger(kind: str, stage: str, payload: bytes) -> Envelope:
+    """A message of round 1 of the simulator's run to org-1 from org-9, no member."""
+    return to_org1(kind, stage, payload, "org-9")
 
 
 def assert_consistent(out: RoundOutcome) -> None:
@@ -814,18 +819,7 @@ def test_a_member_tells_the_token_starter_whether_it_settles_on_the_decision() -
             for tag in ("scatter:0", "scatter:1"):
                 state.joined[tag] = "org-0"
                 decide = _Token(2, tag, bytes(32), "org-0", entries).to_bytes()
-                env = Envelope(
-                    federation="sim-fed",
-                    run="sim-run",
-                    round=1,
-                    stage=tag,
-                    kind=KIND_COMMIT,
-                    sender="org-0",
-                    recipient="org-1",
-                    seq=1,
-                    sent_at=0.0,
-                    payload=decide,
-                )
+                env = to_org1(KIND_COMMIT, tag, decide, "org-0")
                 if tag == "scatter:1":
                     state.stalled.add(tag)
                 replies.append(await engine._on_commit(env))
