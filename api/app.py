@@ -24,12 +24,14 @@ from api import dashboard
 from api.reads import Reads
 from api.routers import audit, checkpoints, datasets, federation, peers, policies, runs, tokens
 from api.routers import node as node_routes
+from api.routers import trainers as trainers_routes
 from api.security import AuthFailureLimiter, BodySizeLimit
 from api.settings import Settings
 from org_node import __version__
 from org_node.db.engine import make_engine, migrate
 from org_node.observability import Observability
 from org_node.services import NodeServices
+from org_node.trainers.catalog import TrainerCatalog
 
 __all__ = ["ROUTERS", "RequestCounter", "create_app"]
 
@@ -40,6 +42,7 @@ ROUTERS: tuple[APIRouter, ...] = tuple(
     for module in (
         node_routes,
         tokens,
+        trainers_routes,
         datasets,
         policies,
         runs,
@@ -82,6 +85,7 @@ def create_app(
     limiter: AuthFailureLimiter | None = None,
     run_migrations: bool = True,
     observability: Observability | None = None,
+    trainers: TrainerCatalog | None = None,
 ) -> FastAPI:
     """Build the admin API.
 
@@ -93,6 +97,8 @@ def create_app(
     observability: the node's metrics, fault scores and round timeline (the dashboard
         and ``/metrics`` read it); by default the node's own ``observability`` if it
         has one, else a new one, attached to the node's round engine when it has one.
+    trainers: the org's trainer catalog; by default the node's own ``catalog`` if it has
+        one, else one holding the bundled trainers only.
     """
     engine = engine or make_engine(settings.resolved_database_url)
     if run_migrations:
@@ -117,6 +123,8 @@ def create_app(
     app.state.engine = engine
     app.state.reads = reads
     app.state.node = node
+    catalog = trainers or getattr(node, "catalog", None)
+    app.state.trainers = catalog if isinstance(catalog, TrainerCatalog) else TrainerCatalog()
     app.state.auth_limiter = limiter or AuthFailureLimiter(
         settings.auth_failure_limit, settings.auth_failure_window_s
     )

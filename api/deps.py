@@ -2,7 +2,8 @@
 
 ``SessionDep`` (a database session per request), ``ReadsDep`` (short reads for ``async``
 routes, :mod:`api.reads`), ``CurrentPrincipal`` (the token's owner, or the one opaque
-401), ``NodeDep`` (the running node's services), ``SettingsDep``, ``PageDep``
+401), ``NodeDep`` (the running node's services), ``TrainersDep`` (its trainer
+catalog), ``SettingsDep``, ``PageDep``
 (offset/limit) and ``IdempotencyKeyDep``. Routes declare the roles they admit with
 ``dependencies=[require_roles(...)]``.
 
@@ -32,6 +33,7 @@ from api.settings import Settings
 from org_node.db.models import Role, utcnow
 from org_node.db.repo import live_token, touch_token
 from org_node.services import NodeServices
+from org_node.trainers.catalog import TrainerCatalog
 
 __all__ = [
     "CurrentPrincipal",
@@ -42,6 +44,7 @@ __all__ = [
     "ReadsDep",
     "SessionDep",
     "SettingsDep",
+    "TrainersDep",
     "require_roles",
 ]
 
@@ -72,6 +75,11 @@ async def get_node(request: Request) -> NodeServices:
     return node
 
 
+async def get_trainers(request: Request) -> TrainerCatalog:
+    trainers: TrainerCatalog = request.app.state.trainers
+    return trainers
+
+
 async def get_reads(request: Request) -> Reads:
     reads: Reads = request.app.state.reads
     return reads
@@ -81,6 +89,7 @@ SessionDep = Annotated[Session, Depends(get_session)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 NodeDep = Annotated[NodeServices, Depends(get_node)]
 ReadsDep = Annotated[Reads, Depends(get_reads)]
+TrainersDep = Annotated[TrainerCatalog, Depends(get_trainers)]
 
 
 def _client(request: Request) -> str:

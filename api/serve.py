@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import os
 import signal
 import socket
 from collections.abc import Callable, Generator
@@ -37,7 +39,7 @@ from org_node.config import NodeConfig, NodePaths
 from org_node.db.engine import make_engine
 from org_node.node import NodeError, OrgNode
 
-__all__ = ["bind", "serve_node"]
+__all__ = ["bind", "dataset_roots", "serve_node"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +52,28 @@ class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
         yield
+
+
+def dataset_roots(configured: tuple[str, ...]) -> tuple[Path, ...]:
+    """The config's ``[datasets] roots``, then any ``FEDWEAVE_DATASET_ROOTS`` adds."""
+    roots = [Path(r) for r in configured]
+    for extra in _env_roots():
+        if extra not in roots:
+            roots.append(extra)
+    return tuple(roots)
+
+
+def _env_roots() -> tuple[Path, ...]:
+    raw = os.environ.get("FEDWEAVE_DATASET_ROOTS")
+    if not raw:
+        return ()
+    try:
+        values = json.loads(raw)
+    except ValueError:
+        raise NodeError("FEDWEAVE_DATASET_ROOTS must be a JSON list of directories") from None
+    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+        raise NodeError("FEDWEAVE_DATASET_ROOTS must be a JSON list of directories")
+    return tuple(Path(v) for v in values)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -83,7 +107,8 @@ async def serve_node(
     paths = NodePaths(Path(data_dir))
     if not paths.config.exists():
         raise NodeError(f"{data_dir} is not a node data directory: run `fedweave init`")
-    net = NodeConfig.load(paths.config).network
+    config = NodeConfig.load(paths.config)
+    net = config.network
     settings = Settings(
         data_dir=paths.root,
         admin_host=net.admin_host,
@@ -91,6 +116,7 @@ async def serve_node(
         allow_remote_admin=net.allow_remote_admin,
         peer_host=net.peer_host,
         peer_port=net.peer_port,
+        dataset_roots=dataset_roots(config.datasets.roots),
     )
     # the database the settings name (FEDWEAVE_DATABASE_URL: PostgreSQL), else SQLite
     node = OrgNode.open(paths.root, db=make_engine(settings.resolved_database_url))

@@ -259,7 +259,7 @@ def _seed(engine: Any) -> tuple[str, str]:
     with Session(engine) as s:
         run_id = uuid.uuid4().hex
         spec = {
-            "task": "tabular",
+            "trainer": "breast_cancer",
             "rounds": 10,
             "participants": ["org-a", "org-b"],
             "backend": "masked",

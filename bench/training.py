@@ -12,7 +12,7 @@ Run ``python -m bench.training [--quick] [--json PATH]``. Rows:
   :class:`org_node.strategies.FedAvg`. Flower's branch runs the same clients (same
   partitions, seeds, local steps, batches) and aggregates with Flower's own
   ``FedAvg.aggregate_fit``. The clients are plain Flower ``NumPyClient`` objects, which
-  fedweave drives through :class:`org_node.flower_compat.FlowerTrainer`. Target >= 0.99.
+  fedweave drives through :class:`org_node.trainers.flower.FlowerTrainer`. Target >= 0.99.
 * ``fed_acc_vs_centralized[task=T]`` — the same fedweave accuracy ÷ one model trained
   on the union of the orgs' data for as many SGD steps as one org made (report).
 * ``diloco_sync_reduction[task=T]`` — communication rounds that per-step
@@ -39,7 +39,6 @@ from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters
 from flwr.server.strategy import FedAvg as FlowerFedAvg
 
 from bench.common import Report, run_main
-from org_node.flower_compat import FlowerTrainer
 from org_node.strategies import (
     DiLoCo,
     DiLoCoConfig,
@@ -51,6 +50,7 @@ from org_node.strategies import (
 )
 from org_node.tasks import Task, load_state, load_task, model_state
 from org_node.tasks.partition import dirichlet_partition, iid_partition
+from org_node.trainers.flower import FlowerTrainer
 from secure_agg.codec import FixedPointCodec
 from secure_agg.keys import RoundContext
 from secure_agg.protocol import ProtocolConfig, run_round
@@ -326,15 +326,15 @@ def run_diloco(setup: DiLoCoSetup) -> dict[str, float]:
 def body(report: Report) -> None:
     quick = report.quick
     for task, rounds, steps in (
-        (("tabular", 10, 10), ("digits", 10, 10))
+        (("breast_cancer", 10, 10), ("digits", 10, 10))
         if quick
         else (
-            ("tabular", 30, 20),
+            ("breast_cancer", 30, 20),
             ("digits", 40, 20),
         )
     ):
         setup = FedSetup(
-            task=task, rounds=rounds, local_steps=steps, lr=0.05 if task == "tabular" else 0.1
+            task=task, rounds=rounds, local_steps=steps, lr=0.05 if task == "breast_cancer" else 0.1
         )
         acc = run_fedweave_vs_flower(setup)
         note = f"{N_ORGS} orgs, Dirichlet alpha={ALPHA}, R={rounds}, {steps} local SGD steps"

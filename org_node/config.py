@@ -7,6 +7,8 @@ One :class:`NodeConfig` holds one dataclass per TOML table::
     [training]    the local job (org_node.engine.TrainingConfig)
     [engine]      rounds, strategy, DP (org_node.engine.EngineConfig)
     [checkpoint]  erasure code k, m, retention, shard quota
+    [datasets]    roots under which datasets may be registered
+    [trainers.N]  a trainer the org installs by config (kind, ref, sha256)
     [debug]       harness (test harnesses only)
 
 Unknown tables or keys and invalid values are refused with :class:`ConfigError`, whose
@@ -30,11 +32,13 @@ __all__ = [
     "CONFIG_FILE",
     "CheckpointSection",
     "ConfigError",
+    "DatasetsSection",
     "DebugSection",
     "NetworkSection",
     "NodeConfig",
     "NodePaths",
     "NodeSection",
+    "TrainerSection",
 ]
 
 CONFIG_FILE = "fedweave.toml"
@@ -176,6 +180,58 @@ class CheckpointSection:
 
 
 @dataclass(frozen=True)
+class DatasetsSection:
+    """Where this org's datasets may be registered (``/v1/datasets``).
+
+    roots: absolute directories; a dataset's real path (symlinks followed) must lie
+        under one of them. ``fedweave init`` writes ``DATA_DIR/datasets``.
+    """
+
+    roots: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.roots, str) or not isinstance(self.roots, list | tuple):
+            raise ConfigError("datasets.roots", "expected a list of absolute directories")
+        for root in self.roots:
+            if not isinstance(root, str) or not Path(root).is_absolute():
+                raise ConfigError("datasets.roots", f"{root!r} is not an absolute path")
+        object.__setattr__(self, "roots", tuple(self.roots))
+
+
+TRAINER_KINDS_BY_CONFIG = ("task", "flower-clientapp", "flower-app")
+
+
+@dataclass(frozen=True)
+class TrainerSection:
+    """A trainer this org installs in its config (``[trainers.NAME]``).
+
+    kind: ``task`` (``module:callable`` or ``file.py:callable`` returning a Task),
+        ``flower-clientapp`` (``module:app`` or ``file.py:app``) or ``flower-app``
+        (a Flower App directory).
+    ref: the code (see kind).
+    sha256: optional; the code's hash the admin expects (the node refuses to run the
+        trainer if its code hashes otherwise).
+    description: shown in ``fedweave trainers list``.
+    """
+
+    kind: str
+    ref: str
+    sha256: str = ""
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in TRAINER_KINDS_BY_CONFIG:
+            raise ConfigError(
+                "trainers.kind", f"expected one of {', '.join(TRAINER_KINDS_BY_CONFIG)}"
+            )
+        if not isinstance(self.ref, str) or not self.ref.strip():
+            raise ConfigError("trainers.ref", "expected the trainer's code reference")
+        sha = self.sha256
+        if sha and (len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha)):
+            raise ConfigError("trainers.sha256", "expected 64 lowercase hex digits")
+
+
+@dataclass(frozen=True)
 class DebugSection:
     """Test-harness switches; never for a deployment.
 
@@ -202,6 +258,8 @@ class NodeConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    datasets: DatasetsSection = field(default_factory=DatasetsSection)
+    trainers: Mapping[str, TrainerSection] = field(default_factory=dict)
     debug: DebugSection = field(default_factory=DebugSection)
 
     @classmethod
@@ -215,12 +273,15 @@ class NodeConfig:
             "node": NodeSection,
             "network": NetworkSection,
             "checkpoint": CheckpointSection,
+            "datasets": DatasetsSection,
             "debug": DebugSection,
         }
         try:
             for name, cls_ in simple.items():
                 if name in tables:
                     sections[name] = cls_(**_keys(cls_, tables[name], name))
+            if "trainers" in tables:
+                sections["trainers"] = _trainers(tables["trainers"])
             if "training" in tables:
                 sections["training"] = TrainingConfig.from_mapping(_table(tables, "training"))
             if "engine" in tables:
@@ -255,6 +316,7 @@ class NodeConfig:
             "training": asdict(self.training),
             "engine": asdict(self.engine),
             "checkpoint": asdict(self.checkpoint),
+            "datasets": {"roots": list(self.datasets.roots)},
             "debug": asdict(self.debug),
         }
 
@@ -277,8 +339,11 @@ class NodeConfig:
                 lines.append(f"{key} = {_toml_value(value)}")
             for key, value in nested:
                 lines.append(
-                    f"{key} = {{ {', '.join(f'{k} = {_toml_value(v)}' for k, v in value.items())} }}"
+                    f"{key} = {{ {', '.join(f'{_toml_key(k)} = {_toml_value(v)}' for k, v in value.items())} }}"
                 )
+        for name, trainer in sorted(self.trainers.items()):
+            lines += ["", f"[trainers.{_toml_key(name)}]"]
+            lines += [f"{k} = {_toml_value(v)}" for k, v in asdict(trainer).items() if v != ""]
         return "\n".join(lines) + "\n"
 
     def save(self, path: Path) -> None:
@@ -301,6 +366,27 @@ def _table(tables: Mapping[str, Any], name: str) -> dict[str, Any]:
     return {k: None if v == NONE else v for k, v in value.items()}
 
 
+def _trainers(values: Any) -> dict[str, TrainerSection]:
+    if not isinstance(values, Mapping):
+        raise ConfigError("trainers", "must be a table of [trainers.NAME] tables")
+    out: dict[str, TrainerSection] = {}
+    for name, table in values.items():
+        if not isinstance(name, str) or not name or not set(name) <= _ORG_ID_CHARS:
+            raise ConfigError(f"trainers.{name}", "a trainer name: letters, digits, '-', '_', '.'")
+        try:
+            out[name] = TrainerSection(**_keys(TrainerSection, table, f"trainers.{name}"))
+        except ConfigError as exc:
+            raise ConfigError(
+                exc.field.replace("trainers.", f"trainers.{name}.", 1),
+                str(exc).split(": ", 1)[-1],
+            ) from None
+    return out
+
+
+def _toml_key(name: str) -> str:
+    return name if all(c.isalnum() or c in "-_" for c in name) else _toml_value(name)
+
+
 def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -313,6 +399,8 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, str):
         escaped = value.replace("\\", "\\\\").replace('"', '\\"')
         return f'"{escaped}"'
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     raise ConfigError("config", f"cannot write a value of type {type(value).__name__}")
 
 
@@ -361,6 +449,11 @@ class NodePaths:
     @property
     def runs(self) -> Path:
         return self.root / "runs"
+
+    @property
+    def datasets(self) -> Path:
+        """The default dataset root ``fedweave init`` creates."""
+        return self.root / "datasets"
 
     def run_dir(self, run_key: str) -> Path:
         """A run's engine state and local-job work directory."""

@@ -89,7 +89,6 @@ __all__ = [
     "EngineConfig",
     "EngineError",
     "EngineState",
-    "JobTrainer",
     "LocalTrainer",
     "RoundReport",
     "RunEngine",
@@ -110,6 +109,9 @@ logger = logging.getLogger(__name__)
 ATTEMPTS = 8
 """Protocol rounds reserved per training round: attempt ``a`` of round ``r`` runs as
 protocol round ``r * ATTEMPTS + a``; ``max_attempts`` may not exceed it."""
+
+STATS_CLIP = float(2**40)
+"""Largest magnitude of one org's pre-training statistic in the secure sum."""
 
 STATE_FILE = "engine-state.bin"
 
@@ -235,13 +237,25 @@ class EngineConfig:
         return cls(**dict(values))
 
 
+WORKER_MODES = ("persistent", "per-round")
+
+
 @dataclass(frozen=True)
 class TrainingConfig:
-    """The local job's settings (the ``[training]`` table; :class:`LocalJobSpec` fields).
+    """The local job's settings (the ``[training]`` table; :class:`LocalJobSpec` fields,
+    and how the local worker runs).
 
     local_steps / time_budget_s: a step count, a time budget (a slow org), or both.
     partition_index / num_partitions / partition_seed / dirichlet_alpha: which share of
-        a bundled task's data this org trains on (demos and tests).
+        a bundled task's data this org trains on (demos and tests); a Flower app sees
+        them as ``partition-id`` / ``num-partitions`` in its ``node_config``.
+    worker: ``persistent`` keeps the local worker (torchrun ranks, or the Flower
+        client's process) for the whole run and restarts it only if it dies;
+        ``per-round`` starts a fresh one every round.
+    round_timeout_s: how long one round's local training may take before the worker is
+        stopped and the round fails at this org.
+    start_timeout_s: how long the worker may take to start and build the round-0 model.
+    node_config: extra entries of this org's Flower ``node_config`` (and task context).
     """
 
     local_steps: int | None = 10
@@ -262,14 +276,36 @@ class TrainingConfig:
     partition_seed: int = 0
     dirichlet_alpha: float | None = None
     evaluate: bool = True
+    worker: str = "persistent"
+    round_timeout_s: float = 3600.0
+    start_timeout_s: float = 300.0
+    node_config: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         from org_node.training import LocalJobSpec, SpecError
 
         try:
-            LocalJobSpec(task="tabular", **asdict(self))
+            LocalJobSpec(task="tabular", **self.job_fields())
         except SpecError as exc:
             raise EngineError(f"training.{exc.field}", str(exc)) from None
+        if self.worker not in WORKER_MODES:
+            raise EngineError("training.worker", f"expected one of {', '.join(WORKER_MODES)}")
+        _number("training", "round_timeout_s", self.round_timeout_s, low=0, open_low=True)
+        _number("training", "start_timeout_s", self.start_timeout_s, low=0, open_low=True)
+        if not isinstance(self.node_config, Mapping):
+            raise EngineError("training.node_config", "must be a table of names to values")
+        for key, value in self.node_config.items():
+            if not isinstance(value, bool | int | float | str):
+                raise EngineError(
+                    f"training.node_config.{key}", "expected a boolean, number or string"
+                )
+
+    def job_fields(self) -> dict[str, Any]:
+        """The :class:`LocalJobSpec` fields among these settings."""
+        values = asdict(self)
+        for name in ("worker", "round_timeout_s", "start_timeout_s", "node_config"):
+            values.pop(name)
+        return values
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> TrainingConfig:
@@ -282,7 +318,7 @@ class RunPlan:
     """What this node runs: the federation-wide run key and the accepted run spec."""
 
     run_key: str
-    task: str
+    trainer: str
     rounds: int
     participants: tuple[str, ...]
     backend: str = "masked"
@@ -298,7 +334,7 @@ class RunPlan:
             name=name,
             spec=dict(spec),
             run_key=run_key(name, spec),
-            task=str(spec["task"]),
+            trainer=str(spec["trainer"]),
             rounds=int(spec["rounds"]),
             participants=tuple(sorted(spec["participants"])),
             backend=str(spec.get("backend", "masked")),
@@ -313,10 +349,15 @@ def run_key(name: str, spec: Mapping[str, Any]) -> str:
     Each org records the run under its own local id; orgs that accepted the same name
     and spec take part in the same rounds.
     """
-    body: dict[str, Any] = {"backend": "masked", "threshold": 2, "epsilon": None} | dict(spec)
+    defaults = {"backend": "masked", "threshold": 2, "epsilon": None, "trainer_hash": None}
+    body: dict[str, Any] = defaults | {"data": None, "config": {}} | dict(spec)
     body["participants"] = sorted(body.get("participants", ()))
     if body.get("epsilon") is not None:
         body["epsilon"] = repr(float(body["epsilon"]))
+    if body.get("data") is not None:
+        from org_node.datasets import DataSpec
+
+        body["data"] = DataSpec.from_dict(body["data"]).to_dict()
     digest = hashlib.sha256(canonical_json({"name": name, "spec": body})).hexdigest()
     return digest[:32]
 
@@ -387,35 +428,17 @@ def check_update(update: Mapping[str, np.ndarray], model: Mapping[str, np.ndarra
 
 
 class LocalTrainer(Protocol):
-    """The local job: train from the global model, return the update (run in a thread)."""
+    """The local job: train from the global model, return the update (run in a thread).
+
+    A trainer may also offer, and the engine then uses: ``initial_model() -> Model``
+    (the round-0 model, when the engine is given none), ``statistics() -> array | None``
+    and ``use_statistics(array)`` (this org's share of statistics the federation sums
+    securely before round 1, and the sum), ``close()`` (the run is over here).
+    """
 
     def train(
         self, global_state: Mapping[str, np.ndarray], round: int, options: Mapping[str, Any]
     ) -> LocalResult: ...
-
-
-class JobTrainer:
-    """:func:`org_node.training.run_local_job` with this org's :class:`TrainingConfig`.
-
-    ``options`` (the strategy's ``local_config``: ``prox_mu``, DiLoCo's inner optimizer)
-    override the config; each round trains in its own directory under ``work_dir`` and
-    draws its batches from ``seed`` and the round.
-    """
-
-    def __init__(self, task: str, config: TrainingConfig, work_dir: Path) -> None:
-        self.task = task
-        self.config = config
-        self.work_dir = Path(work_dir)
-
-    def train(
-        self, global_state: Mapping[str, np.ndarray], round: int, options: Mapping[str, Any]
-    ) -> LocalResult:
-        from org_node.training import LocalJobSpec, run_local_job
-
-        values = asdict(self.config) | dict(options)
-        values["seed"] = int(values["seed"]) * 1_000_003 + round
-        spec = LocalJobSpec(task=self.task, **values)
-        return run_local_job(spec, dict(global_state), self.work_dir / f"round-{round:06d}")
 
 
 # --------------------------------------------------------------------------- state
@@ -433,6 +456,8 @@ class EngineState:
     status: str = "running"
     plan: dict[str, Any] = field(default_factory=dict)
     """``{"name": ..., "spec": ...}``: enough to rebuild the run after a wiped disk."""
+    statistics: np.ndarray | None = None
+    """The federation's secure sum of the trainer's pre-training statistics, if any."""
 
     def to_bytes(self) -> bytes:
         meta = {
@@ -448,6 +473,8 @@ class EngineState:
         }
         if self.accountant is not None:
             parts["accountant"] = json.dumps(self.accountant).encode()
+        if self.statistics is not None:
+            parts["statistics"] = np.ascontiguousarray(self.statistics, dtype="<f8").tobytes()
         return pack_parts(parts)
 
     @classmethod
@@ -463,6 +490,11 @@ class EngineState:
                 accountant=json.loads(parts["accountant"]) if "accountant" in parts else None,
                 status=str(meta.get("status", "running")),
                 plan=dict(meta.get("plan", {})),
+                statistics=(
+                    np.frombuffer(parts["statistics"], dtype="<f8").astype(np.float64)
+                    if "statistics" in parts
+                    else None
+                ),
             )
         except (SealedError, KeyError, ValueError, OSError, StrategyError) as exc:
             raise EngineError("state", f"unreadable engine state: {exc}") from None
@@ -579,14 +611,10 @@ class RunEngine:
             self.codec = FixedPointCodec(
                 bits=config.ring_bits, clip=config.clip, max_summands=n, frac_bits=config.frac_bits
             )
-        if initial_model is None:
-            from org_node.tasks import initial_state
-
-            initial_model = initial_state(plan.task, config.model_seed)
         self.state = EngineState(
             plan.run_key,
             0,
-            {k: np.asarray(v, dtype=np.float32) for k, v in initial_model.items()},
+            {k: np.asarray(v, dtype=np.float32) for k, v in (initial_model or {}).items()},
             self.strategy.state_dict(),
             self.budget.accountant.state_dict() if self.budget and self.budget.accountant else None,
             plan={"name": plan.name, "spec": dict(plan.spec)},
@@ -613,7 +641,8 @@ class RunEngine:
         state = EngineState.from_bytes(data)
         if state.run_key != self.plan.run_key:
             raise EngineError("state", f"state of run {state.run_key}, not {self.plan.run_key}")
-        check_update(state.model, self.state.model)
+        if self.state.model:
+            check_update(state.model, self.state.model)
         try:
             self.strategy.load_state_dict(state.strategy)
         except StrategyError as exc:
@@ -631,6 +660,87 @@ class RunEngine:
             return False
         self.restore(self.state_path.read_bytes())
         return True
+
+    # -- before round 1 -------------------------------------------------------------
+
+    async def prepare(self) -> None:
+        """Make the engine ready for its next round: the round-0 model from the trainer
+        when there is no saved state (the engine was given none), then the federation's
+        statistics when the trainer asks for them (summed once, kept in the state)."""
+        if not self.state.model:
+            source = getattr(self.trainer, "initial_model", None)
+            if source is None:
+                raise EngineError("trainer", "no initial model: the trainer builds none")
+            model = await asyncio.to_thread(source)
+            self.state.model = {k: np.asarray(v, dtype=np.float32) for k, v in model.items()}
+            if not self.state.model:
+                raise EngineError("trainer", "the trainer's initial model holds no arrays")
+            check_update(self.state.model, self.state.model)
+        local_stats = getattr(self.trainer, "statistics", None)
+        if local_stats is None:
+            return
+        if self.state.statistics is None:
+            mine = await asyncio.to_thread(local_stats)
+            if mine is None:
+                return
+            self.state.statistics = await self._sum_statistics(np.asarray(mine, np.float64))
+            await asyncio.to_thread(self.save_state)
+        self.trainer.use_statistics(self.state.statistics)  # type: ignore[attr-defined]
+
+    async def _sum_statistics(self, local: np.ndarray) -> np.ndarray:
+        """The secure sum of every participant's statistics vector (run ``KEY:stats``).
+
+        These are released to every participant without DP noise, so a run with an
+        epsilon refuses them. The masked sum uses a 64-bit ring of its own with room for
+        values up to 2^40 per participant.
+        """
+        if self.dp is not None:
+            raise EngineError(
+                "trainer",
+                "the trainer asks for statistics summed without DP noise, which a run with "
+                "an epsilon cannot release (the tabular trainer: set config standardize=false)",
+            )
+        if local.ndim != 1 or not local.size or not np.isfinite(local).all():
+            raise UpdateRejected("statistics", "expected a non-empty finite float vector")
+        run = f"{self.plan.run_key}:stats"
+        if self.ckks is not None:
+            return await self._retry(
+                "statistics",
+                lambda a: self.ckks.run_round(  # type: ignore[union-attr]
+                    run, a, local, self.plan.participants, self.plan.threshold
+                ),
+            )
+        codec = FixedPointCodec(bits=64, clip=STATS_CLIP, max_summands=len(self.plan.participants))
+        if float(np.max(np.abs(local))) > STATS_CLIP:
+            raise UpdateRejected(
+                "statistics", f"a statistic exceeds {STATS_CLIP:g}; scale the data down"
+            )
+        ring = codec.encode(local, self.rng)
+
+        async def attempt(a: int) -> np.ndarray:
+            deadline = self.clock() + self.config.ready_timeout_s
+            result = await self.rounds.run_round(run, a, ring, deadline=deadline)
+            return codec.decode(np.asarray(result.sum))
+
+        return await self._retry("statistics", attempt)
+
+    async def _retry(
+        self, what: str, attempt: Callable[[int], Awaitable[np.ndarray]]
+    ) -> np.ndarray:
+        last: RoundFailed | None = None
+        for a in range(self.config.max_attempts):
+            try:
+                return await attempt(a)
+            except RoundFailed as exc:
+                logger.warning("%s: %s attempt %d failed: %s", self.org, what, a, exc)
+                last = exc
+        raise RunFailed(f"the {what} sum failed {self.config.max_attempts} times: {last}")
+
+    def close(self) -> None:
+        """The run is over at this node: let the trainer release its worker."""
+        closer = getattr(self.trainer, "close", None)
+        if closer is not None:
+            closer()
 
     # -- one round ------------------------------------------------------------------
 
@@ -750,7 +860,9 @@ class RunEngine:
             dim = sum(int(np.size(v)) for v in model.values()) + 1 + int(self.config.fednova)
             mechanism = _skellam_round_for(self.dp, dim)
             self.budget.check(mechanism)  # BudgetExceeded: hard stop before the round
+        t_round = time.monotonic()
         result = await asyncio.to_thread(self.trainer.train, model, r, self.strategy.local_config())
+        t_trained = time.monotonic()
         check_update(result.update, model)
         packed = self._pack(result)
         self._export(r, packed)
@@ -762,7 +874,9 @@ class RunEngine:
         epsilon = None
         if self.budget is not None and mechanism is not None:
             epsilon = self.budget.spend(mechanism)  # released from here on
+        t_sum = time.monotonic()
         agg = await self._aggregate(r, vector)
+        secure_sum_s = time.monotonic() - t_sum
         attempts = agg.attempts
         summed, weight = self._unpack(agg.total, len(agg.survivors))
         params = [model[k] for k in names]
@@ -786,6 +900,10 @@ class RunEngine:
                 await self.checkpoint(data, r + 1)
             except Exception as exc:  # a lost checkpoint never stops training
                 logger.warning("%s: checkpoint of round %d failed: %s", self.org, r + 1, exc)
+        metrics = {k: float(v) for k, v in result.metrics.items() if math.isfinite(v)}
+        metrics.setdefault("local_compute_s", t_trained - t_round)
+        metrics["secure_sum_s"] = secure_sum_s
+        metrics["round_s"] = time.monotonic() - t_round
         report = RoundReport(
             run_key=self.plan.run_key,
             round=r + 1,
@@ -795,7 +913,7 @@ class RunEngine:
             attempts=attempts,
             local_steps=result.steps,
             examples=result.num_examples,
-            metrics={k: float(v) for k, v in result.metrics.items() if math.isfinite(v)},
+            metrics=metrics,
             epsilon_spent=epsilon,
             bytes_sent=agg.bytes_sent,
         )
@@ -841,6 +959,7 @@ class RunEngine:
         ``completed`` or ``budget_exhausted``; raises :class:`RunFailed`,
         :class:`UpdateRejected` or :class:`~coordinator_free.rounds.ModelHashMismatch`.
         """
+        await self.prepare()
         while self.state.round < self.plan.rounds:
             while paused is not None and paused.is_set():
                 await asyncio.sleep(0.1)

@@ -35,6 +35,7 @@ from coordinator_free.tls import write_trust_bundle
 
 from org_node.config import (
     ConfigError,
+    DatasetsSection,
     NetworkSection,
     NodeConfig,
     NodePaths,
@@ -103,6 +104,7 @@ def initialize(
                 admin_port=admin_port,
                 advertise_url=advertise_url,
             ),
+            datasets=DatasetsSection((str(NodePaths(data_dir.resolve()).datasets),)),
         )
         if harness:
             from org_node.config import DebugSection
@@ -112,6 +114,7 @@ def initialize(
         raise InitError(str(exc)) from None
     paths = NodePaths(data_dir)
     data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    paths.datasets.mkdir(mode=0o700, exist_ok=True)
     identity = OrgIdentity.generate(org_id, randbytes(32))
     identity.save(paths.identity_dir)
     secret = RecoverySecret.generate(randbytes)
@@ -296,7 +299,9 @@ def prepare_recovery(
             admin_port=admin_port or (port + 1 if port < 65535 else port - 1),
             advertise_url=member.endpoint,
         ),
+        datasets=DatasetsSection((str(paths.datasets.resolve()),)),
     )
+    paths.datasets.mkdir(mode=0o700, exist_ok=True)
     config.save(paths.config)
     atomic_write(paths.member, json.dumps(member.to_obj(), indent=2).encode() + b"\n", mode=0o644)
     paths.chain.parent.mkdir(parents=True, exist_ok=True)

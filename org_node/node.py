@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import time
@@ -76,6 +77,7 @@ from org_node.audit import AuditError, EgressLog, RunFacts
 from org_node.audit.facts import node_report, node_run_facts, record_round
 from org_node.ckks_rounds import CkksAggregator
 from org_node.config import NodeConfig, NodePaths
+from org_node.consent import ConsentRefused, RunBinding, binding_of
 from org_node.db.engine import default_database_url, make_engine, migrate
 from org_node.db.models import Run, RunMetric, utcnow
 from org_node.db.repo import append_audit_event, update_versioned
@@ -84,7 +86,6 @@ from org_node.engine import (
     STATE_FILE,
     EngineError,
     EngineState,
-    JobTrainer,
     LocalTrainer,
     RoundReport,
     RunEngine,
@@ -95,6 +96,7 @@ from org_node.engine import (
     model_to_bytes,
 )
 from org_node.observability import Observability
+from org_node.policy import RunSpec
 from org_node.privacy import PrivacyError
 from org_node.runs import InvalidTransition, RunAction, RunState, next_state
 from org_node.services import (
@@ -106,6 +108,10 @@ from org_node.services import (
     ShardReport,
     UnknownCheckpoint,
 )
+from org_node.trainers.base import WorkerSpec
+from org_node.trainers.catalog import TrainerCatalog
+from org_node.trainers.local import TrainerFailed, WorkerLaunch, WorkerTrainer
+from org_node.training.spec import LocalJobSpec
 
 __all__ = [
     "HARNESS_EXPORT_ENV",
@@ -127,7 +133,9 @@ MANIFEST_TOPIC = "manifest"
 MODEL_TOPIC = "model"
 """Gossip topic of the global model's content hash per run and round (key ``RUN/ROUND``)."""
 
-TrainerFactory = Callable[[RunPlan, Path], LocalTrainer]
+TrainerFactory = Callable[[RunPlan, Path, RunBinding], LocalTrainer]
+"""``factory(plan, work_dir, binding)``: the local trainer of a run (by default a
+:class:`~org_node.trainers.local.WorkerTrainer` over a worker process)."""
 T = TypeVar("T")
 
 
@@ -184,7 +192,9 @@ class OrgNode:
         self.chain: list[Manifest] = list(chain or [])
         self.db = db or make_engine(default_database_url(self.paths.root))
         self._transport = transport
-        self.trainer_factory = trainer_factory or self._job_trainer
+        self.catalog = TrainerCatalog(config.trainers)
+        """The trainers this org installed (bundled, config, admin API)."""
+        self.trainer_factory = trainer_factory or self._worker_trainer
         fast = config.debug.fast_membership
         self.swim = swim or (
             SwimConfig(period_s=0.2, ping_timeout_s=0.08) if fast else SwimConfig()
@@ -250,8 +260,56 @@ class OrgNode:
         logger.warning("harness debug export is ON: plaintext updates go to %s", target)
         return Path(target)
 
-    def _job_trainer(self, plan: RunPlan, work_dir: Path) -> LocalTrainer:
-        return JobTrainer(plan.task, self.config.training, work_dir)
+    def _node_config(self, binding: RunBinding) -> dict[str, Any]:
+        """This org's Flower ``node_config``: its partition (demos) and bound dataset."""
+        training = self.config.training
+        out: dict[str, Any] = {}
+        if training.num_partitions > 1:
+            out |= {
+                "partition-id": training.partition_index,
+                "num-partitions": training.num_partitions,
+            }
+        d = binding.dataset
+        if d is not None:
+            out |= {
+                "dataset-name": d.name,
+                "dataset-path": d.path,
+                "dataset-kind": d.kind,
+                "dataset-rows": d.rows,
+                "dataset-sha256": d.sha256,
+                "dataset-columns": json.dumps(dict(d.columns), sort_keys=True),
+            }
+        return out | dict(training.node_config)
+
+    def _worker_trainer(self, plan: RunPlan, work_dir: Path, binding: RunBinding) -> LocalTrainer:
+        """The run's trainer, in a worker process of its own (never in this one)."""
+        training = self.config.training
+        spec = RunSpec.from_dict(plan.spec)
+        trainer = binding.trainer.reference
+        job = training.job_fields()
+        worker = WorkerSpec(
+            session="",
+            node_pid=os.getpid(),
+            org_id=self.org_identity.org_id,
+            run_key=plan.run_key,
+            trainer=trainer,
+            run_config=dict(spec.config),
+            node_config=self._node_config(binding),
+            data=spec.data,
+            dataset=binding.dataset,
+            job=job,
+            model_seed=self.config.engine.model_seed,
+            participants=len(plan.participants),
+        )
+        task_kind = trainer.kind in ("bundled", "task")
+        world = LocalJobSpec(task=trainer.name, **job).world_size if task_kind else 1
+        launch = WorkerLaunch(
+            world_size=world,
+            persistent=training.worker == "persistent",
+            start_timeout_s=training.start_timeout_s,
+            round_timeout_s=training.round_timeout_s,
+        )
+        return WorkerTrainer(worker, work_dir, launch)
 
     @property
     def current_manifest(self) -> Manifest | None:
@@ -522,12 +580,6 @@ class OrgNode:
             raise ServiceRefused("DP (epsilon) needs the masked backend, not ckks")
         if plan.threshold < 2:
             raise ServiceRefused("threshold must be at least 2 for a secure sum")
-        from org_node.tasks import TaskError, load_task
-
-        try:
-            load_task(plan.task)
-        except TaskError as exc:
-            raise ServiceRefused(str(exc)) from None
         return plan
 
     def on_run_accepted(self, run_id: str, spec: Mapping[str, Any]) -> None:
@@ -594,12 +646,14 @@ class OrgNode:
                 )
             self._history_run = plan.run_key
 
+        binding = await asyncio.to_thread(self._binding, run_id)
+
         def build() -> RunEngine:
             engine = RunEngine(
                 plan,
                 self.config.engine,
                 rounds=rounds,
-                trainer=self.trainer_factory(plan, run_dir / "work"),
+                trainer=self.trainer_factory(plan, run_dir / "worker", binding),
                 state_dir=run_dir,
                 checkpoint=self._checkpoint,
                 on_round=lambda report: self._on_round(run_id, report),
@@ -611,6 +665,7 @@ class OrgNode:
                 logger.info(
                     "%s: resuming %s at round %d", rounds.org_id, run_id, engine.state.round
                 )
+            engine.state.plan["binding"] = _portable(binding)
             return engine
 
         try:
@@ -625,17 +680,45 @@ class OrgNode:
             run_id, "engine", {"run_key": plan.run_key, "round": engine.state.round}
         )
 
+    def _binding(self, run_id: str) -> RunBinding:
+        """The trainer and dataset this org bound to the run, checked again now."""
+        with Session(self.db) as session:
+            row = session.get(Run, run_id)
+            if row is None:
+                raise ServiceRefused(f"no run {run_id}")
+            try:
+                return binding_of(session, self.catalog, row)
+            except ConsentRefused as exc:
+                raise ServiceRefused(str(exc)) from None
+
     async def _drive(self, active: _ActiveRun) -> None:
+        try:
+            await self._drive_engine(active)
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(active.engine.close)
+
+    async def _drive_engine(self, active: _ActiveRun) -> None:
         run_id = active.run_id
+        me = self.org_identity.org_id
         try:
             outcome = await active.engine.run(paused=active.paused)
         except asyncio.CancelledError:
-            logger.info("%s: run %s stopped between stages", self.org_identity.org_id, run_id)
+            logger.info("%s: run %s stopped between stages", me, run_id)
             raise
-        except (RunFailed, UpdateRejected, ModelHashMismatch, EngineError, PrivacyError) as exc:
-            self.finished[run_id] = f"failed: {exc}"
-            self._events.publish(run_id, "error", {"message": str(exc)})
-            await asyncio.to_thread(self._set_state, run_id, RunAction.FAIL, str(exc))
+        except (
+            RunFailed,
+            UpdateRejected,
+            ModelHashMismatch,
+            EngineError,
+            PrivacyError,
+            TrainerFailed,
+        ) as exc:
+            reason = f"round {active.engine.state.round + 1} at {me}: {exc}"
+            logger.warning("%s: run %s failed: %s", me, run_id, reason)
+            self.finished[run_id] = f"failed: {reason}"
+            self._events.publish(run_id, "error", {"message": reason})
+            await asyncio.to_thread(self._set_state, run_id, RunAction.FAIL, reason)
             return
         except Exception as exc:  # any other failure fails the run loudly, never silently
             logger.exception("%s: run %s failed", self.org_identity.org_id, run_id)
@@ -670,6 +753,8 @@ class OrgNode:
                         continue
                     return
                 values = {"state": new.value, "updated_at": utcnow()}
+                if reason:
+                    values["state_reason"] = reason[:2000]
                 if update_versioned(
                     session, Run, run_id, row.version, values, where={"state": row.state}
                 ):
@@ -784,8 +869,14 @@ class OrgNode:
             if state.status != "running" or not state.plan:
                 continue
             run_id = self._running_row(state)
-            if run_id is not None:
+            if run_id is None:
+                continue
+            try:
                 await self._launch(run_id, state.plan["name"], state.plan["spec"])
+            except ServiceRefused as exc:
+                reason = f"cannot resume at {self.org_identity.org_id}: {exc}"
+                logger.warning("%s: run %s %s", self.org_identity.org_id, run_id, reason)
+                await asyncio.to_thread(self._set_state, run_id, RunAction.FAIL, reason)
 
     def _running_row(self, state: EngineState) -> str | None:
         """The local run row of a saved state: the running one, or a new row after recovery."""
@@ -797,6 +888,7 @@ class OrgNode:
             for row in rows:
                 if RunPlan.from_spec(row.name, row.spec).run_key == state.run_key:
                     return row.id if row.state == RunState.RUNNING else None
+            bound = dict(state.plan.get("binding") or {})
             row = Run(
                 id=uuid.uuid4().hex,
                 name=name,
@@ -805,6 +897,10 @@ class OrgNode:
                 current_round=state.round,
                 proposed_by="recovery",
                 decided_by="recovery",
+                trainer_hash=bound.get("trainer_hash"),
+                dataset_name=bound.get("dataset_name"),
+                dataset_hash=bound.get("dataset_hash"),
+                dataset_rows=bound.get("dataset_rows"),
             )
             session.add(row)
             append_audit_event(
@@ -889,6 +985,13 @@ class OrgNode:
         )
         logger.info("%s: restored %s into %s", self.org_identity.org_id, checkpoint_id, path)
         return next(c for c in self.checkpoints() if c.checkpoint_id == checkpoint_id)
+
+
+def _portable(binding: RunBinding) -> dict[str, Any]:
+    """What a rebuilt node needs to find its binding again (no local path or row id)."""
+    values = binding.row_values()
+    values.pop("dataset_id")
+    return values
 
 
 def read_chain(path: Path) -> list[Manifest]:

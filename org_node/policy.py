@@ -1,8 +1,10 @@
 """This org's policies, and the pure check of a run spec against them.
 
-A :class:`RunSpec` is what a run asks of the federation: the task, the number of rounds,
-the participating orgs, the secure-aggregation backend and its reconstruction threshold,
-and the total differential-privacy budget ``epsilon`` (None: no DP). A
+A :class:`RunSpec` is what a run asks of the federation: the trainer (a name each org has
+installed, optionally pinned by its code hash), the number of rounds, the participating
+orgs, the secure-aggregation backend and its reconstruction threshold, the total
+differential-privacy budget ``epsilon`` (None: no DP), what data it needs (never a
+path) and its config values. A
 :class:`Policy` is what this org requires of any run it joins. The node checks every
 enabled policy before it consents to a run and again before it starts it
 (:func:`check_run_against_policy`); each unmet requirement is one :class:`Violation`.
@@ -14,8 +16,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
+
+from org_node.datasets import DataSpec, DataSpecError
 
 __all__ = [
     "BACKENDS",
@@ -71,29 +75,66 @@ def _from_mapping(cls: type, values: Mapping[str, Any]) -> dict[str, Any]:
     return dict(values)
 
 
+def _trainer_name(value: Any) -> str:
+    if not isinstance(value, str) or not value or len(value) > 100:
+        raise PolicyError("trainer must be a name of 1-100 characters")
+    if not (value[0].isalnum() and all(c.isalnum() or c in "._-" for c in value)):
+        raise PolicyError(
+            f"trainer {value!r} is not a trainer name (letters, digits, '.', '_', '-'): a "
+            "run names a trainer each org installed, never code"
+        )
+    return value
+
+
 @dataclass(frozen=True)
 class RunSpec:
     """What a run asks of every participant.
 
-    task: the training task (a bundled name such as ``tabular`` or ``module:callable``).
+    trainer: the name of a trainer each participant installed (``tabular``,
+        ``breast_cancer``, ``digits``, ``gpt`` are always installed); never code.
     rounds: number of federated rounds.
     participants: org ids taking part, this org included.
     backend: secure-aggregation backend, one of :data:`BACKENDS`.
     threshold: Shamir reconstruction threshold ``t`` (masked backend), at most the number
         of participants.
     epsilon: the run's total (epsilon, delta)-DP budget; None for a run without DP.
+    trainer_hash: pins the trainer's code (SHA-256 hex); None to accept each org's.
+    data: what each org's bound dataset must hold; None for a run that needs none.
+    config: the run's config values (Flower's ``run_config``; the tabular trainer's
+        ``target``, ``features``, ``model``, ...).
     """
 
-    task: str
+    trainer: str
     rounds: int
     participants: tuple[str, ...]
     backend: str = "masked"
     threshold: int = 2
     epsilon: float | None = None
+    trainer_hash: str | None = None
+    data: DataSpec | None = None
+    config: Mapping[str, bool | int | float | str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.task, str) or not self.task.strip():
-            raise PolicyError("task must be a non-empty string")
+        _trainer_name(self.trainer)
+        if self.trainer_hash is not None and not (
+            isinstance(self.trainer_hash, str)
+            and len(self.trainer_hash) == 64
+            and all(c in "0123456789abcdef" for c in self.trainer_hash)
+        ):
+            raise PolicyError("trainer_hash must be 64 lowercase hex digits (a SHA-256)")
+        if self.data is not None and not isinstance(self.data, DataSpec):
+            try:
+                object.__setattr__(self, "data", DataSpec.from_dict(self.data))
+            except (DataSpecError, TypeError) as exc:
+                raise PolicyError(str(exc)) from None
+        if not isinstance(self.config, Mapping):
+            raise PolicyError("config must be an object of names to values")
+        for key, value in self.config.items():
+            if not isinstance(key, str) or not key:
+                raise PolicyError("config keys must be non-empty strings")
+            if not isinstance(value, bool | int | float | str):
+                raise PolicyError(f"config[{key!r}] must be a boolean, number or string")
+        object.__setattr__(self, "config", dict(self.config))
         _pos_int(self.rounds, "rounds")
         object.__setattr__(
             self, "participants", _names(self.participants, "participants", allow_empty=False)
@@ -117,12 +158,15 @@ class RunSpec:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "task": self.task,
+            "trainer": self.trainer,
+            "trainer_hash": self.trainer_hash,
             "rounds": self.rounds,
             "participants": list(self.participants),
             "backend": self.backend,
             "threshold": self.threshold,
             "epsilon": self.epsilon,
+            "data": None if self.data is None else self.data.to_dict(),
+            "config": dict(self.config),
         }
 
 
@@ -134,7 +178,7 @@ class Policy:
     required_backend: the only secure-aggregation backend accepted.
     min_threshold: the smallest reconstruction threshold accepted.
     max_epsilon: the largest total DP budget accepted; a run without DP is refused when set.
-    allowed_tasks: the tasks this org trains.
+    allowed_trainers: the trainers (by name) this org trains with.
     allowed_peers: the orgs this org trains with (this org itself must be listed too).
     """
 
@@ -142,7 +186,7 @@ class Policy:
     required_backend: str | None = None
     min_threshold: int | None = None
     max_epsilon: float | None = None
-    allowed_tasks: tuple[str, ...] | None = None
+    allowed_trainers: tuple[str, ...] | None = None
     allowed_peers: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
@@ -153,7 +197,7 @@ class Policy:
             _pos_int(self.min_threshold, "min_threshold")
         if self.max_epsilon is not None:
             object.__setattr__(self, "max_epsilon", _pos_float(self.max_epsilon, "max_epsilon"))
-        for name in ("allowed_tasks", "allowed_peers"):
+        for name in ("allowed_trainers", "allowed_peers"):
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, _names(value, name, allow_empty=True))
@@ -207,8 +251,8 @@ def check_run_against_policy(spec: RunSpec, policy: Policy) -> list[Violation]:
                     f"run epsilon {spec.epsilon:g} exceeds the policy's {policy.max_epsilon:g}",
                 )
             )
-    if policy.allowed_tasks is not None and spec.task not in policy.allowed_tasks:
-        out.append(Violation("allowed_tasks", f"task {spec.task!r} is not allowed"))
+    if policy.allowed_trainers is not None and spec.trainer not in policy.allowed_trainers:
+        out.append(Violation("allowed_trainers", f"trainer {spec.trainer!r} is not allowed"))
     if policy.allowed_peers is not None:
         strangers = sorted(set(spec.participants) - set(policy.allowed_peers))
         if strangers:

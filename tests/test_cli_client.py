@@ -14,6 +14,7 @@ from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
 import org_node.cli as cli
+import org_node.cli_common as cli_common
 from org_node.db.models import Role
 from tests.api.conftest import RUN_SPEC, Api, make_api, migrated_sqlite
 
@@ -32,7 +33,7 @@ def client_api(
             assert base_url == URL
             return TestClient(app, base_url=base_url, headers={"Authorization": f"Bearer {token}"})
 
-        monkeypatch.setattr(cli, "http_client", in_process)
+        monkeypatch.setattr(cli_common, "http_client", in_process)
         monkeypatch.delenv("FEDWEAVE_URL", raising=False)
         monkeypatch.delenv("FEDWEAVE_TOKEN", raising=False)
         yield api
@@ -96,7 +97,7 @@ def test_propose_from_flags(client_api: Api) -> None:
         "propose",
         "--name",
         "flags",
-        "--task",
+        "--trainer",
         "tabular",
         "--rounds",
         "2",
@@ -106,15 +107,29 @@ def test_propose_from_flags(client_api: Api) -> None:
         "org-b",
         "--threshold",
         "2",
+        "--data",
+        "table",
+        "--column",
+        "age:float",
+        "--column",
+        "label:int",
+        "--config",
+        "target=label",
+        "--config",
+        "hidden=16",
+        "--config",
+        "standardize=false",
     )
     assert r.exit_code == 0, r.output
     body = client_api.client.get("/v1/runs", headers=client_api.h()).json()
-    assert body["data"][0]["spec"]["participants"] == ["org-a", "org-b"]
-    assert body["data"][0]["spec"]["rounds"] == 2
+    spec = body["data"][0]["spec"]
+    assert spec["participants"] == ["org-a", "org-b"] and spec["rounds"] == 2
+    assert spec["data"]["columns"] == {"age": "float", "label": "int"}
+    assert spec["config"] == {"target": "label", "hidden": 16, "standardize": False}
 
 
 def test_invalid_spec_is_one_line(client_api: Api) -> None:
-    r = invoke(client_api, "runs", "propose", "--name", "x", "--task", "t", "--rounds", "2")
+    r = invoke(client_api, "runs", "propose", "--name", "x", "--trainer", "t", "--rounds", "2")
     assert r.exit_code == 1
     assert "participants" in r.output
 

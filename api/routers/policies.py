@@ -49,7 +49,7 @@ def _as_policy(row: PolicyRecord) -> Policy:
         required_backend=row.required_backend,
         min_threshold=row.min_threshold,
         max_epsilon=row.max_epsilon,
-        allowed_tasks=None if row.allowed_tasks is None else tuple(row.allowed_tasks),
+        allowed_trainers=None if row.allowed_trainers is None else tuple(row.allowed_trainers),
         allowed_peers=None if row.allowed_peers is None else tuple(row.allowed_peers),
     )
 

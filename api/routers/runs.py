@@ -30,11 +30,13 @@ from api.deps import (
     PageDep,
     ReadsDep,
     SessionDep,
+    TrainersDep,
     require_roles,
 )
 from api.idempotency import remember, replay, scope_of
 from api.routers import ERRORS, READERS, WRITERS, conflict, not_found
 from api.routers.policies import violations
+from org_node.consent import ConsentRefused, bind_run
 from org_node.db.models import (
     Run,
     RunActionRequest,
@@ -49,6 +51,7 @@ from org_node.db.models import (
 from org_node.db.repo import append_audit_event, update_versioned
 from org_node.runs import TERMINAL_STATES, InvalidTransition, RunAction, RunState, next_state
 from org_node.services import NodeServices, RunEvent, ServiceError
+from org_node.trainers.catalog import TrainerCatalog
 
 __all__ = ["HEARTBEAT_S", "router"]
 
@@ -161,8 +164,11 @@ def _transition(
     session: Session,
     node: NodeServices,
     principal: CurrentPrincipal,
+    trainers: TrainerCatalog,
 ) -> RunPublic:
     request = body or RunActionRequest()
+    if request.dataset is not None and action is not RunAction.ACCEPT:
+        raise conflict("a dataset is bound when accepting a run, not otherwise")
     row = _get(session, run_id)
     if request.version is not None and request.version != row.version:
         raise conflict(f"run version is {row.version}, not {request.version}: reload and retry")
@@ -183,6 +189,13 @@ def _transition(
             "decided_at": utcnow(),
             "decision_reason": request.reason or None,
         }
+    if action is RunAction.ACCEPT:
+        # nothing is imported: the trainer is looked up among those installed here
+        try:
+            binding = bind_run(session, trainers, _public(row).spec.to_spec(), request.dataset)
+        except ConsentRefused as exc:
+            raise conflict(f"this org cannot accept the run: {exc}") from None
+        values |= binding.row_values()
     if not update_versioned(session, Run, run_id, row.version, values, where={"state": current}):
         session.rollback()
         latest = _get(session, run_id)
@@ -215,9 +228,10 @@ def _action_route(action: RunAction, doc: str) -> None:
         session: SessionDep,
         node: NodeDep,
         principal: CurrentPrincipal,
+        trainers: TrainersDep,
         body: Annotated[RunActionRequest | None, Body()] = None,
     ) -> RunPublic:
-        return _transition(action, run_id, body, session, node, principal)
+        return _transition(action, run_id, body, session, node, principal, trainers)
 
     handler.__doc__ = doc
     handler.__name__ = f"{action.value}_run"
@@ -232,7 +246,13 @@ def _action_route(action: RunAction, doc: str) -> None:
     )
 
 
-_action_route(RunAction.ACCEPT, "This org consents to the run (checked against its policies).")
+_action_route(
+    RunAction.ACCEPT,
+    "This org consents to the run: checked against its policies, the trainer the spec "
+    "names looked up among this org's installed trainers (and its pinned hash), and for a "
+    "run that needs data the named dataset (``dataset``) checked against the spec's "
+    "requirement and bound to the run.",
+)
 _action_route(RunAction.DECLINE, "This org declines the run; the decision is recorded.")
 _action_route(RunAction.START, "Start an accepted run (policies are checked again).")
 _action_route(RunAction.PAUSE, "Pause a running run after the current round.")

@@ -39,6 +39,7 @@ from sqlmodel import Session, col, select
 
 from org_node.audit.log import EgressLog, format_time
 from org_node.audit.report import (
+    BindingFacts,
     ConsentRecord,
     DpFacts,
     ReportError,
@@ -184,7 +185,7 @@ def policies_in_force(session: Session) -> dict[str, Policy]:
             required_backend=row.required_backend,
             min_threshold=row.min_threshold,
             max_epsilon=row.max_epsilon,
-            allowed_tasks=None if row.allowed_tasks is None else tuple(row.allowed_tasks),
+            allowed_trainers=None if row.allowed_trainers is None else tuple(row.allowed_trainers),
             allowed_peers=None if row.allowed_peers is None else tuple(row.allowed_peers),
         )
         for row in rows
@@ -219,16 +220,20 @@ def _token_role(session: Session, name: str | None) -> str:
     return "" if row is None else str(row.role)
 
 
-def _consents_by_key(session: Session, run_key_: str, org_id: str) -> tuple[ConsentRecord, ...]:
-    """This org's decision on the run whose federation-wide key is ``run_key_`` (each org
-    stores the run under its own local id, so the key is recomputed per row)."""
+def _consents_by_key(
+    session: Session, run_key_: str, org_id: str
+) -> tuple[tuple[ConsentRecord, ...], BindingFacts | None]:
+    """This org's decision on the run whose federation-wide key is ``run_key_``, and what
+    it bound to it (each org stores the run under its own local id, so the key is
+    recomputed per row)."""
     from org_node.db.models import Run
     from org_node.engine import run_key
 
     for row in session.exec(select(Run).order_by(col(Run.created_at))).all():
         if run_key(row.name, row.spec) == run_key_:
-            return consents_of(row, org_id, _token_role(session, row.decided_by))
-    return ()
+            consents = consents_of(row, org_id, _token_role(session, row.decided_by))
+            return consents, binding_facts(row)
+    return (), None
 
 
 def dp_facts(spec: RunSpec, config: Any, model_size: int, rounds_charged: int) -> DpFacts | None:
@@ -303,6 +308,7 @@ def assemble_run_facts(
     dp: DpFacts | None = None,
     shards_held: Sequence[ShardHeld] = (),
     anomalies: Sequence[str] = (),
+    binding: BindingFacts | None = None,
 ) -> RunFacts:
     """The :class:`RunFacts` of ``run_key`` (the federation-wide run key the egress log
     names); secure aggregation from the spec (CKKS has no ring)."""
@@ -323,6 +329,19 @@ def assemble_run_facts(
         dp=dp,
         shards_held=tuple(shards_held),
         anomalies=tuple(anomalies),
+        binding=binding,
+    )
+
+
+def binding_facts(row: Any) -> BindingFacts:
+    """What the run's row says this org bound to it at consent."""
+    return BindingFacts(
+        trainer=str(row.spec.get("trainer", row.spec.get("task", ""))),
+        trainer_sha256=row.trainer_hash,
+        dataset_id=row.dataset_id,
+        dataset_name=row.dataset_name,
+        dataset_sha256=row.dataset_hash,
+        dataset_rows=row.dataset_rows,
     )
 
 
@@ -346,6 +365,7 @@ def node_run_facts(
         key = run_key(row.name, row.spec)
         policies = policies_in_force(session)
         consents = consents_of(row, org_id, _token_role(session, row.decided_by))
+        binding = binding_facts(row)
         charged = len(
             session.exec(
                 select(RunMetric.round).where(
@@ -376,6 +396,7 @@ def node_run_facts(
         dp=dp,
         shards_held=shards_held_in(Path(data_dir) / "shards"),
         anomalies=anomalies,
+        binding=binding,
     )
 
 
@@ -397,6 +418,7 @@ def org_run_facts(
 
     root = Path(data_dir)
     consents: tuple[ConsentRecord, ...] = ()
+    binding: BindingFacts | None = None
     policies: dict[str, Policy] = {}
     engine = db
     if engine is None and (root / DB_FILENAME).exists():
@@ -404,7 +426,7 @@ def org_run_facts(
     if engine is not None:
         try:
             with Session(engine) as session:
-                consents = _consents_by_key(session, run_key, org_id)
+                consents, binding = _consents_by_key(session, run_key, org_id)
                 policies = policies_in_force(session)
         finally:
             if db is None:
@@ -418,6 +440,7 @@ def org_run_facts(
         consents=consents,
         ring_bits=ring_bits,
         shards_held=shards_held_in(root / "shards"),
+        binding=binding,
     )
 
 

@@ -283,10 +283,10 @@ def render_html(report: Mapping[str, Any], *, verification: str | None = None) -
     parts.append("<h2>Run specification and policies</h2>")
     parts.append(
         _table(
-            ["Task", "Rounds", "Participants", "Backend", "Threshold", "ε budget"],
+            ["Trainer", "Rounds", "Participants", "Backend", "Threshold", "ε budget"],
             [
                 [
-                    spec["task"],
+                    spec.get("trainer", spec.get("task", "")),
                     spec["rounds"],
                     _names(spec["participants"]),
                     spec["backend"],
@@ -295,6 +295,27 @@ def render_html(report: Mapping[str, Any], *, verification: str | None = None) -
                 ]
             ],
             numeric=(1, 4),
+        )
+    )
+    binding = run.get("binding") or {}
+    trainer = binding.get("trainer") or {}
+    dataset = binding.get("dataset")
+    parts.append(
+        _table(
+            ["Bound at this org", "Name", "Hash", "Rows"],
+            [
+                ["trainer", trainer.get("name", ""), trainer.get("sha256") or "-", ""],
+                (
+                    [
+                        "dataset",
+                        dataset["name"],
+                        dataset.get("content_hash") or "-",
+                        dataset.get("rows"),
+                    ]
+                    if dataset
+                    else ["dataset", "none (the run needs no data)", "", ""]
+                ),
+            ],
         )
     )
     parts.append(

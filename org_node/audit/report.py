@@ -61,6 +61,7 @@ __all__ = [
     "REPORT_SCHEMA_ID",
     "SCHEMA_PATH",
     "SECTIONS",
+    "BindingFacts",
     "ConsentRecord",
     "DpFacts",
     "ReportError",
@@ -222,6 +223,33 @@ class ShardHeld:
 
 
 @dataclass(frozen=True)
+class BindingFacts:
+    """What this org bound to the run when it consented: the trainer's code hash and
+    the dataset (its id, name, content hash and rows here; never its path or content)."""
+
+    trainer: str
+    trainer_sha256: str | None = None
+    dataset_id: int | None = None
+    dataset_name: str | None = None
+    dataset_sha256: str | None = None
+    dataset_rows: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        dataset = None
+        if self.dataset_name is not None:
+            dataset = {
+                "id": self.dataset_id,
+                "name": self.dataset_name,
+                "content_hash": self.dataset_sha256,
+                "rows": self.dataset_rows,
+            }
+        return {
+            "trainer": {"name": self.trainer, "sha256": self.trainer_sha256},
+            "dataset": dataset,
+        }
+
+
+@dataclass(frozen=True)
 class RunFacts:
     """Everything the report says beyond the log itself."""
 
@@ -234,6 +262,7 @@ class RunFacts:
     dp: DpFacts | None = None
     shards_held: tuple[ShardHeld, ...] = ()
     anomalies: tuple[str, ...] = field(default=())
+    binding: BindingFacts | None = None
 
 
 # --------------------------------------------------------------------------- traffic
@@ -472,6 +501,7 @@ def build_report(log: EgressLog, facts: RunFacts) -> dict[str, Any]:
         "run": {
             "id": facts.run,
             "spec": facts.spec.to_dict(),
+            "binding": (facts.binding or BindingFacts(facts.spec.trainer)).to_dict(),
             "policies": policy_rows,
             "violations_total": sum(len(r["violations"]) for r in policy_rows),
         },

@@ -26,6 +26,7 @@ from sqlalchemy import JSON, BigInteger, Column, DateTime, Dialect, UniqueConstr
 from sqlalchemy.types import TypeDecorator
 from sqlmodel import Field, SQLModel
 
+from org_node.datasets import SPEC_TYPES
 from org_node.policy import PolicyError, RunSpec
 from org_node.runs import RunState
 
@@ -61,13 +62,21 @@ __all__ = [
     "TokenCreated",
     "TokenPublic",
     "TokensPublic",
+    "Trainer",
+    "TrainerCreate",
+    "TrainerPublic",
+    "TrainersPublic",
     "UTCDateTime",
     "utcnow",
 ]
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
+SHA256_PATTERN = r"^[0-9a-f]{64}$"
 _NAME = re.compile(NAME_PATTERN)
 Backend = Literal["masked", "ckks"]
+InstallableKind = Literal["task", "flower-clientapp", "flower-app"]
+DatasetKind = Literal["table", "image-folder", "files"]
+ConfigValue = bool | int | float | str
 
 
 def utcnow() -> datetime:
@@ -195,12 +204,27 @@ class DatasetBase(SQLModel):
         return _check_columns(v)
 
 
-class DatasetCreate(DatasetBase):
+class DatasetCreate(SQLModel):
+    """A dataset to register. ``kind``, ``columns`` and ``row_count`` are read from the
+    content when left out (a CSV's header and values, a Parquet file's schema)."""
+
+    name: str = Field(min_length=1, max_length=100, schema_extra={"pattern": NAME_PATTERN})
+    description: str = Field(default="", max_length=1000)
     path: str = Field(
         min_length=1,
         max_length=4096,
         description="File or directory under one of the node's dataset roots.",
     )
+    kind: DatasetKind | None = None
+    columns: dict[str, str] | None = Field(
+        default=None, description="The schema, column name -> type; read from the file if unset."
+    )
+    row_count: int | None = Field(default=None, ge=0, le=2**62)
+
+    @field_validator("columns")
+    @classmethod
+    def _columns(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        return None if v is None else _check_columns(v)
 
 
 class DatasetUpdate(SQLModel):
@@ -221,6 +245,7 @@ class Dataset(DatasetBase, table=True):
 
     id: int | None = Field(default=None, primary_key=True)
     name: str = Field(max_length=100, unique=True, index=True)
+    kind: str = Field(default="table", max_length=16)
     path: str = Field(max_length=4096)
     content_hash: str = Field(max_length=64)
     version: int = Field(default=1)
@@ -230,6 +255,7 @@ class Dataset(DatasetBase, table=True):
 
 class DatasetPublic(DatasetBase):
     id: int
+    kind: str
     path: str
     content_hash: str
     version: int
@@ -242,6 +268,61 @@ class DatasetsPublic(SQLModel):
     count: int
 
 
+# --- trainers -------------------------------------------------------------------------
+
+
+class TrainerBase(SQLModel):
+    name: str = Field(min_length=1, max_length=100, schema_extra={"pattern": NAME_PATTERN})
+    kind: InstallableKind
+    ref: str = Field(
+        min_length=1,
+        max_length=4096,
+        description="module:attr, path/to/file.py:attr, or a Flower App directory.",
+    )
+    description: str = Field(default="", max_length=1000)
+
+
+class TrainerCreate(TrainerBase):
+    """A trainer to install: its code is hashed now, and that hash is what runs."""
+
+    sha256: str | None = Field(
+        default=None,
+        schema_extra={"pattern": SHA256_PATTERN},
+        description="The code hash the admin expects; installing fails if it differs.",
+    )
+
+
+class Trainer(TrainerBase, table=True):
+    """A trainer installed by this org's admin; ``sha256`` was fixed at installation."""
+
+    __tablename__ = "trainer"
+    id: int | None = Field(default=None, primary_key=True)
+    name: str = Field(max_length=100, unique=True, index=True)
+    kind: str = Field(max_length=32)  # type: ignore[assignment]
+    sha256: str = Field(max_length=64)
+    installed_by: str = Field(max_length=100)
+    created_at: datetime = _ts()
+
+
+class TrainerPublic(SQLModel):
+    name: str
+    kind: str
+    ref: str
+    sha256: str
+    description: str
+    source: Literal["bundled", "config", "api"]
+    installed_by: str | None = None
+    created_at: datetime | None = None
+    problem: str | None = Field(
+        default=None, description="Why the trainer cannot run now (e.g. its code changed)."
+    )
+
+
+class TrainersPublic(SQLModel):
+    data: list[TrainerPublic]
+    count: int
+
+
 # --- policies -------------------------------------------------------------------------
 
 
@@ -250,10 +331,10 @@ class PolicyFields(SQLModel):
     required_backend: Backend | None = None
     min_threshold: int | None = Field(default=None, ge=1, le=100_000)
     max_epsilon: float | None = Field(default=None, gt=0, le=1e6)
-    allowed_tasks: list[str] | None = Field(default=None, sa_type=JSON, max_length=1000)
+    allowed_trainers: list[str] | None = Field(default=None, sa_type=JSON, max_length=1000)
     allowed_peers: list[str] | None = Field(default=None, sa_type=JSON, max_length=10_000)
 
-    @field_validator("allowed_tasks", "allowed_peers")
+    @field_validator("allowed_trainers", "allowed_peers")
     @classmethod
     def _names(cls, v: list[str] | None) -> list[str] | None:
         return _check_names(v, "names")
@@ -275,10 +356,10 @@ class PolicyUpdate(SQLModel):
     required_backend: Backend | None = None
     min_threshold: int | None = Field(default=None, ge=1, le=100_000)
     max_epsilon: float | None = Field(default=None, gt=0, le=1e6)
-    allowed_tasks: list[str] | None = Field(default=None, max_length=1000)
+    allowed_trainers: list[str] | None = Field(default=None, max_length=1000)
     allowed_peers: list[str] | None = Field(default=None, max_length=10_000)
 
-    @field_validator("allowed_tasks", "allowed_peers")
+    @field_validator("allowed_trainers", "allowed_peers")
     @classmethod
     def _names(cls, v: list[str] | None) -> list[str] | None:
         return _check_names(v, "names")
@@ -309,17 +390,66 @@ class PoliciesPublic(SQLModel):
 # --- runs -----------------------------------------------------------------------------
 
 
+class DataSpecModel(SQLModel):
+    """The wire form of :class:`org_node.datasets.DataSpec`: what data a run needs."""
+
+    model_config = {"extra": "forbid"}
+
+    kind: DatasetKind = "table"
+    columns: dict[str, str] = Field(
+        default_factory=dict, description="Columns the trainer reads -> type."
+    )
+    min_rows: int = Field(default=1, ge=0, le=2**62)
+
+    @field_validator("columns")
+    @classmethod
+    def _columns(cls, v: dict[str, str]) -> dict[str, str]:
+        _check_columns(v)
+        for name, typ in v.items():
+            if typ not in SPEC_TYPES:
+                raise ValueError(f"column {name!r}: type must be one of {', '.join(SPEC_TYPES)}")
+        return v
+
+
 class RunSpecModel(SQLModel):
     """The wire form of :class:`org_node.policy.RunSpec`."""
 
     model_config = {"extra": "forbid"}
 
-    task: str = Field(min_length=1, max_length=200)
+    trainer: str = Field(
+        min_length=1,
+        max_length=100,
+        schema_extra={"pattern": NAME_PATTERN},
+        description="The name of a trainer each participant has installed.",
+    )
+    trainer_hash: str | None = Field(
+        default=None,
+        schema_extra={"pattern": SHA256_PATTERN},
+        description="Pins the trainer's code: an org whose trainer hashes otherwise refuses.",
+    )
     rounds: int = Field(ge=1, le=1_000_000)
     participants: list[str] = Field(min_length=1, max_length=10_000)
     backend: Backend = "masked"
     threshold: int = Field(default=2, ge=1, le=100_000)
     epsilon: float | None = Field(default=None, gt=0, le=1e6)
+    data: DataSpecModel | None = None
+    config: dict[str, ConfigValue] = Field(
+        default_factory=dict,
+        max_length=1000,
+        description="The run's config (Flower's run_config): names -> scalars.",
+    )
+
+    @field_validator("config")
+    @classmethod
+    def _config(cls, v: dict[str, ConfigValue]) -> dict[str, ConfigValue]:
+        for key, value in v.items():
+            if not key or len(key) > 200:
+                raise ValueError("config keys must be 1-200 characters")
+            if isinstance(value, str) and len(value) > 10_000:
+                raise ValueError(f"config[{key!r}] is longer than 10000 characters")
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"config[{key!r}] must be finite")
+        return v
 
     @model_validator(mode="after")
     def _coherent(self) -> RunSpecModel:
@@ -343,7 +473,8 @@ class RunCreate(RunBase):
 
 
 class Run(RunBase, table=True):
-    """A federated run as this org sees it, with this org's recorded consent."""
+    """A federated run as this org sees it, with this org's recorded consent and, once
+    accepted, what it bound to the run: the trainer's code hash and the dataset."""
 
     id: str = Field(primary_key=True, max_length=32)
     spec: dict[str, Any] = Field(sa_type=JSON)
@@ -354,6 +485,12 @@ class Run(RunBase, table=True):
     decided_by: str | None = Field(default=None, max_length=100)
     decided_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
     decision_reason: str | None = Field(default=None, max_length=500)
+    state_reason: str | None = Field(default=None, max_length=2000)
+    trainer_hash: str | None = Field(default=None, max_length=64)
+    dataset_id: int | None = Field(default=None)
+    dataset_name: str | None = Field(default=None, max_length=100)
+    dataset_hash: str | None = Field(default=None, max_length=64)
+    dataset_rows: int | None = Field(default=None, sa_type=BigInteger)
     created_at: datetime = _ts()
     updated_at: datetime = _ts()
 
@@ -368,6 +505,18 @@ class RunPublic(RunBase):
     decided_by: str | None
     decided_at: datetime | None
     decision_reason: str | None
+    state_reason: str | None = Field(
+        default=None, description="Why the run is in its state (e.g. why it failed)."
+    )
+    trainer_hash: str | None = Field(
+        default=None, description="The code hash of the trainer this org bound at consent."
+    )
+    dataset_id: int | None = None
+    dataset_name: str | None = None
+    dataset_hash: str | None = Field(
+        default=None, description="The content hash of the dataset bound at consent."
+    )
+    dataset_rows: int | None = None
     created_at: datetime
     updated_at: datetime
 
@@ -378,10 +527,17 @@ class RunsPublic(SQLModel):
 
 
 class RunActionRequest(SQLModel):
-    """An operator command on a run; ``version`` (if given) must be the current one."""
+    """An operator command on a run; ``version`` (if given) must be the current one.
+
+    ``dataset`` (accept only): the name of this org's registered dataset to bind to a
+    run that needs data.
+    """
 
     version: int | None = Field(default=None, ge=1, le=2**62)
     reason: str = Field(default="", max_length=500)
+    dataset: str | None = Field(
+        default=None, min_length=1, max_length=100, schema_extra={"pattern": NAME_PATTERN}
+    )
 
 
 class RunMetric(SQLModel, table=True):

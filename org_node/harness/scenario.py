@@ -50,7 +50,7 @@ __all__ = [
     "parse_wipe",
 ]
 
-TASKS: dict[str, str] = {"breast_cancer": "tabular", "digits": "digits", "gpt": "gpt"}
+TASKS: dict[str, str] = {"breast_cancer": "breast_cancer", "digits": "digits", "gpt": "gpt"}
 """CLI task names -> :data:`org_node.tasks.BUILTIN_TASKS` names."""
 BACKENDS = ("masked", "ckks")
 STRATEGIES = ("fedavg", "fedprox", "fedadam", "diloco")

@@ -1,11 +1,14 @@
 """Training tasks: a model factory, a data factory and a loss/metrics pair, named by reference.
 
-A run spec names its task as ``"module:callable"`` (for example
-``"org_node.tasks.tabular:task"``) or by one of the bundled short names
-(``"tabular"``, ``"digits"``, ``"gpt"``). The callable takes no arguments and returns a
-:class:`Task`. The bundled tasks are
+A task is resolved inside the local worker, never in the node's process, from an
+installed trainer (:mod:`org_node.trainers`): a bundled short name or the org's own
+``"module:callable"``. The callable takes no argument, or one :class:`TaskContext`
+(the dataset this org bound to the run, the run's config, the org's node config and
+the federation's summed statistics), and returns a :class:`Task`. The bundled tasks are
 
-- ``tabular``: an MLP on scikit-learn's breast-cancer data (the hospital scenario);
+- ``tabular``: logistic regression or an MLP on the org's own CSV or Parquet table,
+  with features standardised by statistics the federation sums securely;
+- ``breast_cancer``: an MLP on scikit-learn's breast-cancer data (the hospital demo);
 - ``digits``: a small CNN on scikit-learn's 8x8 digits;
 - ``gpt``: a small character-level GPT on the text corpus shipped in ``data/corpus.txt``,
   whose blocks support tensor and pipeline parallelism.
@@ -18,8 +21,9 @@ that supports pipeline parallelism implements :class:`PipelineModel`. The traine
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
-from dataclasses import dataclass
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -27,10 +31,13 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from org_node.datasets import DatasetBinding, DataSpec
+
 __all__ = [
     "BUILTIN_TASKS",
     "PipelineModel",
     "Task",
+    "TaskContext",
     "TaskData",
     "TaskError",
     "TensorParallelModel",
@@ -39,6 +46,7 @@ __all__ = [
     "initial_state",
     "load_state",
     "load_task",
+    "make_task",
     "model_state",
 ]
 
@@ -82,6 +90,27 @@ class TaskData:
 
 
 @dataclass(frozen=True)
+class TaskContext:
+    """What a task factory that takes one argument is given.
+
+    dataset: the dataset this org bound to the run when it accepted it (path, kind,
+        columns, rows, content hash), or None when the run needs no data.
+    data: the run spec's data requirement (its columns are the same at every org,
+        unlike a dataset's), or None.
+    run_config: the run spec's ``config`` values.
+    node_config: this org's own settings (partition, dataset fields).
+    statistics: the federation's secure sum of every org's :attr:`Task.statistics`,
+        once it has been computed (before round 1); None before, or when unused.
+    """
+
+    dataset: DatasetBinding | None = None
+    data: DataSpec | None = None
+    run_config: Mapping[str, bool | int | float | str] = field(default_factory=dict)
+    node_config: Mapping[str, bool | int | float | str] = field(default_factory=dict)
+    statistics: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
 class Task:
     """What the trainer needs to know about a task (torchtitan's ``TrainSpec`` idea).
 
@@ -90,6 +119,9 @@ class Task:
     build_data: loads the examples; deterministic, so every rank sees the same tensors.
     loss: ``loss(outputs, targets)``, a mean over the batch (a scalar tensor).
     metrics: ``metrics(outputs, targets)``, floats such as accuracy, on a batch.
+    statistics: optional; this org's contribution (a float vector of a fixed length,
+        the same at every org) to statistics the federation sums securely before the
+        first round; the sum comes back as :attr:`TaskContext.statistics`.
     """
 
     name: str
@@ -97,6 +129,7 @@ class Task:
     build_data: Callable[[], TaskData]
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     metrics: Callable[[torch.Tensor, torch.Tensor], dict[str, float]]
+    statistics: Callable[[], np.ndarray] | None = None
 
 
 @runtime_checkable
@@ -127,16 +160,30 @@ class PipelineModel(Protocol):
 
 BUILTIN_TASKS: dict[str, str] = {
     "tabular": "org_node.tasks.tabular:task",
+    "breast_cancer": "org_node.tasks.breast_cancer:task",
     "digits": "org_node.tasks.digits:task",
     "gpt": "org_node.tasks.gpt:task",
 }
 
 
-def load_task(ref: str) -> Task:
+def _call_factory(factory: Callable[..., object], context: TaskContext | None) -> object:
+    """``factory(context)`` if it takes an argument, else ``factory()``."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        params = {}  # type: ignore[assignment]
+    takes_one = any(
+        p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+        for p in params.values()
+    )
+    return factory(context or TaskContext()) if takes_one else factory()
+
+
+def load_task(ref: str, context: TaskContext | None = None) -> Task:
     """Resolve ``"module:callable"`` (or a bundled short name) and call it.
 
-    Raises UnknownTaskError naming the field ``task`` when the module, the attribute or
-    the result is not a task.
+    The callable gets ``context`` if it takes an argument. Raises UnknownTaskError
+    naming the field ``task`` when the module, the attribute or the result is not a task.
     """
     if not isinstance(ref, str) or not ref:
         raise UnknownTaskError(f"task: expected 'module:callable' or a bundled name, got {ref!r}")
@@ -154,10 +201,17 @@ def load_task(ref: str) -> Task:
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise UnknownTaskError(f"task: module {module_name!r} has no callable {attr!r}")
-    task = factory()
+    return make_task(factory, context, target)
+
+
+def make_task(factory: object, context: TaskContext | None, ref: str) -> Task:
+    """Call a task factory (with ``context`` if it takes an argument); refuse a non-Task."""
+    if not callable(factory):
+        raise UnknownTaskError(f"task: {ref!r} is not callable")
+    task = _call_factory(factory, context)
     if not isinstance(task, Task):
         raise UnknownTaskError(
-            f"task: {target!r} returned {type(task).__name__}, expected org_node.tasks.Task"
+            f"task: {ref!r} returned {type(task).__name__}, expected org_node.tasks.Task"
         )
     return task
 

@@ -15,7 +15,7 @@ from sklearn.model_selection import train_test_split
 from torch import nn
 
 from org_node.tasks import Task, TaskData
-from org_node.tasks.tabular import accuracy_metrics, cross_entropy
+from org_node.tasks.breast_cancer import accuracy_metrics, cross_entropy
 
 __all__ = ["DigitsCNN", "build_data", "task"]
 

@@ -44,11 +44,20 @@ from org_node.tasks.partition import partition_indices
 from org_node.training import exchange
 from org_node.training.checkpoint import JobCheckpointer, TrainerState, fingerprint
 from org_node.training.errors import SpecError, TrainingError
+from org_node.training.exchange import LocalResult
 from org_node.training.parallel import ParallelDims
 from org_node.training.parallelize import ParallelModel, parallelize
 from org_node.training.spec import LocalJobSpec
 
-__all__ = ["FAULT_KILL_AT_STEP_ENV", "DistEnv", "batch_indices", "execute", "main"]
+__all__ = [
+    "FAULT_KILL_AT_STEP_ENV",
+    "DistEnv",
+    "batch_indices",
+    "execute",
+    "main",
+    "train",
+    "train_round",
+]
 
 #: Fault injection for tests: rank 0 kills itself (SIGKILL) right after this step's
 #: checkpoint, as a crashed host would.
@@ -188,7 +197,33 @@ def train(
     spec: LocalJobSpec, global_state: dict[str, np.ndarray], run_dir: Path, env: DistEnv
 ) -> None:
     """Run the job on this rank; rank 0 writes the result (or raises before writing)."""
-    task = load_task(spec.task)
+    result = train_round(spec, global_state, run_dir, env)
+    if result is not None:
+        exchange.write_result(
+            run_dir,
+            result.update,
+            result.num_examples,
+            result.steps,
+            result.metrics,
+            result.losses,
+        )
+
+
+def train_round(
+    spec: LocalJobSpec,
+    global_state: dict[str, np.ndarray],
+    run_dir: Path,
+    env: DistEnv,
+    *,
+    task: Task | None = None,
+) -> LocalResult | None:
+    """Train one job from ``global_state`` on this rank; the result on rank 0, else None.
+
+    ``task``: the task object (the local worker builds it with its context); by default
+    ``load_task(spec.task)``. Collective over the job's ranks; the process group is
+    initialised once and kept (a persistent worker trains many rounds in it).
+    """
+    task = task if task is not None else load_task(spec.task)
     dims = ParallelDims(spec.dp_replicate, spec.dp_shard, spec.tp, spec.pp, env.world_size)
     model = task.build_model(spec.seed)
     exchange.check_shapes(global_state, {k: tuple(v.shape) for k, v in model.state_dict().items()})
@@ -268,9 +303,10 @@ def train(
         time.process_time() - cpu_warm if t_warm is not None else 0.0, device, env
     )
 
+    run_dir.mkdir(parents=True, exist_ok=True)
     new_state = _full_state(pm, dims, env, run_dir)
     if new_state is None:
-        return
+        return None
     update = {k: new_state[k] - global_state[k] for k in global_state}
     exchange.check_finite(update)
     timed_steps = step - warm_step
@@ -292,9 +328,7 @@ def train(
     }
     if spec.evaluate:
         metrics.update({f"eval_{k}": v for k, v in evaluate(task, new_state).items()})
-    exchange.write_result(
-        run_dir, update, step * spec.batch_size, step, metrics, list(trainer.losses)
-    )
+    return LocalResult(update, step * spec.batch_size, step, metrics, list(trainer.losses))
 
 
 def execute(run_dir: Path, env: DistEnv | None = None) -> int:

@@ -42,6 +42,7 @@ from org_node.training.spec import LocalJobSpec
 
 __all__ = [
     "LaunchConfig",
+    "child_env",
     "free_port",
     "launch_job",
     "main",
@@ -87,8 +88,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-def torchrun_command(spec: LocalJobSpec, run_dir: Path, config: LaunchConfig) -> list[str]:
-    """The torchrun command line that starts this host's share of the job."""
+def torchrun_command(
+    spec: LocalJobSpec,
+    run_dir: Path,
+    config: LaunchConfig,
+    *,
+    module: str = "org_node.training.job",
+    args: list[str] | None = None,
+) -> list[str]:
+    """The torchrun command line that starts this host's share of the job: ``python -m
+    module`` with ``args`` (by default ``--run-dir RUN_DIR``) on every rank."""
     per_node, rem = divmod(spec.world_size, config.nnodes)
     if rem:
         raise SpecError(
@@ -109,7 +118,7 @@ def torchrun_command(spec: LocalJobSpec, run_dir: Path, config: LaunchConfig) ->
     else:
         cmd += ["--rdzv-endpoint", config.rdzv_endpoint]
     cmd += ["--rdzv-id", config.rdzv_id, "--max-restarts", "0"]
-    cmd += ["-m", "org_node.training.job", "--run-dir", str(run_dir)]
+    cmd += ["-m", module, *(args if args is not None else ["--run-dir", str(run_dir)])]
     return cmd
 
 
@@ -123,7 +132,8 @@ def threads_per_rank(ranks_on_host: int) -> int:
     return max(1, (cores or 1) // max(1, ranks_on_host))
 
 
-def _child_env(extra: dict[str, str] | None, ranks_on_host: int) -> dict[str, str]:
+def child_env(extra: dict[str, str] | None, ranks_on_host: int) -> dict[str, str]:
+    """The environment of a local job's processes (threads per rank, huge pages)."""
     env = dict(os.environ)
     path = env.get("PYTHONPATH")
     env["PYTHONPATH"] = f"{_PROJECT_ROOT}{os.pathsep}{path}" if path else str(_PROJECT_ROOT)
@@ -156,7 +166,7 @@ def launch_job(
             cmd,
             stdout=out,
             stderr=subprocess.STDOUT,
-            env=_child_env(env, spec.world_size // config.nnodes),
+            env=child_env(env, spec.world_size // config.nnodes),
             start_new_session=True,
         )
         try:

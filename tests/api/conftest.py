@@ -211,7 +211,7 @@ def api(tmp_path: Path, migrated_sqlite: Path) -> Iterator[Api]:
 
 
 RUN_SPEC: dict[str, Any] = {
-    "task": "tabular",
+    "trainer": "breast_cancer",
     "rounds": 3,
     "participants": [ORG, "org-b", "org-c"],
     "backend": "masked",

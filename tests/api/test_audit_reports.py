@@ -245,7 +245,7 @@ def test_offline_cli_report(tmp_path: Path) -> None:
     engine = make_engine(default_database_url(paths.root))
     migrate(engine)
     spec = {
-        "task": "tabular",
+        "trainer": "breast_cancer",
         "rounds": 1,
         "participants": [ORG, "org-b"],
         "backend": "masked",
@@ -281,8 +281,6 @@ def test_running_nodes_report_their_run(tmp_path: Path, monkeypatch: pytest.Monk
     """Three in-process nodes run two masked rounds; org-a's admin API then builds the
     report from what its node recorded: both rounds with their model hashes, signed."""
     import asyncio
-    import sys
-    import types
 
     import httpx
     from coordinator_free.memory import InMemoryNetwork
@@ -291,16 +289,8 @@ def test_running_nodes_report_their_run(tmp_path: Path, monkeypatch: pytest.Monk
     from api.settings import Settings
     from org_node.db.engine import default_database_url, make_engine
     from org_node.db.repo import create_token
-    from tests.org_node.test_node_inprocess import (
-        ORGS,
-        make_federation,
-        start_nodes,
-        tiny_task,
-    )
+    from tests.org_node.test_node_inprocess import ORGS, make_federation, start_nodes
 
-    module = types.ModuleType("fw_tiny_report_task")
-    module.task = tiny_task  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "fw_tiny_report_task", module)
     dirs = make_federation(tmp_path)
     tokens = {}
     for org in ORGS:
@@ -314,7 +304,7 @@ def test_running_nodes_report_their_run(tmp_path: Path, monkeypatch: pytest.Monk
         engine.dispose()
         tokens[org + "/admin"] = admin
     spec = {
-        "task": "fw_tiny_report_task:task",
+        "trainer": "breast_cancer",
         "rounds": 2,
         "participants": list(ORGS),
         "threshold": 2,

@@ -15,28 +15,58 @@ from org_node.db.models import Role
 from tests.api.conftest import Api
 
 COLUMNS = {"age": "int", "label": "int"}
+CSV = b"age,label\n1,0\n"
 
 
 def _register(
-    api: Api, path: str, name: str = "ds", role: Role = Role.OPERATOR
+    api: Api, path: str, name: str = "ds", role: Role = Role.OPERATOR, **extra: object
 ) -> dict[str, object]:
     r = api.client.post(
-        "/v1/datasets",
-        json={"name": name, "path": path, "columns": COLUMNS, "row_count": 2},
-        headers=api.h(role),
+        "/v1/datasets", json={"name": name, "path": path, **extra}, headers=api.h(role)
     )
     return {"status": r.status_code, **r.json()}
 
 
 def test_register_a_file_and_read_it_back(api: Api) -> None:
-    (api.data_root / "a.csv").write_bytes(b"age,label\n1,0\n")
+    (api.data_root / "a.csv").write_bytes(CSV)
     got = _register(api, "a.csv")
     assert got["status"] == 201
-    assert got["content_hash"] == hashlib.sha256(b"age,label\n1,0\n").hexdigest()
+    assert got["content_hash"] == hashlib.sha256(CSV).hexdigest()
     assert got["path"] == str((api.data_root / "a.csv").resolve())
     one = api.client.get(f"/v1/datasets/{got['id']}", headers=api.h(Role.AUDITOR)).json()
     assert one["columns"] == COLUMNS and one["version"] == 1
+    assert (one["kind"], one["row_count"]) == ("table", 1)
     assert api.client.get("/v1/datasets", headers=api.h()).json()["count"] == 1
+
+
+def test_a_table_schema_is_read_from_the_file_and_checked_when_given(api: Api) -> None:
+    (api.data_root / "t.csv").write_bytes(b"x,y,name\n1,2.5,a\n3,4,b\n")
+    got = _register(api, "t.csv", columns={"x": "int", "y": "float", "name": "str"})
+    assert got["status"] == 201 and got["row_count"] == 2
+    wrong = _register(api, "t.csv", name="t2", columns={"x": "str", "y": "float", "name": "str"})
+    assert wrong["status"] == 422 and "do not match the file" in str(wrong["detail"])
+    rows = _register(api, "t.csv", name="t3", row_count=9)
+    assert rows["status"] == 422 and "has 2 rows" in str(rows["detail"])
+    bad = api.data_root / "bad.csv"
+    bad.write_bytes(b"a,b\n1\n")
+    short = _register(api, "bad.csv", name="bad")
+    assert short["status"] == 422 and "row 1 has 1 fields" in str(short["detail"])
+    assert api.client.get("/v1/datasets", headers=api.h()).json()["count"] == 1
+
+
+def test_kinds_of_directories(api: Api) -> None:
+    images = api.data_root / "imgs"
+    for label in ("cat", "dog"):
+        (images / label).mkdir(parents=True)
+        (images / label / "1.png").write_bytes(b"png")
+    got = _register(api, "imgs")
+    assert (got["status"], got["kind"], got["row_count"]) == (201, "image-folder", 2)
+    (api.data_root / "misc").mkdir()
+    (api.data_root / "misc" / "notes.txt").write_text("n")
+    other = _register(api, "misc", name="misc")
+    assert (other["status"], other["kind"]) == (201, "files")
+    refused = _register(api, "misc", name="misc2", kind="image-folder")
+    assert refused["status"] == 422 and "not 'image-folder'" in str(refused["detail"])
 
 
 def test_directory_hash_is_order_independent_and_content_sensitive(api: Api) -> None:
@@ -81,18 +111,19 @@ def test_confine_without_roots() -> None:
 
 def test_duplicate_name_and_versioned_update(api: Api) -> None:
     f = api.data_root / "a.csv"
-    f.write_bytes(b"v1")
+    f.write_bytes(CSV)
     first = _register(api, "a.csv")
     assert _register(api, "a.csv")["status"] == 409
-    f.write_bytes(b"v2")
+    f.write_bytes(b"age,label,extra\n1,0,x\n2,1,y\n")
     url = f"/v1/datasets/{first['id']}"
-    r = api.client.patch(url, json={"version": 1, "row_count": 5, "rehash": True}, headers=api.h())
+    r = api.client.patch(url, json={"version": 1, "rehash": True}, headers=api.h())
     assert r.status_code == 200
-    assert r.json()["version"] == 2 and r.json()["row_count"] == 5
-    assert r.json()["content_hash"] == hashlib.sha256(b"v2").hexdigest()
-    stale = api.client.patch(url, json={"version": 1, "row_count": 7}, headers=api.h())
+    assert r.json()["version"] == 2 and r.json()["row_count"] == 2
+    assert r.json()["columns"] == COLUMNS | {"extra": "str"}
+    assert r.json()["content_hash"] == hashlib.sha256(f.read_bytes()).hexdigest()
+    stale = api.client.patch(url, json={"version": 1, "description": "d"}, headers=api.h())
     assert stale.status_code == 409 and "version is 2" in stale.json()["detail"]
-    assert api.client.get(url, headers=api.h()).json()["row_count"] == 5
+    assert api.client.get(url, headers=api.h()).json()["description"] == ""
 
 
 def test_unregister(api: Api) -> None:
@@ -107,7 +138,7 @@ def test_unregister(api: Api) -> None:
 
 def test_idempotent_registration(api: Api) -> None:
     (api.data_root / "a.csv").write_bytes(b"x")
-    body = {"name": "ds", "path": "a.csv", "columns": {}, "row_count": 1}
+    body = {"name": "ds", "path": "a.csv", "columns": {"x": "str"}, "row_count": 0}
     h = api.h(Role.ADMIN, **{"Idempotency-Key": "same"})
     a = api.client.post("/v1/datasets", json=body, headers=h)
     b = api.client.post("/v1/datasets", json=body, headers=h)

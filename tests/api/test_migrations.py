@@ -3,6 +3,7 @@ keeps the data, a downgrade to base removes every table."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import Engine, inspect
+from sqlalchemy import Engine, inspect, text
 from sqlmodel import Session, SQLModel, select
 
 from org_node.db.engine import (
@@ -21,7 +22,7 @@ from org_node.db.engine import (
     make_engine,
     migrate,
 )
-from org_node.db.models import AuditEvent, AuditHead, PolicyRecord, Role
+from org_node.db.models import AuditEvent, AuditHead, PolicyRecord, Role, Run
 from org_node.db.repo import (
     GENESIS_HASH,
     append_audit_event,
@@ -54,17 +55,45 @@ def test_empty_database_reaches_the_models_schema(engine: Engine) -> None:
     assert set(SQLModel.metadata.tables) <= tables
 
 
+def _insert_0001_rows(engine: Engine) -> None:
+    """A policy and a run as revision 0001 stored them (a task, not a trainer)."""
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO policy (name, enabled, min_participants, max_epsilon, "
+                "allowed_tasks, version, created_at, updated_at) "
+                "VALUES ('p', 1, 2, 2.5, :tasks, 1, :now, :now)"
+            ),
+            {"tasks": json.dumps(["tabular", "digits"]), "now": now},
+        )
+        spec = {"task": "tabular", "rounds": 2, "participants": ["a", "b"], "backend": "masked"}
+        conn.execute(
+            text(
+                "INSERT INTO run (id, name, spec, state, version, current_round, proposed_by, "
+                "created_at, updated_at) VALUES ('r1', 'old', :spec, 'proposed', 1, 0, 'x', "
+                ":now, :now)"
+            ),
+            {"spec": json.dumps(spec), "now": now},
+        )
+
+
 def test_upgrade_keeps_data_and_is_idempotent(engine: Engine) -> None:
     migrate(engine, "0001")
     with Session(engine) as s:
         _, secret = create_token(s, "keep", Role.ADMIN)
-        s.add(PolicyRecord(name="p", max_epsilon=2.5))
         s.commit()
+    _insert_0001_rows(engine)
     migrate(engine)
     migrate(engine)
     with Session(engine) as s:
         assert find_token(s, secret) is not None
-        assert s.exec(select(PolicyRecord.max_epsilon)).one() == 2.5
+        policy = s.exec(select(PolicyRecord)).one()
+        assert policy.max_epsilon == 2.5
+        assert policy.allowed_trainers == ["breast_cancer", "digits"]
+        run = s.exec(select(Run)).one()
+        assert "task" not in run.spec and run.spec["trainer"] == "breast_cancer"
+        assert run.trainer_hash is None and run.state_reason is None
 
 
 def test_upgrade_seeds_the_audit_head_from_existing_entries(engine: Engine) -> None:

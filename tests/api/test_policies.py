@@ -25,7 +25,7 @@ def _create(api: Api, **fields: Any) -> dict[str, Any]:
 
 
 def test_create_read_list_delete(api: Api) -> None:
-    p = _create(api, min_participants=3, required_backend="masked", allowed_tasks=["tabular"])
+    p = _create(api, min_participants=3, required_backend="masked", allowed_trainers=["tabular"])
     assert p["version"] == 1 and p["enabled"] is True and p["max_epsilon"] is None
     url = f"/v1/policies/{p['id']}"
     assert api.client.get(url, headers=api.h(Role.AUDITOR)).json() == p
@@ -125,7 +125,7 @@ def test_check_run_against_policy() -> None:
         required_backend="ckks",
         min_threshold=3,
         max_epsilon=1.0,
-        allowed_tasks=("digits",),
+        allowed_trainers=("digits",),
         allowed_peers=("org-a", "org-b"),
     )
     found = {v.requirement: v.message for v in check_run_against_policy(SPEC, strict)}
@@ -134,7 +134,7 @@ def test_check_run_against_policy() -> None:
         "required_backend",
         "min_threshold",
         "max_epsilon",
-        "allowed_tasks",
+        "allowed_trainers",
         "allowed_peers",
     }
     assert "org-c" in found["allowed_peers"]
@@ -151,7 +151,7 @@ def test_check_run_against_policy() -> None:
         (RUN_SPEC | {"threshold": 4}, "threshold"),
         (RUN_SPEC | {"rounds": True}, "rounds"),
         (RUN_SPEC | {"epsilon": float("inf")}, "epsilon"),
-        ({"task": "t"}, "incomplete"),
+        ({"trainer": "t"}, "incomplete"),
     ],
 )
 def test_run_spec_rejects(values: dict[str, Any], match: str) -> None:

@@ -88,13 +88,13 @@ def test_refusing_hook_leaves_nothing_written(api: Api) -> None:
 
 
 def test_policy_blocks_consent(api: Api) -> None:
-    p = {"name": "strict", "max_epsilon": 1.0, "allowed_tasks": ["digits"]}
+    p = {"name": "strict", "max_epsilon": 1.0, "allowed_trainers": ["digits"]}
     assert api.client.post("/v1/policies", json=p, headers=api.h()).status_code == 201
     rid = propose_run(api)["id"]
     r = api.client.post(f"/v1/runs/{rid}/accept", headers=api.h())
     assert r.status_code == 409
     detail = r.json()["detail"]
-    assert "strict" in detail and "epsilon" in detail and "tabular" in detail
+    assert "strict" in detail and "epsilon" in detail and "breast_cancer" in detail
     assert api.client.post(f"/v1/runs/{rid}/decline", headers=api.h()).status_code == 200
 
 

@@ -158,7 +158,7 @@ def test_dashboard_shows_peers_and_updates_when_a_round_completes(
         assert browser.find_elements(By.CSS_SELECTOR, "#timeline .round") == []
 
         # a run: the page follows its event stream and draws each completed round
-        spec = {"task": "tabular", "rounds": 4, "participants": list(ORGS), "threshold": 2}
+        spec = {"trainer": "breast_cancer", "rounds": 4, "participants": list(ORGS), "threshold": 2}
         run_ids = nodes.propose_and_accept("dashboard-demo", spec)
         wait_until(
             "the page to follow the accepted run's events",

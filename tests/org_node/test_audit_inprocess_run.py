@@ -84,7 +84,7 @@ def _identity(org: str) -> OrgIdentity:
 
 
 def _facts(results: Mapping[int, Any]) -> RunFacts:
-    spec = RunSpec(task="tabular", rounds=2, participants=ORGS, threshold=2)
+    spec = RunSpec(trainer="breast_cancer", rounds=2, participants=ORGS, threshold=2)
     return RunFacts(
         run=RUN,
         spec=spec,

@@ -73,7 +73,7 @@ def populated_log(tmp: Path) -> tuple[EgressLog, dict[str, int]]:
 
 
 def facts(**changes: Any) -> RunFacts:
-    spec = RunSpec(task="tabular", rounds=2, participants=ORGS, threshold=2, epsilon=8.0)
+    spec = RunSpec(trainer="breast_cancer", rounds=2, participants=ORGS, threshold=2, epsilon=8.0)
     values: dict[str, Any] = {
         "run": "r",
         "spec": spec,

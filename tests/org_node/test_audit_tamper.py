@@ -84,7 +84,7 @@ def make_log(path: Path, rounds: int = 2) -> EgressLog:
 def facts() -> RunFacts:
     return RunFacts(
         run="r",
-        spec=RunSpec(task="tabular", rounds=2, participants=("a", "b", "c"), threshold=2),
+        spec=RunSpec(trainer="breast_cancer", rounds=2, participants=("a", "b", "c"), threshold=2),
         policies={"default": Policy()},
         consents=(ConsentRecord("a", "accepted", "2026-01-01T00:00:00Z", "admin"),),
         secure_aggregation=SecAggFacts("masked", 3, 2, 32, 1.0),

@@ -163,7 +163,7 @@ def test_verify_path_tells_logs_reports_and_garbage_apart(tmp_path: Path) -> Non
         log,
         RunFacts(
             run="r",
-            spec=RunSpec(task="t", rounds=1, participants=("a", "b", "c"), threshold=2),
+            spec=RunSpec(trainer="t", rounds=1, participants=("a", "b", "c"), threshold=2),
             policies={"p": Policy()},
             consents=(ConsentRecord("b", "accepted", "2026-01-01", "ops"),),
             secure_aggregation=SecAggFacts("masked", 3, 2, 32, None),
@@ -187,7 +187,7 @@ def test_a_report_with_an_unknown_or_changed_section_is_named(tmp_path: Path) ->
         log,
         RunFacts(
             run="r",
-            spec=RunSpec(task="t", rounds=1, participants=("a", "b"), threshold=2),
+            spec=RunSpec(trainer="t", rounds=1, participants=("a", "b"), threshold=2),
             policies={},
             consents=(),
             secure_aggregation=SecAggFacts("masked", 2, 2, 32, None),
@@ -222,7 +222,7 @@ def test_the_audit_cli_verifies_and_writes_reports(tmp_path: Path) -> None:
     assert bad.exit_code == 2
     facts = RunFacts(
         run="r",
-        spec=RunSpec(task="t", rounds=1, participants=("a", "b"), threshold=2),
+        spec=RunSpec(trainer="t", rounds=1, participants=("a", "b"), threshold=2),
         policies={},
         consents=(),
         secure_aggregation=SecAggFacts("masked", 2, 2, 32, None),

@@ -19,7 +19,6 @@ from org_node.engine import (
     ATTEMPTS,
     EngineConfig,
     EngineError,
-    JobTrainer,
     RoundReport,
     RunEngine,
     RunPlan,
@@ -81,7 +80,12 @@ class Federation:
 
 
 def plan(rounds: int = 2, epsilon: float | None = None, backend: str = "masked") -> RunPlan:
-    spec = {"task": "tabular", "rounds": rounds, "participants": list(ORGS), "epsilon": epsilon}
+    spec = {
+        "trainer": "breast_cancer",
+        "rounds": rounds,
+        "participants": list(ORGS),
+        "epsilon": epsilon,
+    }
     return RunPlan.from_spec("test-run", spec | {"backend": backend})
 
 
@@ -401,8 +405,8 @@ def test_ckks_needs_its_aggregator_and_takes_no_epsilon(tmp_path: Path) -> None:
 
 
 def test_run_key_is_the_same_for_the_same_name_and_spec() -> None:
-    spec = {"task": "tabular", "rounds": 2, "participants": ["b", "a"], "epsilon": 1}
-    same = {"task": "tabular", "rounds": 2, "participants": ["a", "b"], "epsilon": 1.0}
+    spec = {"trainer": "breast_cancer", "rounds": 2, "participants": ["b", "a"], "epsilon": 1}
+    same = {"trainer": "breast_cancer", "rounds": 2, "participants": ["a", "b"], "epsilon": 1.0}
     assert run_key("r", spec) == run_key("r", same)
     assert run_key("r", spec) != run_key("r2", spec)
     assert run_key("r", spec) != run_key("r", spec | {"rounds": 3})
@@ -434,16 +438,3 @@ def test_training_config_errors_name_the_field() -> None:
     assert info.value.field == "training.local_steps"
     with pytest.raises(EngineError, match=r"training\.nope"):
         TrainingConfig.from_mapping({"nope": 1})
-
-
-def test_job_trainer_runs_the_tabular_task_in_process(tmp_path: Path) -> None:
-    from org_node.tasks import initial_state
-
-    trainer = JobTrainer(
-        "tabular", TrainingConfig(local_steps=2, batch_size=16, evaluate=False), tmp_path
-    )
-    model = initial_state("tabular", 0)
-    result = trainer.train(model, 0, {})
-    check_update(result.update, model)
-    assert result.steps == 2 and result.num_examples == 32
-    assert any(float(np.abs(u).max()) > 0 for u in result.update.values())

@@ -10,7 +10,8 @@ from flwr.client import ClientApp, NumPyClient
 from flwr.common import ConfigRecord, Context
 from flwr.server.strategy.aggregate import aggregate
 
-from org_node.flower_compat import (
+from org_node.strategies import FedAvg, pack_weighted, params_shapes, unpack_weighted
+from org_node.trainers.flower import (
     EvalOutcome,
     FitOutcome,
     FlowerClientError,
@@ -18,7 +19,6 @@ from org_node.flower_compat import (
     FlowerTrainer,
     LocalTrainer,
 )
-from org_node.strategies import FedAvg, pack_weighted, params_shapes, unpack_weighted
 
 TRUE_W = np.array([2.0, -1.0, 0.5])
 TRUE_B = 0.3

@@ -70,7 +70,7 @@ def test_a_valid_scenario_fills_names_and_threshold() -> None:
     s = Scenario(orgs=4, rounds=3, kills=(Kill("org2", 2, "reduce"),))
     assert s.names == ("org1", "org2", "org3", "org4")
     assert s.t == 3
-    assert s.task_ref == "tabular"
+    assert s.task_ref == "breast_cancer"
     d = s.to_dict()
     assert d["kills"] == ["org2@2:reduce"] and d["threshold"] == 3
     assert Scenario(orgs=3, rounds=1, task="digits").task_ref == "digits"
@@ -179,7 +179,7 @@ def _export(obs: Observation, org: str, round0: int, vec: np.ndarray) -> None:
 def _model_size() -> int:
     from org_node.tasks import initial_state
 
-    return sum(int(v.size) for v in initial_state("tabular", 0).values())
+    return sum(int(v.size) for v in initial_state("breast_cancer", 0).values())
 
 
 def test_plaintext_fedavg_is_the_weighted_mean_of_the_survivors(tmp_path: Path) -> None:
@@ -196,7 +196,7 @@ def test_plaintext_fedavg_is_the_weighted_mean_of_the_survivors(tmp_path: Path) 
         # FedNova packing: w * delta / tau, then w * tau, then w
         _export(obs, org, 0, np.concatenate([w * deltas[org] / tau, [w * tau], [w]]))
     model = plaintext_fedavg(obs, {1: ("org1", "org3")}, 1)
-    init = initial_state("tabular", 0)
+    init = initial_state("breast_cancer", 0)
     flat_init = np.concatenate([init[k].ravel() for k in sorted(init)]).astype(np.float64)
     flat = np.concatenate([model[k].ravel() for k in sorted(model)]).astype(np.float64)
     expected = flat_init + (10 * deltas["org1"] + 60 * deltas["org3"]) / 70
@@ -294,7 +294,7 @@ def test_the_verdict_fails_and_says_why_when_the_models_differ(tmp_path: Path) -
     from org_node.tasks import initial_state
 
     obs = _observation(tmp_path, orgs=2, rounds=1)
-    base = initial_state("tabular", 0)
+    base = initial_state("breast_cancer", 0)
     size = _model_size()
     for i, org in enumerate(obs.scenario.names):
         node = NodeProcess(org, i, tmp_path / "nodes" / org, 1000 + i, 2000 + i, 1000 + i)

@@ -81,7 +81,7 @@ def test_pp_x_dp_matches_single_process(
 
 
 TAB = {
-    "task": "tabular",
+    "task": "breast_cancer",
     "local_steps": 6,
     "batch_size": 32,
     "lr": 3e-3,
@@ -91,7 +91,7 @@ TAB = {
 
 
 def test_resume_after_kill_single_process(tmp_path: Path) -> None:
-    g = initial_state("tabular")
+    g = initial_state("breast_cancer")
     reference = run_local_job({**TAB, "checkpoint_every": 0}, g, tmp_path / "ref")
     run_dir = tmp_path / "run"
     ex.write_inputs(run_dir, LocalJobSpec.from_dict(TAB), g)
@@ -117,7 +117,7 @@ def test_resume_after_kill_single_process(tmp_path: Path) -> None:
 
 def test_checkpoints_of_another_global_model_are_ignored(tmp_path: Path) -> None:
     spec = {**TAB, "local_steps": 2}
-    run_local_job(spec, initial_state("tabular", 0), tmp_path)
-    other = run_local_job(spec, initial_state("tabular", 1), tmp_path)
+    run_local_job(spec, initial_state("breast_cancer", 0), tmp_path)
+    other = run_local_job(spec, initial_state("breast_cancer", 1), tmp_path)
     assert other.metrics["resumed_from_step"] == 0.0
     assert len(list((tmp_path / "checkpoints").iterdir())) == 2

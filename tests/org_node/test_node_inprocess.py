@@ -29,6 +29,7 @@ from org_node.initialize import (
 )
 from org_node.node import OrgNode, load_secret, read_chain, recover_state
 from org_node.services import NodeServices
+from org_node.trainers.code import code_hash
 from org_node.training.exchange import LocalResult
 
 ORGS = ("org-a", "org-b", "org-c")
@@ -36,11 +37,16 @@ MODEL_SHAPES = {"w": (3, 2), "b": (2,)}
 
 
 class TinyTrainer:
-    """A deterministic local job: each org moves every weight by its own constant."""
+    """A deterministic local job: each org moves every weight by its own constant.
+
+    Its round-0 model is a two-tensor linear model (the same at every org)."""
 
     def __init__(self, value: float, seconds: float = 0.0) -> None:
         self.value = value
         self.seconds = seconds
+
+    def initial_model(self) -> dict[str, np.ndarray]:
+        return {"weight": np.zeros((2, 3), np.float32), "bias": np.zeros(2, np.float32)}
 
     def train(
         self, global_state: Mapping[str, np.ndarray], round: int, options: Mapping[str, Any]
@@ -49,24 +55,6 @@ class TinyTrainer:
             time.sleep(self.seconds)
         update = {k: np.full(np.shape(v), self.value, np.float32) for k, v in global_state.items()}
         return LocalResult(update, 8, 2, {"train_loss": 0.5})
-
-
-def tiny_task() -> Any:
-    """A task for the run spec: a two-tensor linear model (loads without data)."""
-    import torch
-
-    from org_node.tasks import Task, TaskData
-
-    def build(seed: int) -> torch.nn.Module:
-        torch.manual_seed(seed)
-        return torch.nn.Linear(3, 2)
-
-    def data() -> TaskData:
-        x = torch.zeros(4, 3)
-        y = torch.zeros(4, dtype=torch.long)
-        return TaskData(x, y, x, y)
-
-    return Task("tiny", build, data, torch.nn.functional.cross_entropy, lambda o, t: {})
 
 
 def make_federation(tmp_path: Path) -> dict[str, Path]:
@@ -93,7 +81,7 @@ async def start_nodes(
         node = OrgNode.open(
             dirs[org],
             transport=network.transport(org),
-            trainer_factory=lambda plan, work, i=i: TinyTrainer(0.1 * (i + 1), seconds),
+            trainer_factory=lambda plan, work, binding, i=i: TinyTrainer(0.1 * (i + 1), seconds),
             swim=SwimConfig(period_s=0.2, ping_timeout_s=0.08),
         )
         await node.start()
@@ -117,12 +105,6 @@ def test_init_refuses_a_non_empty_dir_and_a_manifest_without_every_founder(tmp_p
 def test_three_nodes_run_through_the_admin_api_and_a_wiped_node_recovers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str
 ) -> None:
-    import sys
-    import types
-
-    module = types.ModuleType("fw_tiny_task")
-    module.task = tiny_task  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "fw_tiny_task", module)
     dirs = make_federation(tmp_path)
     tokens = {}
     for org in ORGS:
@@ -137,7 +119,7 @@ def test_three_nodes_run_through_the_admin_api_and_a_wiped_node_recovers(
             _, tokens[org] = create_token(s, "test", Role.ADMIN)
             s.commit()
     spec = {
-        "task": "fw_tiny_task:task",
+        "trainer": "breast_cancer",
         "rounds": 2,
         "participants": list(ORGS),
         "threshold": 2,
@@ -228,7 +210,10 @@ def test_three_nodes_run_through_the_admin_api_and_a_wiped_node_recovers(
     got, had = EngineState.from_bytes(recovered), EngineState.from_bytes(held)
     assert (got.round, got.status, had.status) == (2, "running", "completed")
     assert model_hash(got.model) == model_hash(had.model)
-    assert got.plan == {"name": "demo", "spec": had.plan["spec"]}
+    assert got.plan == had.plan
+    assert got.plan["name"] == "demo" and got.plan["spec"]["trainer"] == "breast_cancer"
+    # the binding travels with the state, so a rebuilt node finds its trainer again
+    assert got.plan["binding"]["trainer_hash"] == code_hash("bundled", "breast_cancer")
     key = RunPlan.from_spec("demo", spec).run_key
     assert (tmp_path / "org-c-new" / "runs" / key / "engine-state.bin").exists()
     log = (dirs["org-a"] / "audit" / "egress.jsonl").read_text()
@@ -278,7 +263,7 @@ def test_a_node_that_crashed_rejoins_at_the_current_round(tmp_path: Path) -> Non
         config.replace(engine=EngineConfig(ready_timeout_s=3.0, model_hash_timeout_s=3)).save(
             d / "fedweave.toml"
         )
-    spec = {"task": "tabular", "rounds": 12, "participants": list(ORGS), "threshold": 2}
+    spec = {"trainer": "breast_cancer", "rounds": 12, "participants": list(ORGS), "threshold": 2}
     run_ids: dict[str, str] = {}
     for org, d in dirs.items():
         from sqlmodel import Session
@@ -319,7 +304,7 @@ def test_a_node_that_crashed_rejoins_at_the_current_round(tmp_path: Path) -> Non
         revived = OrgNode.open(
             dirs["org-c"],
             transport=_Revived(network, "org-c"),
-            trainer_factory=lambda plan, work: TinyTrainer(0.3, 0.4),
+            trainer_factory=lambda plan, work, binding: TinyTrainer(0.3, 0.4),
             swim=SwimConfig(period_s=0.2, ping_timeout_s=0.08),
         )
         await revived.start()

@@ -82,7 +82,7 @@ def test_three_node_processes_train_two_rounds_and_stop_on_sigterm(tmp_path: Pat
         for proc in procs.values():
             wait_for_line(proc, b"ready:", timeout=40)
 
-        spec = {"task": "tabular", "rounds": 2, "participants": list(ORGS), "threshold": 2}
+        spec = {"trainer": "breast_cancer", "rounds": 2, "participants": list(ORGS), "threshold": 2}
         clients = {
             org: httpx.Client(
                 base_url=f"http://127.0.0.1:{ports[2 * i + 1]}",

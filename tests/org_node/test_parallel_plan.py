@@ -17,7 +17,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from org_node.tasks.gpt import GPTConfig, build_model
 from org_node.training import ParallelDims
-from org_node.training.launch import THP_ENV, _child_env, threads_per_rank
+from org_node.training.launch import THP_ENV, child_env, threads_per_rank
 from org_node.training.parallelize import reshard_after_forward
 
 
@@ -83,7 +83,7 @@ def test_ranks_get_huge_pages_unless_the_environment_says(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv(THP_ENV, raising=False)
-    assert _child_env(None, 4)[THP_ENV] == "1"
+    assert child_env(None, 4)[THP_ENV] == "1"
     monkeypatch.setenv(THP_ENV, "0")
-    assert _child_env(None, 4)[THP_ENV] == "0"
-    assert _child_env({THP_ENV: "0"}, 4)[THP_ENV] == "0"
+    assert child_env(None, 4)[THP_ENV] == "0"
+    assert child_env({THP_ENV: "0"}, 4)[THP_ENV] == "0"

@@ -2,26 +2,32 @@
 
 from __future__ import annotations
 
+import csv
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from sklearn.datasets import load_breast_cancer
 from torch import nn
 
+from org_node.datasets import DatasetBinding, DataSpec, inspect_table
 from org_node.tasks import (
     BUILTIN_TASKS,
     PipelineModel,
     Task,
+    TaskContext,
     TaskData,
+    TaskError,
     TensorParallelModel,
     UnknownTaskError,
     evaluate,
     initial_state,
     load_task,
 )
+from org_node.tasks.breast_cancer import accuracy_metrics, cross_entropy
 from org_node.tasks.gpt import CORPUS, VOCAB, CharGPT, GPTConfig, decode, encode
-from org_node.tasks.tabular import accuracy_metrics, cross_entropy
 from org_node.training import (
     LocalJobSpec,
     NonFiniteUpdateError,
@@ -34,7 +40,7 @@ from org_node.training.exchange import RESULT_FILE, UPDATE_FILE
 
 def nan_task() -> Task:
     """A task whose training drives every weight to NaN: its update must never be sent."""
-    base = load_task("tabular")
+    base = load_task("breast_cancer")
 
     def poisoned_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return cross_entropy(outputs, targets) * float("nan")
@@ -46,10 +52,38 @@ def not_a_task() -> str:
     return "nothing"
 
 
+def _context(name: str, tmp_path: Path) -> TaskContext | None:
+    """What a bundled task needs: for ``tabular``, an org's table and the federation's sum."""
+    if name != "tabular":
+        return None
+    x, y = load_breast_cancer(return_X_y=True)
+    path = tmp_path / "org.csv"
+    with path.open("w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow([*(f"x{i}" for i in range(x.shape[1])), "diagnosis"])
+        writer.writerows(
+            [*row, ("malignant", "benign")[label]] for row, label in zip(x, y, strict=True)
+        )
+    columns, rows = inspect_table(path)
+    context = TaskContext(
+        dataset=DatasetBinding(1, "org", str(path), "table", columns, rows, "0" * 64),
+        data=DataSpec(kind="table", columns=columns),
+        run_config={"target": "diagnosis", "classes": "malignant,benign", "model": "mlp"},
+    )
+    task = load_task("tabular", context)
+    assert task.statistics is not None
+    return replace(context, statistics=task.statistics())
+
+
+def test_bundled_names() -> None:
+    assert sorted(BUILTIN_TASKS) == ["breast_cancer", "digits", "gpt", "tabular"]
+
+
 @pytest.mark.parametrize("name", sorted(BUILTIN_TASKS))
-def test_bundled_tasks_load_by_name_and_reference(name: str) -> None:
-    by_name = load_task(name)
-    by_ref = load_task(BUILTIN_TASKS[name])
+def test_bundled_tasks_load_by_name_and_reference(name: str, tmp_path: Path) -> None:
+    context = _context(name, tmp_path)
+    by_name = load_task(name, context)
+    by_ref = load_task(BUILTIN_TASKS[name], context)
     assert by_name.name == by_ref.name == name
     data = by_name.build_data()
     assert isinstance(data, TaskData) and len(data) > 100
@@ -81,8 +115,14 @@ def test_initial_state_depends_on_the_seed_only() -> None:
     assert all(v.dtype == np.float32 for v in a.values())
 
 
-def test_labels_exist_for_classification_only() -> None:
-    assert load_task("tabular").build_data().labels is not None
+def test_tabular_needs_a_bound_dataset() -> None:
+    with pytest.raises(TaskError, match="dataset"):
+        load_task("tabular")
+
+
+def test_labels_exist_for_classification_only(tmp_path: Path) -> None:
+    assert load_task("tabular", _context("tabular", tmp_path)).build_data().labels is not None
+    assert load_task("breast_cancer").build_data().labels is not None
     assert load_task("digits").build_data().labels is not None
     assert load_task("gpt").build_data().labels is None
 
@@ -101,7 +141,7 @@ def test_gpt_supports_tensor_and_pipeline_parallelism() -> None:
     names = dict(model.named_modules())
     plan = model.tensor_parallel_plan()
     assert len(plan) == 3 * 7 and all(fqn in names for fqn in plan)
-    assert not isinstance(load_task("tabular").build_model(0), TensorParallelModel)
+    assert not isinstance(load_task("breast_cancer").build_model(0), TensorParallelModel)
 
 
 def test_gpt_pipeline_stages_partition_the_model_and_compose() -> None:
@@ -125,19 +165,19 @@ def test_gpt_pipeline_stages_partition_the_model_and_compose() -> None:
 
 
 def test_evaluate_reports_loss_and_accuracy() -> None:
-    metrics = evaluate("tabular", initial_state("tabular"))
+    metrics = evaluate("breast_cancer", initial_state("breast_cancer"))
     assert set(metrics) == {"loss", "accuracy"}
     assert 0.3 < metrics["loss"] < 2.0
 
 
-def _job(task: str = "tabular", **kw: object) -> LocalJobSpec:
+def _job(task: str = "breast_cancer", **kw: object) -> LocalJobSpec:
     fields: dict[str, object] = {"task": task, "local_steps": 15, "batch_size": 32, "lr": 3e-3}
     fields.update(kw)
     return LocalJobSpec.from_dict(fields)
 
 
 def test_in_process_job_trains_and_returns_an_update(tmp_path: Path) -> None:
-    global_state = initial_state("tabular")
+    global_state = initial_state("breast_cancer")
     result = run_local_job(_job(), global_state, tmp_path / "run")
     assert result.steps == 15 and result.num_examples == 15 * 32
     assert set(result.update) == set(global_state)
@@ -154,13 +194,13 @@ def test_in_process_job_trains_and_returns_an_update(tmp_path: Path) -> None:
 
 def test_partitioned_job_sees_only_its_share(tmp_path: Path) -> None:
     spec = _job(num_partitions=3, partition_index=1, dirichlet_alpha=0.5, local_steps=2)
-    result = run_local_job(spec, initial_state("tabular"), tmp_path)
+    result = run_local_job(spec, initial_state("breast_cancer"), tmp_path)
     assert 0 < result.metrics["partition_size"] < 455
 
 
 def test_time_budget_stops_the_job(tmp_path: Path) -> None:
     spec = _job(local_steps=None, time_budget_s=0.2, evaluate=False)
-    result = run_local_job(spec, initial_state("tabular"), tmp_path)
+    result = run_local_job(spec, initial_state("breast_cancer"), tmp_path)
     assert result.steps >= 1
     assert len(result.losses) == result.steps
 
@@ -178,25 +218,25 @@ def test_proximal_term_shrinks_the_update(tmp_path: Path) -> None:
 
 def test_unknown_task_is_refused_before_training(tmp_path: Path) -> None:
     with pytest.raises(SpecError) as info:
-        run_local_job(_job("no_such_task"), initial_state("tabular"), tmp_path)
+        run_local_job(_job("no_such_task"), initial_state("breast_cancer"), tmp_path)
     assert info.value.field == "task"
     assert not (tmp_path / "spec.json").exists()
 
 
 def test_mismatched_global_model_names_the_parameter(tmp_path: Path) -> None:
-    state = initial_state("tabular")
+    state = initial_state("breast_cancer")
     state["net.0.weight"] = np.zeros((5, 30), dtype=np.float32)
     with pytest.raises(ShapeMismatchError) as info:
         run_local_job(_job(), state, tmp_path)
     assert info.value.parameter == "net.0.weight"
-    state = initial_state("tabular")
+    state = initial_state("breast_cancer")
     del state["net.4.bias"]
     with pytest.raises(ShapeMismatchError, match=r"net\.4\.bias"):
         run_local_job(_job(), state, tmp_path)
 
 
 def test_nan_in_global_model_is_refused(tmp_path: Path) -> None:
-    state = initial_state("tabular")
+    state = initial_state("breast_cancer")
     state["net.2.bias"][3] = np.inf
     with pytest.raises(NonFiniteUpdateError, match=r"net\.2\.bias"):
         run_local_job(_job(), state, tmp_path)
@@ -205,7 +245,7 @@ def test_nan_in_global_model_is_refused(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("task", "kw", "field"),
     [
-        ("tabular", {"tp": 2}, "tp"),
+        ("breast_cancer", {"tp": 2}, "tp"),
         ("digits", {"pp": 2}, "pp"),
         ("gpt", {"pp": 8, "batch_size": 64}, "pp"),
     ],
@@ -221,14 +261,14 @@ def test_unsupported_parallelism_names_the_degree(
 def test_nan_update_is_never_sent(tmp_path: Path) -> None:
     spec = _job(f"{__name__}:nan_task", local_steps=2)
     with pytest.raises(NonFiniteUpdateError) as info:
-        run_local_job(spec, initial_state("tabular"), tmp_path)
+        run_local_job(spec, initial_state("breast_cancer"), tmp_path)
     assert info.value.parameter.startswith("net.")
     assert not (tmp_path / UPDATE_FILE).exists()
     assert not (tmp_path / RESULT_FILE).exists()
 
 
-def test_tasks_build_models_on_cpu() -> None:
-    for name in BUILTIN_TASKS:
-        model = load_task(name).build_model(0)
-        assert isinstance(model, nn.Module)
-        assert all(p.device.type == "cpu" for p in model.parameters())
+@pytest.mark.parametrize("name", sorted(BUILTIN_TASKS))
+def test_tasks_build_models_on_cpu(name: str, tmp_path: Path) -> None:
+    model = load_task(name, _context(name, tmp_path)).build_model(0)
+    assert isinstance(model, nn.Module)
+    assert all(p.device.type == "cpu" for p in model.parameters())

@@ -1,0 +1,357 @@
+"""``fedweave runs``, ``peers`` and ``audit events|fetch``: client commands of a running
+node's admin API.
+
+fedweave runs list | show RUN | propose --name N --trainer T ... | propose --spec spec.json
+fedweave runs accept RUN [--dataset NAME] | decline | start | pause | resume | abort RUN
+fedweave peers
+fedweave audit events [--run R] [--round N] [--peer P] [--class C]
+fedweave audit fetch RUN --out DIR
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from org_node.cli_common import (
+    ClientDataDir,
+    TokenOpt,
+    UrlOpt,
+    client,
+    fmt,
+    guarded,
+    resolve_run,
+    table,
+)
+
+__all__ = ["audit_events", "audit_fetch", "peers", "runs_app"]
+
+runs_app = typer.Typer(
+    help="Runs at a running node, over its admin API.",
+    no_args_is_help=True,
+)
+
+
+@runs_app.command("list")
+def runs_list(
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+    data_dir: ClientDataDir = None,
+    state: Annotated[str | None, typer.Option("--state", help="Only runs in this state.")] = None,
+) -> None:
+    """The node's runs, newest first."""
+    with client(url, token, data_dir) as api:
+        body = api.get("/v1/runs", state=state, limit=1000)
+    rows = [
+        [
+            r["id"],
+            r["name"],
+            r["state"],
+            str(r["current_round"]),
+            str(r["spec"]["rounds"]),
+            r["spec"]["backend"],
+            ", ".join(r["spec"]["participants"]),
+        ]
+        for r in body["data"]
+    ]
+    table(
+        f"runs ({body['count']})",
+        ["id", "name", "state", "round", "of", "backend", "participants"],
+        rows,
+    )
+
+
+@runs_app.command("show")
+def runs_show(
+    run: Annotated[str, typer.Argument(help="Run id, id prefix or name.")],
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+    data_dir: ClientDataDir = None,
+) -> None:
+    """A run's status and its per-round metrics."""
+    with client(url, token, data_dir) as api:
+        row = resolve_run(api, run)
+        metrics = api.get(f"/v1/runs/{row['id']}/metrics", limit=1000)["data"]
+    spec = row["spec"]
+    typer.echo(f"run {row['name']} ({row['id']})")
+    typer.echo(f"state: {row['state']} (version {row['version']})")
+    if row.get("state_reason"):
+        typer.echo(f"why: {row['state_reason']}")
+    typer.echo(f"round: {row['current_round']} of {spec['rounds']}")
+    pin = f" (pinned {spec['trainer_hash'][:12]}…)" if spec.get("trainer_hash") else ""
+    typer.echo(
+        f"spec: trainer {spec['trainer']}{pin}, backend {spec['backend']}, threshold "
+        f"{spec['threshold']}, epsilon {fmt(spec.get('epsilon'))}"
+    )
+    if spec.get("data"):
+        columns = ", ".join(f"{k}:{v}" for k, v in spec["data"].get("columns", {}).items())
+        typer.echo(f"data: {spec['data']['kind']}" + (f" ({columns})" if columns else ""))
+    if spec.get("config"):
+        typer.echo("config: " + ", ".join(f"{k}={v}" for k, v in sorted(spec["config"].items())))
+    typer.echo(f"participants: {', '.join(spec['participants'])}")
+    if row.get("trainer_hash"):
+        typer.echo(f"bound trainer: {spec['trainer']} {row['trainer_hash'][:12]}…")
+    if row.get("dataset_name"):
+        typer.echo(
+            f"bound dataset: {row['dataset_name']} ({row.get('dataset_rows')} rows, "
+            f"{str(row.get('dataset_hash'))[:12]}…)"
+        )
+    typer.echo(f"proposed by {row['proposed_by']}")
+    if row.get("decided_by"):
+        reason = f" ({row['decision_reason']})" if row.get("decision_reason") else ""
+        typer.echo(f"decided by {row['decided_by']} at {row['decided_at']}{reason}")
+    if not metrics:
+        typer.echo("no round metrics yet")
+        return
+    names = sorted({m["name"] for m in metrics})
+    per_round: dict[int, dict[str, float]] = {}
+    for m in metrics:
+        per_round.setdefault(int(m["round"]), {})[m["name"]] = m["value"]
+    table(
+        "metrics per round",
+        ["round", *names],
+        [[str(r), *(fmt(v.get(n)) for n in names)] for r, v in sorted(per_round.items())],
+    )
+
+
+def _config_values(pairs: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs; a value that reads as JSON (a number, true/false) is that."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise typer.BadParameter(f"{pair!r} is not KEY=VALUE", param_hint="--config")
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = raw
+        out[key] = value if isinstance(value, bool | int | float | str) else raw
+    return out
+
+
+def _columns(pairs: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for pair in pairs:
+        name, sep, typ = pair.rpartition(":")
+        if not sep or not name:
+            raise typer.BadParameter(f"{pair!r} is not NAME:TYPE", param_hint="--column")
+        out[name] = typ
+    return out
+
+
+@runs_app.command("propose")
+def runs_propose(
+    name: Annotated[str, typer.Option("--name", help="The run's name (the same at every org).")],
+    spec_file: Annotated[
+        Path | None, typer.Option("--spec", help="A JSON file holding the run spec.")
+    ] = None,
+    trainer: Annotated[
+        str | None, typer.Option("--trainer", help="The trainer, by its installed name.")
+    ] = None,
+    trainer_hash: Annotated[
+        str | None, typer.Option("--trainer-hash", help="Pin the trainer's code hash.")
+    ] = None,
+    rounds: Annotated[int | None, typer.Option("--rounds", help="Number of rounds.")] = None,
+    participant: Annotated[
+        list[str] | None, typer.Option("--participant", help="A participating org (repeat).")
+    ] = None,
+    backend: Annotated[str | None, typer.Option("--backend", help="masked or ckks.")] = None,
+    threshold: Annotated[
+        int | None, typer.Option("--threshold", help="Secure-aggregation threshold t.")
+    ] = None,
+    epsilon: Annotated[
+        float | None, typer.Option("--epsilon", help="Org-level DP budget (masked only).")
+    ] = None,
+    data_kind: Annotated[
+        str | None,
+        typer.Option("--data", help="The data each org binds: table, image-folder or files."),
+    ] = None,
+    column: Annotated[
+        list[str] | None,
+        typer.Option("--column", help="NAME:TYPE of a column the trainer reads (repeat)."),
+    ] = None,
+    config: Annotated[
+        list[str] | None, typer.Option("--config", help="KEY=VALUE of the run's config (repeat).")
+    ] = None,
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+    data_dir: ClientDataDir = None,
+) -> None:
+    """Propose a run at this node (a spec file, flags, or a file with flags overriding)."""
+    spec: dict[str, Any] = {}
+    if spec_file is not None:
+        loaded = guarded(lambda: json.loads(spec_file.read_text(encoding="utf-8")))
+        if not isinstance(loaded, dict):
+            typer.echo(f"error: {spec_file} does not hold a JSON object", err=True)
+            raise typer.Exit(1)
+        spec = loaded
+    flags = {
+        "trainer": trainer,
+        "trainer_hash": trainer_hash,
+        "rounds": rounds,
+        "participants": participant or None,
+        "backend": backend,
+        "threshold": threshold,
+        "epsilon": epsilon,
+    }
+    spec |= {k: v for k, v in flags.items() if v is not None}
+    if data_kind is not None or column:
+        spec["data"] = {"kind": data_kind or "table", "columns": _columns(column or [])}
+    if config:
+        spec["config"] = dict(spec.get("config") or {}) | _config_values(config)
+    missing = [k for k in ("trainer", "rounds", "participants") if k not in spec]
+    if missing:
+        typer.echo(f"error: the spec lacks {', '.join(missing)} (--spec or flags)", err=True)
+        raise typer.Exit(1)
+    with client(url, token, data_dir) as api:
+        row = api.post("/v1/runs", {"name": name, "spec": spec})
+    typer.echo(f"proposed run {row['name']} ({row['id']}): {row['state']}")
+
+
+def _action_command(action: str, doc: str) -> None:
+    def command(
+        run: Annotated[str, typer.Argument(help="Run id, id prefix or name.")],
+        reason: Annotated[str, typer.Option("--reason", help="Recorded with the action.")] = "",
+        url: UrlOpt = None,
+        token: TokenOpt = None,
+        data_dir: ClientDataDir = None,
+    ) -> None:
+        _act(action, run, {"reason": reason} if reason else None, url, token, data_dir)
+
+    command.__doc__ = doc
+    command.__name__ = f"runs_{action}"
+    runs_app.command(action)(command)
+
+
+def _act(
+    action: str,
+    run: str,
+    body: dict[str, Any] | None,
+    url: str | None,
+    token: str | None,
+    data_dir: Path | None,
+) -> None:
+    with client(url, token, data_dir) as api:
+        row = resolve_run(api, run)
+        new = api.post(f"/v1/runs/{row['id']}/{action}", body)
+    typer.echo(f"run {new['name']} ({new['id']}): {new['state']}")
+    if new.get("dataset_name"):
+        typer.echo(f"bound dataset {new['dataset_name']} ({new.get('dataset_rows')} rows)")
+
+
+@runs_app.command("accept")
+def runs_accept(
+    run: Annotated[str, typer.Argument(help="Run id, id prefix or name.")],
+    dataset: Annotated[
+        str | None,
+        typer.Option("--dataset", help="This org's registered dataset to bind (runs with data)."),
+    ] = None,
+    reason: Annotated[str, typer.Option("--reason", help="Recorded with the consent.")] = "",
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+    data_dir: ClientDataDir = None,
+) -> None:
+    """This org consents to the run: its policies, its installed trainer (and pinned
+    hash), and for a run that needs data the dataset named here, bound to the run."""
+    body: dict[str, Any] = {}
+    if reason:
+        body["reason"] = reason
+    if dataset:
+        body["dataset"] = dataset
+    _act("accept", run, body or None, url, token, data_dir)
+
+
+_action_command("decline", "This org declines the run; the decision is recorded.")
+_action_command("start", "Start an accepted run.")
+_action_command("pause", "Pause a running run after the current round.")
+_action_command("resume", "Resume a paused run.")
+_action_command("abort", "Abort a run that has not ended.")
+
+
+def peers(url: UrlOpt = None, token: TokenOpt = None, data_dir: ClientDataDir = None) -> None:
+    """The node's live view of the other members."""
+    with client(url, token, data_dir) as api:
+        body = api.get("/v1/peers")
+    table(
+        f"peers ({body['count']})",
+        ["org", "status", "incarnation", "last seen (s ago)", "latency (ms)"],
+        [
+            [
+                p["org_id"],
+                p["status"],
+                str(p["incarnation"]),
+                fmt(p["last_seen_s_ago"]),
+                fmt(p["latency_ms"]),
+            ]
+            for p in body["data"]
+        ],
+    )
+
+
+def audit_events(
+    run: Annotated[str | None, typer.Option("--run", help="Only events of this run.")] = None,
+    round: Annotated[int | None, typer.Option("--round", help="Only this round.")] = None,
+    peer: Annotated[str | None, typer.Option("--peer", help="Only events to this peer.")] = None,
+    privacy_class: Annotated[
+        str | None, typer.Option("--class", help="Only this privacy class.")
+    ] = None,
+    kind: Annotated[str | None, typer.Option("--kind", help="Only this kind.")] = None,
+    limit: Annotated[int, typer.Option("--limit", help="At most this many events.")] = 100,
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+    data_dir: ClientDataDir = None,
+) -> None:
+    """The node's audit events, filtered (auditor or admin token)."""
+    with client(url, token, data_dir) as api:
+        body = api.get(
+            "/v1/audit/events",
+            run=run,
+            round=round,
+            peer=peer,
+            privacy_class=privacy_class,
+            kind=kind,
+            limit=limit,
+        )
+    table(
+        f"audit events ({len(body['data'])} of {body['count']})",
+        ["time", "stage", "kind", "run", "round", "peer", "class", "bytes"],
+        [
+            [
+                str(e.get("time")),
+                str(e.get("stage")),
+                str(e.get("kind")),
+                fmt(e.get("run")),
+                fmt(e.get("round")),
+                fmt(e.get("peer")),
+                fmt(e.get("privacy_class")),
+                fmt(e.get("bytes")),
+            ]
+            for e in body["data"]
+        ],
+    )
+
+
+def audit_fetch(
+    run: Annotated[str, typer.Argument(help="The run id.")],
+    out: Annotated[Path, typer.Option("--out", help="Directory for report.json and .html.")],
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+    data_dir: ClientDataDir = None,
+) -> None:
+    """Have the node generate the run's privacy report, and download it (JSON and HTML)."""
+    with client(url, token, data_dir) as api:
+        made = api.send("POST", f"/v1/audit/runs/{run}/report")
+        html = api.send("GET", f"/v1/audit/runs/{run}/report.html")
+        key = str(made.json()["run"]["id"])
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", key):
+            raise typer.BadParameter(f"the node named the run {key!r}: not a file name")
+        out.mkdir(parents=True, exist_ok=True)
+        json_path = out / f"{key}.audit.json"
+        html_path = out / f"{key}.audit.html"
+        json_path.write_bytes(made.content)  # the signed bytes, as the node wrote them
+        html_path.write_bytes(html.content)
+    typer.echo(f"{json_path}\n{html_path}")
