@@ -79,7 +79,7 @@ from org_node.strategies import (
     state_to_bytes,
     unpack_weighted,
 )
-from org_node.training.exchange import LocalResult
+from org_node.training.exchange import LocalResult, npz_bytes
 from secure_agg.codec import FixedPointCodec
 from secure_agg.dp import DistributedSkellam
 from secure_agg.errors import SecAggError
@@ -676,6 +676,7 @@ class RunEngine:
             if not self.state.model:
                 raise EngineError("trainer", "the trainer's initial model holds no arrays")
             check_update(self.state.model, self.state.model)
+            self._export_initial(self.state.model)
         local_stats = getattr(self.trainer, "statistics", None)
         if local_stats is None:
             return
@@ -803,6 +804,13 @@ class RunEngine:
             / self.plan.run_key
             / f"round-{round:06d}{suffix}"
         )
+
+    def _export_initial(self, model: Model) -> None:
+        """Harness only: the round-0 model (public to the federation) beside the exports."""
+        target = self._export_path(0, ".npy")
+        if target is not None:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(target.parent / "initial.npz", npz_bytes(dict(model)))
 
     def _export(self, round: int, packed: np.ndarray) -> None:
         target = self._export_path(round, ".npy")

@@ -129,6 +129,9 @@ HARNESS_EXPORT_ENV = "FEDWEAVE_HARNESS_DEBUG_EXPORT"
 """Test harnesses only: a directory for each round's plaintext update (see
 :mod:`org_node.engine`); refused unless the config says ``[debug] harness = true``."""
 
+RESUME_RETRY_S = 2.0
+"""How often a run that could not resume (its trainer or dataset missing) is tried again."""
+
 MANIFEST_TOPIC = "manifest"
 MODEL_TOPIC = "model"
 """Gossip topic of the global model's content hash per run and round (key ``RUN/ROUND``)."""
@@ -227,6 +230,10 @@ class OrgNode:
         self._participants: tuple[str, ...] = ()
         self._proposals: dict[str, Manifest] = {}
         self._follow: asyncio.Task[None] | None = None
+        self._retry: asyncio.Task[None] | None = None
+        self._waiting: dict[str, tuple[str, Mapping[str, Any]]] = {}
+        """Runs left running that cannot resume yet (run id -> name, spec)."""
+        self._reasons: dict[str, str] = {}
         self._history_run = ""
         self.finished: dict[str, str] = {}
         """Run id -> how it ended here (``completed``, ``failed: ...``)."""
@@ -394,10 +401,11 @@ class OrgNode:
             active.task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await active.task
-        if self._follow is not None:
-            self._follow.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._follow
+        for task in (self._follow, self._retry):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self.replicator is not None:
             await self.replicator.close()
         if self.gossip is not None:
@@ -602,6 +610,7 @@ class OrgNode:
         self._call_soon(active.paused.clear)
 
     def on_run_aborted(self, run_id: str, spec: Mapping[str, Any]) -> None:
+        self._waiting.pop(run_id, None)
         active = self._active
         if active is not None and active.run_id == run_id and active.task is not None:
             self._call_soon(active.task.cancel)
@@ -871,12 +880,40 @@ class OrgNode:
             run_id = self._running_row(state)
             if run_id is None:
                 continue
+            self._waiting[run_id] = (state.plan["name"], state.plan["spec"])
+        await self._resume_waiting()
+        self._retry = asyncio.create_task(self._retry_waiting(), name="resume-waiting-runs")
+
+    async def _resume_waiting(self) -> None:
+        """Resume each run left running whose trainer and data are in place; note on the
+        run's row why the others wait (e.g. a wiped node's dataset is not registered yet:
+        its admin registers it again, and the run resumes)."""
+        for run_id, (name, spec) in list(self._waiting.items()):
             try:
-                await self._launch(run_id, state.plan["name"], state.plan["spec"])
+                await self._launch(run_id, name, spec)
             except ServiceRefused as exc:
-                reason = f"cannot resume at {self.org_identity.org_id}: {exc}"
-                logger.warning("%s: run %s %s", self.org_identity.org_id, run_id, reason)
-                await asyncio.to_thread(self._set_state, run_id, RunAction.FAIL, reason)
+                reason = f"waiting to resume at {self.org_identity.org_id}: {exc}"
+                if self._reasons.get(run_id) != reason:
+                    logger.warning("%s: run %s %s", self.org_identity.org_id, run_id, reason)
+                    self._reasons[run_id] = reason
+                    await asyncio.to_thread(self._note_reason, run_id, reason)
+                continue
+            del self._waiting[run_id]
+            if self._reasons.pop(run_id, None) is not None:
+                await asyncio.to_thread(self._note_reason, run_id, None)
+
+    async def _retry_waiting(self) -> None:
+        while True:
+            await asyncio.sleep(RESUME_RETRY_S)
+            if self._waiting:
+                await self._resume_waiting()
+
+    def _note_reason(self, run_id: str, reason: str | None) -> None:
+        with Session(self.db) as session:
+            session.execute(
+                update(Run).where(Run.id == run_id).values(state_reason=reason)  # type: ignore[arg-type]
+            )
+            session.commit()
 
     def _running_row(self, state: EngineState) -> str | None:
         """The local run row of a saved state: the running one, or a new row after recovery."""

@@ -4,6 +4,8 @@ fedweave harness --orgs 3 --rounds 5 --out demo
 fedweave harness --orgs 4 --rounds 3 --kill org2@2:reduce --out kill-demo
 fedweave harness --orgs 3 --rounds 4 --wipe org3@2 --out wipe-demo
 fedweave harness --orgs 3 --rounds 3 --backend ckks --delay-ms 20 --out ckks-demo
+fedweave harness --orgs 3 --rounds 5 --flower-app ./my-flower-app --out flower-demo
+fedweave harness --orgs 3 --rounds 5 --data ./hospitals --target diagnosis --out data-demo
 
 An impossible scenario is refused before anything starts (exit status 2, one line).
 The run ends by printing where the summary, the plot and the audit reports are; the
@@ -26,8 +28,23 @@ def harness(
     orgs: Annotated[int, typer.Option("--orgs", help="Number of orgs (org1 … orgN).")] = 3,
     rounds: Annotated[int, typer.Option("--rounds", help="Training rounds.")] = 5,
     task: Annotated[
-        str, typer.Option("--task", help="breast_cancer, digits or gpt.")
-    ] = "breast_cancer",
+        str | None,
+        typer.Option("--task", help="A demo task: breast_cancer (default), digits, gpt."),
+    ] = None,
+    flower_app: Annotated[
+        str | None,
+        typer.Option(
+            "--flower-app",
+            help="A Flower .py file (FILE.py[:ATTR]) or App directory, run unchanged at every org.",
+        ),
+    ] = None,
+    data: Annotated[
+        Path | None,
+        typer.Option("--data", help="A directory holding <org>.csv (or .parquet) per org."),
+    ] = None,
+    target: Annotated[
+        str | None, typer.Option("--target", help="The label column of --data's files.")
+    ] = None,
     backend: Annotated[str, typer.Option("--backend", help="masked or ckks.")] = "masked",
     strategy: Annotated[
         str, typer.Option("--strategy", help="fedavg, fedprox, fedadam or diloco.")
@@ -71,6 +88,9 @@ def harness(
             delay_ms=delay_ms,
             seed=seed,
             local_steps=local_steps,
+            flower_app=flower_app,
+            data=None if data is None else str(data),
+            target=target,
         )
     except ScenarioError as exc:
         typer.echo(f"refused: {exc}", err=True)

@@ -170,7 +170,10 @@ def plot_progress(
         o: [(r, m.get("eval_loss", m.get("train_loss", math.nan))) for r, m in history[o].items()]
         for o in orgs
     }
-    acc = {o: [(r, m.get("eval_accuracy", math.nan)) for r, m in history[o].items()] for o in orgs}
+    acc = {
+        o: [(r, m.get("eval_accuracy", m.get("eval_acc", math.nan))) for r, m in history[o].items()]
+        for o in orgs
+    }
     c = Canvas(900, 380)
     _panel(c, 50, 40, 360, 260, "LOSS", loss, colors, rounds)
     _panel(c, 500, 40, 360, 260, "ACCURACY", acc, colors, rounds)

@@ -25,25 +25,48 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from org_node.harness.nodes import (
+    EXPORT_DIR,
+    RUN_NAME,
+    HarnessError,
+    Interrupted,
+    NodeProcess,
+    Observation,
+    Processes,
+    ProgressFn,
+    cli,
+    export_file,
+    free_ports,
+    hold_file,
+    interrupt,
+    no_signals,
+    node_env,
+    port_is_free,
+    round_hold,
+    start,
+    wait_ready,
+)
 from org_node.harness.proxy import DelayRelays
 from org_node.harness.scenario import Kill, Scenario, Wipe
+from org_node.harness.setup import (
+    bring_data,
+    bring_trainer,
+    create,
+    propose_and_accept,
+    start_run,
+)
 
 __all__ = [
     "EXPORT_DIR",
@@ -57,373 +80,8 @@ __all__ = [
     "run_harness",
 ]
 
-RUN_NAME = "harness-run"
-EXPORT_DIR = "debug-export"
 _TERMINAL = {"completed", "failed", "aborted", "declined"}
 _TOKEN = re.compile(r"token[^:]*:\s*(\S+)")
-
-
-class HarnessError(Exception):
-    """The harness could not set up or drive the federation (the message says why)."""
-
-
-class Interrupted(HarnessError):
-    """Ctrl-C (SIGINT) or SIGTERM: every process was stopped."""
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct TCP ports free on 127.0.0.1 at the time of the call."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def port_is_free(port: int) -> bool:
-    """Whether ``port`` can be bound on 127.0.0.1 now."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
-
-
-@dataclass
-class NodeProcess:
-    """One org's node: its files, ports, admin token and running process."""
-
-    org: str
-    index: int
-    data_dir: Path
-    peer_port: int
-    admin_port: int
-    public_peer_port: int
-    token: str = ""
-    proc: subprocess.Popen[bytes] | None = None
-    run_id: str = ""
-    state: str = "proposed"
-    round: int = 0
-    down: bool = False
-    restarts: int = 0
-
-    @property
-    def admin_url(self) -> str:
-        return f"http://127.0.0.1:{self.admin_port}"
-
-    def client(self, timeout: float | None = 30.0) -> httpx.Client:
-        return httpx.Client(
-            base_url=self.admin_url,
-            headers={"Authorization": f"Bearer {self.token}"},
-            timeout=timeout,
-        )
-
-
-@dataclass
-class Observation:
-    """Everything the harness saw, for the verdict."""
-
-    scenario: Scenario
-    out: Path
-    run_key: str = ""
-    spec: dict[str, Any] = field(default_factory=dict)
-    nodes: dict[str, NodeProcess] = field(default_factory=dict)
-    survivors: dict[int, tuple[str, ...]] = field(default_factory=dict)
-    """1-based round -> the orgs whose updates are in that round's sum."""
-    metrics: dict[str, dict[int, dict[str, float]]] = field(default_factory=dict)
-    """org -> 1-based round -> metric name -> value (from each org's API)."""
-    faults: list[dict[str, Any]] = field(default_factory=list)
-    recoveries: list[dict[str, Any]] = field(default_factory=list)
-    states: dict[str, str] = field(default_factory=dict)
-    errors: list[str] = field(default_factory=list)
-    wiped_exports: dict[str, Path] = field(default_factory=dict)
-    """org -> a copy of its exported updates taken when it was wiped."""
-    timed_out: bool = False
-    elapsed_s: float = 0.0
-    listening: set[str] = field(default_factory=set)
-    """Orgs whose event stream the harness reads."""
-    t0: float = field(default_factory=time.monotonic)
-
-    @property
-    def export_dir(self) -> Path:
-        return self.out / EXPORT_DIR
-
-
-ProgressFn = Callable[[Observation], None]
-
-
-class _Processes:
-    """Every child process the harness started, stopped together (process groups)."""
-
-    def __init__(self) -> None:
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.lock = threading.Lock()
-
-    def popen(self, args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "ab") as out, self.lock:
-            # appended as soon as it exists, so that a Ctrl-C right after still stops it
-            self.procs.append(
-                subprocess.Popen(
-                    args, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-                )
-            )
-            return self.procs[-1]
-
-    @staticmethod
-    def kill9(proc: subprocess.Popen[bytes]) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=10)
-
-    def stop_all(self, grace: float = 15.0) -> None:
-        with self.lock:
-            procs = list(self.procs)
-        for proc in procs:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.send_signal(signal.SIGTERM)
-        end = time.monotonic() + grace
-        for proc in procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=max(0.1, end - time.monotonic()))
-        for proc in procs:
-            # the whole group: a node's local training job (torchrun) dies with it
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=10)
-
-    @property
-    def pids(self) -> list[int]:
-        with self.lock:
-            return [p.pid for p in self.procs]
-
-
-class _Interrupt:
-    """SIGINT/SIGTERM raise :class:`Interrupted` once; later ones are ignored while the
-    harness stops its children."""
-
-    def __init__(self) -> None:
-        self.fired = False
-        self.previous: dict[int, Any] = {}
-
-    def __enter__(self) -> _Interrupt:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self.previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.fired:
-            return
-        self.fired = True
-        raise Interrupted(f"interrupted by {signal.Signals(signum).name}")
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-
-@contextlib.contextmanager
-def _no_signals() -> Iterator[None]:
-    """Defer SIGINT/SIGTERM while the children are being stopped."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-
-
-# --------------------------------------------------------------------------- setup
-
-
-def _create(scenario: Scenario, out: Path) -> dict[str, NodeProcess]:
-    """Data directories, configs, backups, and the founded and installed manifest."""
-    from org_node.config import DebugSection, NodeConfig
-    from org_node.engine import EngineConfig, TrainingConfig
-    from org_node.initialize import (
-        InitError,
-        found_manifest,
-        initialize,
-        install_manifest,
-        sign_manifest,
-    )
-
-    n = scenario.orgs
-    ports = free_ports(3 * n)
-    nodes: dict[str, NodeProcess] = {}
-    try:
-        for i, org in enumerate(scenario.names):
-            peer, admin, relay = ports[3 * i], ports[3 * i + 1], ports[3 * i + 2]
-            public = relay if scenario.delay_ms else peer
-            node = NodeProcess(org, i, out / "nodes" / org, peer, admin, public)
-            result = initialize(
-                node.data_dir,
-                org,
-                peer_port=peer,
-                admin_port=admin,
-                advertise_url=f"https://127.0.0.1:{public}",
-                backup_file=out / "backups" / f"{org}-recovery-backup.json",
-                harness=True,
-            )
-            node.token = result.admin_token
-            config = NodeConfig.load(node.data_dir / "fedweave.toml")
-            config = config.replace(
-                training=TrainingConfig(
-                    local_steps=scenario.local_steps,
-                    batch_size=scenario.batch_size,
-                    lr=1e-2,
-                    seed=scenario.seed + i,
-                    num_partitions=n,
-                    partition_index=i,
-                    partition_seed=scenario.seed,
-                    dirichlet_alpha=scenario.dirichlet_alpha,
-                    evaluate=True,
-                ),
-                engine=EngineConfig(
-                    strategy=scenario.strategy,
-                    strategy_options=scenario.strategy_options,
-                    model_seed=scenario.seed,
-                    checkpoint_every=1,
-                    ready_timeout_s=20.0,
-                    model_hash_timeout_s=20.0,
-                    max_attempts=4,
-                ),
-                debug=DebugSection(harness=True, fast_membership=True),
-            )
-            config.save(node.data_dir / "fedweave.toml")
-            # kept outside the data directory: what an operator restores after a wipe
-            shutil.copyfile(node.data_dir / "fedweave.toml", out / "configs" / f"{org}.toml")
-            nodes[org] = node
-        manifest = out / "manifest.json"
-        found_manifest("harness", [nd.data_dir / "member.json" for nd in nodes.values()], manifest)
-        for nd in nodes.values():
-            sign_manifest(nd.data_dir, manifest)
-        for nd in nodes.values():
-            install_manifest(
-                nd.data_dir,
-                manifest,
-                backup_file=out / "backups" / f"{nd.org}-recovery-backup.json",
-            )
-    except InitError as exc:
-        raise HarnessError(f"cannot create the federation: {exc}") from None
-    return nodes
-
-
-def _node_env(out: Path, *, export: bool = True) -> dict[str, str]:
-    """The nodes' environment: the debug export on (``fedweave recover`` rebuilds a
-    plain config, which refuses it, so the harness turns it off there)."""
-    from org_node.node import HARNESS_EXPORT_ENV
-
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.pop(HARNESS_EXPORT_ENV, None)
-    if export:
-        env[HARNESS_EXPORT_ENV] = str(out / EXPORT_DIR)
-    env.pop("FEDWEAVE_DATABASE_URL", None)  # embedded SQLite in each data directory
-    return env
-
-
-def _cli(*args: str) -> list[str]:
-    """The installed ``fedweave`` console script (``fedweave run`` lives at the top layer)."""
-    script = Path(sys.executable).with_name("fedweave")
-    return [str(script) if script.exists() else "fedweave", *args]
-
-
-def _start(procs: _Processes, node: NodeProcess, out: Path) -> None:
-    node.proc = procs.popen(
-        _cli("run", "--data-dir", str(node.data_dir)),
-        out / "logs" / f"{node.org}.log",
-        _node_env(out),
-    )
-    node.down = False
-
-
-def _wait_ready(node: NodeProcess, out: Path, timeout: float = 90.0) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if node.proc is not None and node.proc.poll() is not None:
-            raise HarnessError(
-                f"{node.org}'s node exited with status {node.proc.returncode}; "
-                f"see {out / 'logs' / (node.org + '.log')}"
-            )
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{node.admin_url}/healthz", timeout=1.0).status_code == 200:
-                return
-        time.sleep(0.2)
-    raise HarnessError(f"{node.org}'s node did not answer on {node.admin_url} in {timeout:g} s")
-
-
-def _check(response: httpx.Response, what: str) -> dict[str, Any]:
-    if response.status_code >= 400:
-        try:
-            detail = response.json().get("detail", response.text)
-        except ValueError:
-            detail = response.text
-        raise HarnessError(f"{what}: HTTP {response.status_code}: {detail}")
-    body: dict[str, Any] = response.json()
-    return body
-
-
-def _propose_and_accept(obs: Observation) -> None:
-    """Propose at org1, relay the proposal to every other org, accept it at each."""
-    s = obs.scenario
-    spec = {
-        "task": s.task_ref,
-        "rounds": s.rounds,
-        "participants": list(s.names),
-        "backend": s.backend,
-        "threshold": s.t,
-    }
-    obs.spec = spec
-    first = obs.nodes[s.names[0]]
-    with first.client() as c:
-        proposal = _check(
-            c.post("/v1/runs", json={"name": RUN_NAME, "spec": spec}), f"propose at {first.org}"
-        )
-    first.run_id = proposal["id"]
-    relayed = {"name": proposal["name"], "spec": proposal["spec"]}
-    for org in s.names[1:]:
-        node = obs.nodes[org]
-        with node.client() as c:
-            node.run_id = _check(c.post("/v1/runs", json=relayed), f"relay to {org}")["id"]
-    for org in s.names:
-        node = obs.nodes[org]
-        with node.client() as c:
-            _check(c.post(f"/v1/runs/{node.run_id}/accept", json={}), f"accept at {org}")
-    from org_node.engine import RunPlan
-
-    obs.run_key = RunPlan.from_spec(RUN_NAME, spec).run_key
-
-
-def _start_run(obs: Observation) -> None:
-    """Start the accepted run at every org through its own API.
-
-    First, for each ``reduce`` kill, the hold file that stops the org once its update of
-    that round is made and exported, before any of it is sent: the kill then always
-    finds it there (watching the export alone, the round could end first)."""
-    for kill in obs.scenario.kills:
-        if kill.stage == "reduce":
-            hold = _hold_file(obs, kill)
-            hold.parent.mkdir(parents=True, exist_ok=True)
-            hold.touch()
-    for org in obs.scenario.names:
-        node = obs.nodes[org]
-        with node.client() as c:
-            _check(c.post(f"/v1/runs/{node.run_id}/start", json={}), f"start at {org}")
-            node.state = "running"
 
 
 # --------------------------------------------------------------------------- following
@@ -481,34 +139,19 @@ def _collect_metrics(obs: Observation) -> None:
             per_round.setdefault(int(row["round"]), {})[str(row["name"])] = float(row["value"])
 
 
-def _export_file(obs: Observation, org: str, round0: int) -> Path:
-    return obs.export_dir / org / obs.run_key / f"round-{round0:06d}.npy"
-
-
-def _hold_file(obs: Observation, kill: Kill) -> Path:
-    """The file that holds ``kill.org`` after its update of the kill's round is exported."""
-    return _round_hold(obs, kill.org, kill.round - 1)
-
-
-def _round_hold(obs: Observation, org: str, round0: int) -> Path:
-    """While this file exists, ``org``'s engine (harness nodes only) waits after exporting
-    its update of round ``round0`` (0-based), before sending anything of the round."""
-    return _export_file(obs, org, round0).with_suffix(".hold")
-
-
 def _kill_due(obs: Observation, kill: Kill) -> bool:
     node = obs.nodes[kill.org]
     if kill.stage == "reduce":
-        return _export_file(obs, kill.org, kill.round - 1).exists()
+        return export_file(obs, kill.org, kill.round - 1).exists()
     return node.state == "running" and node.round >= kill.round - 1
 
 
-def _inject_kill(procs: _Processes, obs: Observation, kill: Kill) -> None:
+def _inject_kill(procs: Processes, obs: Observation, kill: Kill) -> None:
     node = obs.nodes[kill.org]
     assert node.proc is not None
     procs.kill9(node.proc)
     node.down, node.state = True, "killed"
-    _hold_file(obs, kill).unlink(missing_ok=True)
+    hold_file(obs, kill).unlink(missing_ok=True)
     obs.faults.append(
         {
             "kind": "kill",
@@ -517,7 +160,7 @@ def _inject_kill(procs: _Processes, obs: Observation, kill: Kill) -> None:
             "stage": kill.stage,
             "signal": "SIGKILL",
             "rounds_done_at_kill": node.round,
-            "update_exported": _export_file(obs, kill.org, kill.round - 1).exists(),
+            "update_exported": export_file(obs, kill.org, kill.round - 1).exists(),
             "at_s": round(time.monotonic() - obs.t0, 2),
         }
     )
@@ -554,7 +197,7 @@ def _pause_due(obs: Observation, wipe: Wipe) -> bool:
     update is in too, so every org is inside that round: each one finishes it and stops
     before the next. Also due once any org finished that round (too late to hold it)."""
     for org, node in obs.nodes.items():
-        if _export_file(obs, org, wipe.round - 1).exists():
+        if export_file(obs, org, wipe.round - 1).exists():
             return True
         if node.state == "running" and node.round >= wipe.round:
             return True
@@ -627,7 +270,7 @@ def _release(
 
 
 def _inject_wipe(
-    procs: _Processes, obs: Observation, wipe: Wipe, paused: list[NodeProcess] | None = None
+    procs: Processes, obs: Observation, wipe: Wipe, paused: list[NodeProcess] | None = None
 ) -> None:
     """kill -9, wipe the data directory, ``fedweave recover``, restart; record the outcome.
 
@@ -670,7 +313,7 @@ def _inject_wipe(
     # the restarted org waits at the round the others are held before, so that all of
     # them enter it together once released (its ready window would otherwise start
     # while the others wait for the membership views to converge)
-    hold = _round_hold(obs, wipe.org, fault["held_at_round"]) if held else None
+    hold = round_hold(obs, wipe.org, fault["held_at_round"]) if held else None
     if hold is not None:
         hold.parent.mkdir(parents=True, exist_ok=True)
         hold.touch()
@@ -684,7 +327,7 @@ def _inject_wipe(
 
 
 def _recover_and_restart(
-    procs: _Processes,
+    procs: Processes,
     obs: Observation,
     node: NodeProcess,
     wipe: Wipe,
@@ -694,7 +337,7 @@ def _recover_and_restart(
     out = obs.out
     log = out / "logs" / f"{wipe.org}-recover.log"
     proc = procs.popen(
-        _cli(
+        cli(
             "recover",
             "--data-dir",
             str(node.data_dir),
@@ -708,7 +351,7 @@ def _recover_and_restart(
             "60",
         ),
         log,
-        _node_env(out, export=False),
+        node_env(out, export=False),
     )
     try:
         rc = proc.wait(timeout=120)
@@ -730,8 +373,12 @@ def _recover_and_restart(
     # the operator's config (training share, engine, peer port behind the relay) back in place
     shutil.copyfile(out / "configs" / f"{wipe.org}.toml", node.data_dir / "fedweave.toml")
     node.restarts += 1
-    _start(procs, node, out)
-    _wait_ready(node, out)
+    start(procs, node, out)
+    wait_ready(node, out)
+    # the wiped database held the org's installed trainer and its registered dataset: its
+    # admin installs and registers them again, and the node resumes the run once they are
+    bring_trainer(node, obs.scenario)
+    bring_data(node, obs.scenario)
     node.run_id, node.state, node.round = "", "running", int(record.get("recovered_round", 0))
     end = time.monotonic() + 30
     while time.monotonic() < end and not node.run_id:
@@ -755,7 +402,7 @@ def _listen(obs: Observation, stop: threading.Event) -> None:
 
 
 def _follow(
-    procs: _Processes,
+    procs: Processes,
     obs: Observation,
     timeout: float,
     progress: ProgressFn | None,
@@ -831,15 +478,15 @@ def run_harness(
     for sub in ("nodes", "backups", "configs", "logs", EXPORT_DIR):
         (out / sub).mkdir(parents=True, exist_ok=True)
     obs = Observation(scenario, out)
-    procs = _Processes()
+    procs = Processes()
     stop = threading.Event()
     relays: DelayRelays | None = None
     limit = timeout or 60.0 + 30.0 * (
         scenario.rounds + len(scenario.kills) + 2 * len(scenario.wipes)
     )
-    with _Interrupt():
+    with interrupt():
         try:
-            obs.nodes = _create(scenario, out)
+            obs.nodes = create(scenario, out)
             if scenario.delay_ms:
                 relays = DelayRelays(
                     {n.public_peer_port: n.peer_port for n in obs.nodes.values()},
@@ -847,20 +494,20 @@ def run_harness(
                 )
                 relays.start()
             for node in obs.nodes.values():
-                _start(procs, node, out)
+                start(procs, node, out)
             for node in obs.nodes.values():
-                _wait_ready(node, out)
+                wait_ready(node, out)
             if on_started is not None:
                 on_started(obs, procs.pids)
-            _propose_and_accept(obs)
+            propose_and_accept(obs)
             _listen(obs, stop)
             _wait_converged(list(obs.nodes.values()))
-            _start_run(obs)
+            start_run(obs)
             _follow(procs, obs, limit, progress, stop)
             _collect_metrics(obs)
         finally:
             stop.set()
-            with _no_signals():
+            with no_signals():
                 procs.stop_all()
                 if relays is not None:
                     relays.stop()

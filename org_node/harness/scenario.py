@@ -20,6 +20,17 @@ aggregation backend, the strategy, and the faults to inject:
 * ``--delay-ms D``: every byte between two nodes' peer ports passes a loopback proxy
   that holds it ``D`` ms.
 
+What the orgs train (one of):
+
+* ``--task NAME``: a bundled demo task on a Dirichlet(alpha) share of its data
+  (``breast_cancer``, the default, ``digits``, ``gpt``);
+* ``--flower-app PATH[:ATTR]``: a Flower ``.py`` file (its ``ClientApp``) or a Flower
+  App directory, installed at every org through its own API (``POST /v1/trainers``)
+  and run unchanged, with ``partition-id`` / ``num-partitions`` in its ``node_config``;
+* ``--data DIR --target COLUMN``: the bundled ``tabular`` trainer on each org's own
+  ``DIR/<org>.csv`` (or ``.parquet``), registered through that org's API and bound when
+  it accepts (with ``--flower-app``, the Flower app gets the bound file instead).
+
 :func:`Scenario.validate` (called by the constructor) refuses a scenario that cannot
 succeed, with :class:`ScenarioError` carrying one line that says why: fewer than two
 orgs, ``R < 1``, an unknown org name, task, backend or strategy, a fault outside the
@@ -33,6 +44,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 __all__ = [
     "BACKENDS",
@@ -58,6 +70,8 @@ STATEFUL_STRATEGIES = frozenset({"fedadam", "diloco"})
 """Strategies whose server state (moments, outer momentum) is not in the model, so an
 org that missed rounds cannot catch up (``RunEngine.try_catch_up``)."""
 KILL_STAGES = ("train", "reduce")
+FLOWER_TRAINER = "flower-app"
+"""The name under which the harness installs ``--flower-app`` at every org."""
 MAX_ORGS = 16
 MAX_DELAY_MS = 5000
 _FAULT = re.compile(r"^(?P<org>[^@:\s]+)@(?P<round>[^@:\s]+)(?::(?P<stage>[^@:\s]*))?$")
@@ -152,7 +166,7 @@ class Scenario:
 
     orgs: int
     rounds: int
-    task: str = "breast_cancer"
+    task: str | None = None
     backend: str = "masked"
     strategy: str = "fedavg"
     kills: tuple[Kill, ...] = ()
@@ -163,6 +177,9 @@ class Scenario:
     local_steps: int = 3
     batch_size: int = 16
     dirichlet_alpha: float = 0.5
+    flower_app: str | None = None
+    data: str | None = None
+    target: str | None = None
     names: tuple[str, ...] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -187,8 +204,35 @@ class Scenario:
 
     @property
     def task_ref(self) -> str:
-        """The task's name in :data:`org_node.tasks.BUILTIN_TASKS`."""
-        return TASKS[self.task]
+        """The demo task's name in :data:`org_node.tasks.BUILTIN_TASKS`."""
+        return TASKS[self.task or "breast_cancer"]
+
+    @property
+    def demo_task(self) -> bool:
+        """Whether the orgs train a bundled demo task (not a Flower app or their data)."""
+        return self.flower_app is None and self.data is None
+
+    @property
+    def trainer(self) -> str:
+        """The trainer the run spec names."""
+        if self.flower_app is not None:
+            return FLOWER_TRAINER
+        return "tabular" if self.data is not None else self.task_ref
+
+    def data_file(self, org: str) -> Path:
+        """``DIR/<org>.csv`` or ``DIR/<org>.parquet`` of ``--data DIR``."""
+        assert self.data is not None
+        for suffix in (".csv", ".parquet"):
+            path = Path(self.data) / f"{org}{suffix}"
+            if path.is_file():
+                return path.resolve()
+        raise ScenarioError(f"--data {self.data}: no {org}.csv or {org}.parquet there")
+
+    def flower_path(self) -> Path:
+        """The Flower app's file or directory (without ``:ATTR``)."""
+        assert self.flower_app is not None
+        target, sep, _attr = self.flower_app.rpartition(":")
+        return Path(target if sep and target.endswith(".py") else self.flower_app)
 
     @property
     def strategy_options(self) -> dict[str, object]:
@@ -201,8 +245,9 @@ class Scenario:
         n, r = self.orgs, self.rounds
         if r < 1:
             raise ScenarioError(f"--rounds {r}: a run needs at least 1 round")
-        if self.task not in TASKS:
+        if self.task is not None and self.task not in TASKS:
             raise ScenarioError(f"--task {self.task}: choose one of {', '.join(TASKS)}")
+        self._validate_trainer()
         if self.backend not in BACKENDS:
             raise ScenarioError(f"--backend {self.backend}: choose one of {', '.join(BACKENDS)}")
         if self.strategy not in STRATEGIES:
@@ -263,12 +308,40 @@ class Scenario:
                 f"model to rejoin; {n} orgs with {len(self.kills)} killed have too few"
             )
 
+    def _validate_trainer(self) -> None:
+        if self.task is not None and not self.demo_task:
+            raise ScenarioError(
+                "--task names a demo task: leave it out with --flower-app or --data"
+            )
+        if self.flower_app is not None:
+            path = self.flower_path()
+            if not (path.is_dir() and (path / "pyproject.toml").is_file()) and not (
+                path.is_file() and path.suffix == ".py"
+            ):
+                raise ScenarioError(
+                    f"--flower-app {self.flower_app}: not a .py file or a Flower App directory "
+                    "(a directory with pyproject.toml)"
+                )
+        if self.data is not None:
+            if not Path(self.data).is_dir():
+                raise ScenarioError(f"--data {self.data}: not a directory")
+            for org in self.names:
+                self.data_file(org)
+            if self.flower_app is None and not self.target:
+                raise ScenarioError("--data: name the label column with --target")
+        elif self.target is not None:
+            raise ScenarioError("--target names a column of --data: give --data DIR too")
+
     def to_dict(self) -> dict[str, object]:
         """The scenario as JSON-ready values (written to ``summary.json``)."""
         return {
             "orgs": list(self.names),
             "rounds": self.rounds,
-            "task": self.task,
+            "task": self.task or ("breast_cancer" if self.demo_task else None),
+            "trainer": self.trainer,
+            "flower_app": self.flower_app,
+            "data": self.data,
+            "target": self.target,
             "backend": self.backend,
             "strategy": self.strategy,
             "threshold": self.t,

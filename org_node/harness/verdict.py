@@ -73,6 +73,18 @@ def _export(obs: Observation, org: str, round0: int) -> np.ndarray:
     raise VerdictError(f"no exported update of {org} for round {round0 + 1}")
 
 
+def initial_model(obs: Observation) -> dict[str, np.ndarray]:
+    """The round-0 model the orgs' trainers built (from the harness-only export; every
+    org exported the same one, which the run's model-hash checks confirm)."""
+    for org in obs.scenario.names:
+        for base in (obs.wiped_exports.get(org), obs.export_dir / org):
+            path = None if base is None else base / obs.run_key / "initial.npz"
+            if path is not None and path.exists():
+                with np.load(path, allow_pickle=False) as npz:
+                    return {k: np.asarray(npz[k], dtype=np.float32) for k in npz.files}
+    raise VerdictError("no org exported the round-0 model")
+
+
 def plaintext_fedavg(
     obs: Observation, survivors: Mapping[int, Sequence[str]], rounds: int
 ) -> dict[str, np.ndarray]:
@@ -80,16 +92,12 @@ def plaintext_fedavg(
     exported updates of each round's ``survivors`` (1-based round -> orgs)."""
     from org_node.engine import EngineConfig
     from org_node.strategies import make_strategy, params_shapes, unpack_weighted
-    from org_node.tasks import initial_state
 
     s = obs.scenario
     config = EngineConfig(
         strategy=s.strategy, strategy_options=s.strategy_options, model_seed=s.seed
     )
-    model = {
-        k: np.asarray(v, dtype=np.float32)
-        for k, v in initial_state(s.task_ref, config.model_seed).items()
-    }
+    model = initial_model(obs)
     strategy = make_strategy(config.strategy, config.strategy_options)
     names = sorted(model)
     shapes = params_shapes([model[k] for k in names])
@@ -204,12 +212,12 @@ def _metrics(obs: Observation, org: str, model: Mapping[str, np.ndarray] | None)
     last = per[max(per)] if per else {}
     out: dict[str, Any] = {
         "loss": last.get("eval_loss", last.get("train_loss")),
-        "accuracy": last.get("eval_accuracy"),
+        "accuracy": last.get("eval_accuracy", last.get("eval_acc")),
         "round": max(per) if per else None,
         "final_model_loss": None,
         "final_model_accuracy": None,
     }
-    if model is not None:
+    if model is not None and obs.scenario.demo_task:
         with contextlib.suppress(TaskError, ValueError, RuntimeError):
             result = evaluate(obs.scenario.task_ref, {k: np.asarray(v) for k, v in model.items()})
             out["final_model_loss"] = result.get("loss")
@@ -301,6 +309,7 @@ def build_summary(obs: Observation) -> dict[str, Any]:
         "backend": s.backend,
         "strategy": s.strategy,
         "task": s.task,
+        "trainer": s.trainer,
         "run_key": obs.run_key,
         "states": states,
         "surviving": surviving,

@@ -1,0 +1,239 @@
+"""Setting up a harness federation: the orgs' data directories and configs, the founding
+manifest, what each org trains (a demo task, a Flower app installed through its API,
+or its own data registered through its API), and the run proposed at org1, relayed,
+accepted and started at every org through its own API.
+"""
+
+from __future__ import annotations
+
+import csv
+import shutil
+from pathlib import Path
+from typing import Any
+
+from org_node.harness.nodes import (
+    RUN_NAME,
+    HarnessError,
+    NodeProcess,
+    Observation,
+    check,
+    free_ports,
+    hold_file,
+)
+from org_node.harness.scenario import FLOWER_TRAINER, Scenario
+
+__all__ = [
+    "bring_data",
+    "bring_trainer",
+    "create",
+    "dataset_name",
+    "propose_and_accept",
+    "run_spec",
+    "start_run",
+]
+
+
+def create(scenario: Scenario, out: Path) -> dict[str, NodeProcess]:
+    """Data directories, configs, backups, and the founded and installed manifest."""
+    from org_node.config import DatasetsSection, DebugSection, NodeConfig
+    from org_node.engine import EngineConfig, TrainingConfig
+    from org_node.initialize import (
+        InitError,
+        found_manifest,
+        initialize,
+        install_manifest,
+        sign_manifest,
+    )
+
+    n = scenario.orgs
+    ports = free_ports(3 * n)
+    nodes: dict[str, NodeProcess] = {}
+    try:
+        for i, org in enumerate(scenario.names):
+            peer, admin, relay = ports[3 * i], ports[3 * i + 1], ports[3 * i + 2]
+            public = relay if scenario.delay_ms else peer
+            node = NodeProcess(org, i, out / "nodes" / org, peer, admin, public)
+            result = initialize(
+                node.data_dir,
+                org,
+                peer_port=peer,
+                admin_port=admin,
+                advertise_url=f"https://127.0.0.1:{public}",
+                backup_file=out / "backups" / f"{org}-recovery-backup.json",
+                harness=True,
+            )
+            node.token = result.admin_token
+            config = NodeConfig.load(node.data_dir / "fedweave.toml")
+            roots = config.datasets.roots
+            if scenario.data is not None:
+                roots = (*roots, str(Path(scenario.data).resolve()))
+            config = config.replace(
+                datasets=DatasetsSection(roots),
+                training=TrainingConfig(
+                    local_steps=scenario.local_steps,
+                    batch_size=scenario.batch_size,
+                    lr=1e-2,
+                    seed=scenario.seed + i,
+                    num_partitions=n,
+                    partition_index=i,
+                    partition_seed=scenario.seed,
+                    dirichlet_alpha=scenario.dirichlet_alpha,
+                    evaluate=True,
+                ),
+                engine=EngineConfig(
+                    strategy=scenario.strategy,
+                    strategy_options=scenario.strategy_options,
+                    model_seed=scenario.seed,
+                    checkpoint_every=1,
+                    ready_timeout_s=20.0,
+                    model_hash_timeout_s=20.0,
+                    max_attempts=4,
+                ),
+                debug=DebugSection(harness=True, fast_membership=True),
+            )
+            config.save(node.data_dir / "fedweave.toml")
+            # kept outside the data directory: what an operator restores after a wipe
+            shutil.copyfile(node.data_dir / "fedweave.toml", out / "configs" / f"{org}.toml")
+            nodes[org] = node
+        manifest = out / "manifest.json"
+        found_manifest("harness", [nd.data_dir / "member.json" for nd in nodes.values()], manifest)
+        for nd in nodes.values():
+            sign_manifest(nd.data_dir, manifest)
+        for nd in nodes.values():
+            install_manifest(
+                nd.data_dir,
+                manifest,
+                backup_file=out / "backups" / f"{nd.org}-recovery-backup.json",
+            )
+    except InitError as exc:
+        raise HarnessError(f"cannot create the federation: {exc}") from None
+    return nodes
+
+
+def dataset_name(org: str) -> str:
+    return f"{org}-data"
+
+
+def bring_trainer(node: NodeProcess, s: Scenario) -> None:
+    """Install ``--flower-app`` at the org through its own API (an admin's act)."""
+    if s.flower_app is None:
+        return
+    from org_node.cli_catalog import guess_kind
+
+    kind, ref = guess_kind(s.flower_app)
+    body = {"name": FLOWER_TRAINER, "kind": kind, "ref": ref, "description": "--flower-app"}
+    with node.client(timeout=240.0) as c:
+        check(c.post("/v1/trainers", json=body), f"install the Flower app at {node.org}")
+
+
+def bring_data(node: NodeProcess, s: Scenario) -> None:
+    """Register the org's ``--data`` file through its own API."""
+    if s.data is None:
+        return
+    body = {"name": dataset_name(node.org), "path": str(s.data_file(node.org))}
+    with node.client(timeout=120.0) as c:
+        check(c.post("/v1/datasets", json=body), f"register the data of {node.org}")
+
+
+def _labels(path: Path, column: str) -> set[str]:
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return {str(v) for v in pq.read_table(path, columns=[column]).column(0).to_pylist()}
+    with path.open(newline="", encoding="utf-8") as f:
+        return {row[column].strip() for row in csv.DictReader(f)}
+
+
+def _tabular(s: Scenario) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The data requirement and config of a ``--data`` run: the numeric columns every
+    org's file holds are the features, ``--target`` the label, and its classes the
+    values found in the files (a harness on one host may read them all)."""
+    from org_node.datasets import DatasetError, inspect_table
+
+    try:
+        tables = {org: inspect_table(s.data_file(org))[0] for org in s.names}
+    except DatasetError as exc:
+        raise HarnessError(f"--data: {exc}") from None
+    first = tables[s.names[0]]
+    target = s.target
+    if target is None:
+        return {"kind": "table", "columns": {}}, {}
+    for org, columns in tables.items():
+        if target not in columns:
+            raise HarnessError(f"--target {target}: {org}'s file has no such column")
+    features = [
+        name
+        for name, typ in first.items()
+        if name != target and all(t.get(name) in ("int", "float", "bool") for t in tables.values())
+    ]
+    if s.flower_app is not None:
+        return {"kind": "table", "columns": {}}, {"target": target}
+    if not features:
+        raise HarnessError("--data: the files share no numeric feature column")
+    classes = sorted(set().union(*(_labels(s.data_file(o), target) for o in s.names)))
+    if len(classes) < 2:
+        raise HarnessError(f"--target {target}: the files hold fewer than 2 classes")
+    columns = {f: "number" for f in features} | {target: "any"}
+    return {"kind": "table", "columns": columns}, {"target": target, "classes": ",".join(classes)}
+
+
+def run_spec(s: Scenario) -> dict[str, Any]:
+    """The spec org1 proposes."""
+    spec: dict[str, Any] = {
+        "trainer": s.trainer,
+        "rounds": s.rounds,
+        "participants": list(s.names),
+        "backend": s.backend,
+        "threshold": s.t,
+    }
+    if s.data is not None:
+        spec["data"], spec["config"] = _tabular(s)
+    return spec
+
+
+def propose_and_accept(obs: Observation) -> None:
+    """Bring each org's trainer and data through its API, propose at org1, relay the
+    proposal to every other org, accept it at each (binding its dataset)."""
+    s = obs.scenario
+    for org in s.names:
+        bring_trainer(obs.nodes[org], s)
+        bring_data(obs.nodes[org], s)
+    spec = run_spec(s)
+    obs.spec = spec
+    first = obs.nodes[s.names[0]]
+    with first.client() as c:
+        proposal = check(
+            c.post("/v1/runs", json={"name": RUN_NAME, "spec": spec}), f"propose at {first.org}"
+        )
+    first.run_id = proposal["id"]
+    relayed = {"name": proposal["name"], "spec": proposal["spec"]}
+    for org in s.names[1:]:
+        node = obs.nodes[org]
+        with node.client() as c:
+            node.run_id = check(c.post("/v1/runs", json=relayed), f"relay to {org}")["id"]
+    for org in s.names:
+        node = obs.nodes[org]
+        body = {"dataset": dataset_name(org)} if s.data is not None else {}
+        with node.client() as c:
+            check(c.post(f"/v1/runs/{node.run_id}/accept", json=body), f"accept at {org}")
+    from org_node.engine import RunPlan
+
+    obs.run_key = RunPlan.from_spec(RUN_NAME, proposal["spec"]).run_key
+
+
+def start_run(obs: Observation) -> None:
+    """Start the accepted run at every org through its own API.
+
+    First, for each ``reduce`` kill, the hold file that stops the org once its update of
+    that round is made and exported, before any of it is sent: the kill then always
+    finds it there (watching the export alone, the round could end first)."""
+    for kill in obs.scenario.kills:
+        if kill.stage == "reduce":
+            hold = hold_file(obs, kill)
+            hold.parent.mkdir(parents=True, exist_ok=True)
+            hold.touch()
+    for org in obs.scenario.names:
+        node = obs.nodes[org]
+        with node.client() as c:
+            check(c.post(f"/v1/runs/{node.run_id}/start", json={}), f"start at {org}")
+            node.state = "running"
