@@ -19,6 +19,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Query, Request, Response, status
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
+from pydantic import ValidationError
 from sqlalchemy import Connection, bindparam
 from sqlalchemy import select as sa_select
 from sqlmodel import Session, col, func, select
@@ -45,10 +46,12 @@ from org_node.db.models import (
     RunMetricPublic,
     RunMetricsPublic,
     RunPublic,
+    RunSpecModel,
     RunsPublic,
     utcnow,
 )
 from org_node.db.repo import append_audit_event, update_versioned
+from org_node.policy import PolicyError, RunSpec
 from org_node.runs import TERMINAL_STATES, InvalidTransition, RunAction, RunState, next_state
 from org_node.services import NodeServices, RunEvent, ServiceError
 from org_node.trainers.catalog import TrainerCatalog
@@ -73,6 +76,15 @@ _POLICY_CHECKED = (RunAction.ACCEPT, RunAction.START, RunAction.RESUME)
 
 def _public(row: Run) -> RunPublic:
     return RunPublic.model_validate(row, from_attributes=True)
+
+
+def _spec_of(row: Run) -> RunSpec:
+    """The run's stored spec; 409 naming what is wrong if it is not a valid one."""
+    try:
+        return RunSpecModel.model_validate(row.spec).to_spec()
+    except (ValidationError, PolicyError) as exc:
+        first = str(exc).splitlines()
+        raise conflict(f"the run's spec is not valid here: {' '.join(first[:3])}") from None
 
 
 def _get(session: Session, run_id: str) -> Run:
@@ -178,7 +190,7 @@ def _transition(
     except InvalidTransition as exc:
         raise conflict(str(exc)) from None
     if action in _POLICY_CHECKED:
-        broken = violations(session, _public(row).spec.to_spec())
+        broken = violations(session, _spec_of(row))
         if broken:
             listed = "; ".join(f"{v.policy}: {v.message}" for v in broken)
             raise conflict(f"run violates this org's policies: {listed}")
@@ -192,7 +204,7 @@ def _transition(
     if action is RunAction.ACCEPT:
         # nothing is imported: the trainer is looked up among those installed here
         try:
-            binding = bind_run(session, trainers, _public(row).spec.to_spec(), request.dataset)
+            binding = bind_run(session, trainers, _spec_of(row), request.dataset)
         except ConsentRefused as exc:
             raise conflict(f"this org cannot accept the run: {exc}") from None
         values |= binding.row_values()

@@ -34,7 +34,9 @@ import numpy as np
 from org_node.datasets import DatasetError, content_hash
 from org_node.trainers import channel
 from org_node.trainers.base import Executor, TrainerError, TrainRequest, WorkerSpec
+from org_node.tasks import TaskError
 from org_node.trainers.code import CodeError, code_hash, load_object, read_flower_app
+from org_node.training.errors import TrainingError
 from org_node.training.job import DistEnv
 
 __all__ = ["build_executor", "main", "probe", "serve"]
@@ -157,10 +159,19 @@ def _handle(executor: Executor, request: channel.Request, root: Path, env: DistE
     channel.write_reply(directory, meta=meta, arrays={"update": result.update})
 
 
+def _named(exc: Exception) -> Exception:
+    """Fedweave's own errors say what is wrong; any other one is named by its type."""
+    if isinstance(exc, TrainingError | TaskError | CodeError):
+        return exc
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return TrainerError(f"{type(exc).__name__}: {first}" if first else type(exc).__name__)
+
+
 def serve(root: Path, env: DistEnv | None = None) -> int:
     """Serve requests until told to stop; 0 when stopped, 2 when the worker cannot go on."""
     env = env or DistEnv.from_environ()
     spec = WorkerSpec.from_dict(json.loads((root / channel.WORKER_FILE).read_bytes()))
+    print(f"rank {env.rank}: serving trainer {spec.trainer.name!r}", file=sys.stderr, flush=True)
     executor: Executor | None = None
     done = 0
     try:
@@ -174,7 +185,7 @@ def serve(root: Path, env: DistEnv | None = None) -> int:
                 _handle(executor, request, root, env)
             except Exception as exc:  # the trainer's failure: report it, in one line
                 if env.rank == 0:
-                    channel.write_reply(channel.request_dir(root, request.seq), error=exc)
+                    channel.write_reply(channel.request_dir(root, request.seq), error=_named(exc))
                 print(f"rank {env.rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
                 if executor is None or env.world_size > 1:
                     return 2
