@@ -74,10 +74,11 @@ def create(scenario: Scenario, out: Path) -> dict[str, NodeProcess]:
                     batch_size=scenario.batch_size,
                     lr=1e-2,
                     seed=scenario.seed + i,
-                    num_partitions=n,
-                    partition_index=i,
+                    # a demo task or Flower app splits one data set; own data is whole
+                    num_partitions=1 if scenario.data else n,
+                    partition_index=0 if scenario.data else i,
                     partition_seed=scenario.seed,
-                    dirichlet_alpha=scenario.dirichlet_alpha,
+                    dirichlet_alpha=None if scenario.data else scenario.dirichlet_alpha,
                     evaluate=True,
                 ),
                 engine=EngineConfig(

@@ -63,11 +63,20 @@ def _final_state(data_dir: Path, run_key: str) -> Any:
 
 
 def _export(obs: Observation, org: str, round0: int) -> np.ndarray:
-    """The packed update ``org`` exported for 0-based round ``round0`` (the copy taken
-    when it was wiped first: those updates were summed before the wipe)."""
+    """The packed update ``org`` exported for 0-based round ``round0``. For an org that
+    was wiped, a round before the one it recovered at comes from the copy taken at the
+    wipe (summed before it); later rounds from what it exported after its restart (an
+    update of a round the wipe interrupted never entered a sum; the round ran again)."""
     name = Path(obs.run_key) / f"round-{round0:06d}.npy"
     kept = obs.wiped_exports.get(org)
-    for base in ([kept] if kept is not None else []) + [obs.export_dir / org]:
+    recovered = max(
+        (int(r.get("recovered_round", 0)) for r in obs.recoveries if r.get("org") == org),
+        default=0,
+    )
+    bases = [obs.export_dir / org]
+    if kept is not None:
+        bases = [kept, *bases] if round0 < recovered else [*bases, kept]
+    for base in bases:
         if (base / name).exists():
             return np.asarray(np.load(base / name), dtype=np.float64)
     raise VerdictError(f"no exported update of {org} for round {round0 + 1}")

@@ -32,9 +32,9 @@ from typing import Any
 import numpy as np
 
 from org_node.datasets import DatasetError, content_hash
+from org_node.tasks import TaskError
 from org_node.trainers import channel
 from org_node.trainers.base import Executor, TrainerError, TrainRequest, WorkerSpec
-from org_node.tasks import TaskError
 from org_node.trainers.code import CodeError, code_hash, load_object, read_flower_app
 from org_node.training.errors import TrainingError
 from org_node.training.job import DistEnv
