@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from org_node.engine import EngineConfig, EngineError, TrainingConfig
+from org_node.run_config import EngineConfig, EngineError, TrainingConfig
 
 __all__ = [
     "CONFIG_FILE",

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import zlib
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -133,6 +134,33 @@ def test_impossible_scenarios_are_refused(kwargs: dict[str, object], message: st
     assert "\n" not in str(info.value)
 
 
+def test_what_the_orgs_train_is_checked_before_anything_starts(tmp_path: Path) -> None:
+    app = tmp_path / "client.py"
+    app.write_text("app = None\n")
+    data = tmp_path / "data"
+    data.mkdir()
+    for org in ("org1", "org2"):
+        (data / f"{org}.csv").write_text("x,y\n1,0\n")
+    refusals = [
+        ({"flower_app": str(tmp_path / "nope.py")}, "not a .py file or a Flower App directory"),
+        ({"flower_app": str(tmp_path)}, "not a .py file or a Flower App directory"),
+        ({"flower_app": str(app), "task": "digits"}, "leave it out"),
+        ({"data": str(tmp_path / "none")}, "not a directory"),
+        ({"data": str(data)}, "no org3.csv or org3.parquet"),
+        ({"data": str(data), "orgs": 2}, "name the label column with --target"),
+        ({"target": "y"}, "give --data DIR too"),
+    ]
+    for kwargs, message in refusals:
+        values: dict[str, Any] = {"orgs": 3, "rounds": 2} | kwargs
+        with pytest.raises(ScenarioError, match=message):
+            Scenario(**values)
+    flower = Scenario(orgs=2, rounds=1, flower_app=f"{app}:app")
+    assert (flower.trainer, flower.demo_task, flower.flower_path()) == ("flower-app", False, app)
+    own = Scenario(orgs=2, rounds=1, data=str(data), target="y")
+    assert own.trainer == "tabular" and own.data_file("org2") == (data / "org2.csv").resolve()
+    assert Scenario(orgs=2, rounds=1).trainer == "breast_cancer"
+
+
 def test_the_cli_refuses_before_anything_starts(tmp_path: Path) -> None:
     """Exit status 2, one line on stderr, and not even the output directory is made."""
     out = tmp_path / "demo"
@@ -165,8 +193,14 @@ def test_the_cli_refuses_before_anything_starts(tmp_path: Path) -> None:
 
 
 def _observation(tmp_path: Path, orgs: int = 3, rounds: int = 2) -> Observation:
+    """What the harness saw, with the round-0 model every org's engine exported."""
+    from org_node.tasks import initial_state
+
     obs = Observation(Scenario(orgs=orgs, rounds=rounds), tmp_path)
     obs.run_key = "k" * 32
+    d = obs.out / EXPORT_DIR / "org1" / obs.run_key
+    d.mkdir(parents=True, exist_ok=True)
+    np.savez(d / "initial.npz", **initial_state("breast_cancer", 0))
     return obs
 
 

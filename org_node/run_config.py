@@ -1,0 +1,272 @@
+"""What a run is and how this node runs it: the ``[engine]`` and ``[training]`` tables of
+the node config (:class:`EngineConfig`, :class:`TrainingConfig`), the accepted run
+(:class:`RunPlan`) and its federation-wide key (:func:`run_key`).
+
+Every value is checked when the dataclass is built; an error is an
+:class:`EngineError` whose ``field`` names the ``table.key`` at fault.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from coordinator_free.manifest import canonical_json
+
+from org_node.strategies import StrategyError, make_strategy
+
+__all__ = [
+    "ATTEMPTS",
+    "WORKER_MODES",
+    "EngineConfig",
+    "EngineError",
+    "RunPlan",
+    "TrainingConfig",
+    "UpdateRejected",
+    "run_key",
+]
+
+ATTEMPTS = 8
+"""Protocol rounds reserved per training round: attempt ``a`` of round ``r`` runs as
+protocol round ``r * ATTEMPTS + a``; ``max_attempts`` may not exceed it."""
+
+
+class EngineError(Exception):
+    """A run the engine cannot carry out as configured; the message names the field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class UpdateRejected(EngineError):
+    """A local update that must not enter the secure sum (shape, names, NaN/Inf)."""
+
+
+def _check_keys(cls: type[Any], values: Mapping[str, Any], section: str) -> None:
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise EngineError(f"{section}.{unknown[0]}", "unknown key")
+
+
+def _number(section: str, name: str, value: Any, *, low: float, open_low: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise EngineError(f"{section}.{name}", f"expected a finite number, got {value!r}")
+    if value < low or (open_low and value == low):
+        raise EngineError(f"{section}.{name}", f"must be {'>' if open_low else '>='} {low}")
+
+
+def _integer(section: str, name: str, value: Any, *, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise EngineError(f"{section}.{name}", f"expected an integer >= {low}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How this node runs rounds (the ``[engine]`` table of the node config).
+
+    strategy / strategy_options: the federated strategy (``fedavg``, ``fedprox``,
+        ``fedadam``, ...) and its options; every participant must use the same.
+    weighting: ``examples`` (an org's weight is the examples it trained on) or
+        ``uniform`` (weight 1).
+    fednova: normalize each update by its step count (FedNova); off gives FedAvg's
+        plain weighted mean of the deltas.
+    ring_bits: width of the ring ``Z_2^b`` the secure sum runs in (32 or 64).
+    clip: per-coordinate clip of the fixed-point codec, in float units; must cover the
+        largest packed coordinate (``weight * tau`` with FedNova).
+    frac_bits: codec fraction bits; None picks the most that fit (24 under DP).
+    model_seed: seed of the round-0 model (the same on every node).
+    checkpoint_every: push erasure-coded state every this many rounds (0: never).
+    ready_timeout_s: how long a round waits for every participant's ``ready``.
+    owner_unmask_from: from this many participants on, each unmasks only the chunks
+        of the sum it holds (``RoundConfig.owner_unmask_from``); 0 turns it off. Every
+        participant must use the same.
+    model_hash_timeout_s: how long the model-hash check waits for the survivors.
+    max_attempts: attempts per round before the run fails (at most ``ATTEMPTS``).
+    l2_clip / noise_multiplier / delta: org-level DP (only for runs with an epsilon):
+        L2 bound of the packed vector, noise std of the sum over ``l2_clip``, and the
+        delta at which epsilon is accounted.
+    """
+
+    strategy: str = "fedavg"
+    strategy_options: Mapping[str, Any] = field(default_factory=dict)
+    weighting: str = "examples"
+    fednova: bool = True
+    ring_bits: int = 64
+    clip: float = 1.0e6
+    frac_bits: int | None = None
+    model_seed: int = 0
+    checkpoint_every: int = 1
+    ready_timeout_s: float = 30.0
+    owner_unmask_from: int = 8
+    model_hash_timeout_s: float = 30.0
+    max_attempts: int = 3
+    l2_clip: float = 1.0e4
+    noise_multiplier: float = 1.0
+    delta: float = 1e-5
+
+    def __post_init__(self) -> None:
+        s = "engine"
+        try:
+            make_strategy(self.strategy, self.strategy_options)
+        except StrategyError as exc:
+            raise EngineError(f"{s}.strategy", str(exc)) from None
+        if self.weighting not in ("examples", "uniform"):
+            raise EngineError(f"{s}.weighting", "expected 'examples' or 'uniform'")
+        if not isinstance(self.fednova, bool):
+            raise EngineError(f"{s}.fednova", "expected true or false")
+        if self.ring_bits not in (32, 64):
+            raise EngineError(f"{s}.ring_bits", "expected 32 or 64")
+        _number(s, "clip", self.clip, low=0, open_low=True)
+        if self.frac_bits is not None:
+            _integer(s, "frac_bits", self.frac_bits, low=0)
+        _integer(s, "model_seed", self.model_seed, low=0)
+        _integer(s, "checkpoint_every", self.checkpoint_every, low=0)
+        _number(s, "ready_timeout_s", self.ready_timeout_s, low=0, open_low=True)
+        _integer(s, "owner_unmask_from", self.owner_unmask_from, low=0)
+        if 0 < self.owner_unmask_from < 3:
+            raise EngineError(f"{s}.owner_unmask_from", "expected 0 (off) or at least 3")
+        _number(s, "model_hash_timeout_s", self.model_hash_timeout_s, low=0, open_low=True)
+        _integer(s, "max_attempts", self.max_attempts, low=1)
+        if self.max_attempts > ATTEMPTS:
+            raise EngineError(f"{s}.max_attempts", f"at most {ATTEMPTS}")
+        _number(s, "l2_clip", self.l2_clip, low=0, open_low=True)
+        _number(s, "noise_multiplier", self.noise_multiplier, low=0, open_low=False)
+        _number(s, "delta", self.delta, low=0, open_low=True)
+        if self.delta >= 1:
+            raise EngineError(f"{s}.delta", "must be < 1")
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> EngineConfig:
+        """Build from a TOML table; unknown keys are an error naming the key."""
+        _check_keys(cls, values, "engine")
+        return cls(**dict(values))
+
+
+WORKER_MODES = ("persistent", "per-round")
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """The local job's settings (the ``[training]`` table; :class:`LocalJobSpec` fields,
+    and how the local worker runs).
+
+    local_steps / time_budget_s: a step count, a time budget (a slow org), or both.
+    partition_index / num_partitions / partition_seed / dirichlet_alpha: which share of
+        a bundled task's data this org trains on (demos and tests); a Flower app sees
+        them as ``partition-id`` / ``num-partitions`` in its ``node_config``.
+    worker: ``persistent`` keeps the local worker (torchrun ranks, or the Flower
+        client's process) for the whole run and restarts it only if it dies;
+        ``per-round`` starts a fresh one every round.
+    round_timeout_s: how long one round's local training may take before the worker is
+        stopped and the round fails at this org.
+    start_timeout_s: how long the worker may take to start and build the round-0 model.
+    node_config: extra entries of this org's Flower ``node_config`` (and task context).
+    """
+
+    local_steps: int | None = 10
+    time_budget_s: float | None = None
+    batch_size: int = 32
+    lr: float = 1e-3
+    optimizer: str = "adamw"
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    seed: int = 0
+    device: str = "cpu"
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    partition_index: int = 0
+    num_partitions: int = 1
+    partition_seed: int = 0
+    dirichlet_alpha: float | None = None
+    evaluate: bool = True
+    worker: str = "persistent"
+    round_timeout_s: float = 3600.0
+    start_timeout_s: float = 300.0
+    node_config: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from org_node.training import LocalJobSpec, SpecError
+
+        try:
+            LocalJobSpec(task="tabular", **self.job_fields())
+        except SpecError as exc:
+            raise EngineError(f"training.{exc.field}", str(exc)) from None
+        if self.worker not in WORKER_MODES:
+            raise EngineError("training.worker", f"expected one of {', '.join(WORKER_MODES)}")
+        _number("training", "round_timeout_s", self.round_timeout_s, low=0, open_low=True)
+        _number("training", "start_timeout_s", self.start_timeout_s, low=0, open_low=True)
+        if not isinstance(self.node_config, Mapping):
+            raise EngineError("training.node_config", "must be a table of names to values")
+        for key, value in self.node_config.items():
+            if not isinstance(value, bool | int | float | str):
+                raise EngineError(
+                    f"training.node_config.{key}", "expected a boolean, number or string"
+                )
+
+    def job_fields(self) -> dict[str, Any]:
+        """The :class:`LocalJobSpec` fields among these settings."""
+        values = asdict(self)
+        for name in ("worker", "round_timeout_s", "start_timeout_s", "node_config"):
+            values.pop(name)
+        return values
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> TrainingConfig:
+        _check_keys(cls, values, "training")
+        return cls(**dict(values))
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What this node runs: the federation-wide run key and the accepted run spec."""
+
+    run_key: str
+    trainer: str
+    rounds: int
+    participants: tuple[str, ...]
+    backend: str = "masked"
+    threshold: int = 2
+    epsilon: float | None = None
+    name: str = ""
+    spec: Mapping[str, Any] = field(default_factory=dict, compare=False)
+
+    @classmethod
+    def from_spec(cls, name: str, spec: Mapping[str, Any]) -> RunPlan:
+        """The plan of the run ``name`` with the (accepted) run spec ``spec``."""
+        return cls(
+            name=name,
+            spec=dict(spec),
+            run_key=run_key(name, spec),
+            trainer=str(spec["trainer"]),
+            rounds=int(spec["rounds"]),
+            participants=tuple(sorted(spec["participants"])),
+            backend=str(spec.get("backend", "masked")),
+            threshold=int(spec.get("threshold", 2)),
+            epsilon=None if spec.get("epsilon") is None else float(spec["epsilon"]),
+        )
+
+
+def run_key(name: str, spec: Mapping[str, Any]) -> str:
+    """The federation-wide id of a run: SHA-256 of its name and canonical spec (32 hex).
+
+    Each org records the run under its own local id; orgs that accepted the same name
+    and spec take part in the same rounds.
+    """
+    defaults = {"backend": "masked", "threshold": 2, "epsilon": None, "trainer_hash": None}
+    body: dict[str, Any] = defaults | {"data": None, "config": {}} | dict(spec)
+    body["participants"] = sorted(body.get("participants", ()))
+    if body.get("epsilon") is not None:
+        body["epsilon"] = repr(float(body["epsilon"]))
+    if body.get("data") is not None:
+        from org_node.datasets import DataSpec
+
+        body["data"] = DataSpec.from_dict(body["data"]).to_dict()
+    digest = hashlib.sha256(canonical_json({"name": name, "spec": body})).hexdigest()
+    return digest[:32]
