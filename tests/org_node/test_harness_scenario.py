@@ -27,6 +27,7 @@ from org_node.harness.scenario import (
     parse_wipe,
 )
 from org_node.harness.verdict import VerdictError, plaintext_fedavg
+from org_node.training.exchange import npz_bytes
 
 
 def test_org_names_and_default_threshold() -> None:
@@ -151,7 +152,7 @@ def test_what_the_orgs_train_is_checked_before_anything_starts(tmp_path: Path) -
         ({"target": "y"}, "give --data DIR too"),
     ]
     for kwargs, message in refusals:
-        values: dict[str, Any] = {"orgs": 3, "rounds": 2} | kwargs
+        values: dict[str, Any] = {"orgs": 3, "rounds": 2, **kwargs}
         with pytest.raises(ScenarioError, match=message):
             Scenario(**values)
     flower = Scenario(orgs=2, rounds=1, flower_app=f"{app}:app")
@@ -200,7 +201,7 @@ def _observation(tmp_path: Path, orgs: int = 3, rounds: int = 2) -> Observation:
     obs.run_key = "k" * 32
     d = obs.out / EXPORT_DIR / "org1" / obs.run_key
     d.mkdir(parents=True, exist_ok=True)
-    np.savez(d / "initial.npz", **initial_state("breast_cancer", 0))
+    (d / "initial.npz").write_bytes(npz_bytes(initial_state("breast_cancer", 0)))
     return obs
 
 
