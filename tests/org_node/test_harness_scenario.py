@@ -142,7 +142,7 @@ def test_what_the_orgs_train_is_checked_before_anything_starts(tmp_path: Path) -
     data.mkdir()
     for org in ("org1", "org2"):
         (data / f"{org}.csv").write_text("x,y\n1,0\n")
-    refusals = [
+    refusals: list[tuple[dict[str, Any], str]] = [
         ({"flower_app": str(tmp_path / "nope.py")}, "not a .py file or a Flower App directory"),
         ({"flower_app": str(tmp_path)}, "not a .py file or a Flower App directory"),
         ({"flower_app": str(app), "task": "digits"}, "leave it out"),
