@@ -75,12 +75,14 @@ class Report:
         target: str | None = None,
         note: str = "",
         ratio: float | None = None,
+        target_is_absolute: bool = False,
     ) -> Row:
-        """Add a row; the ratio is value / baseline unless given, checked against target."""
+        """Add a row; the ratio is value / baseline unless given, checked against target
+        (the value itself with ``target_is_absolute``, or when there is no ratio)."""
         if ratio is None and baseline not in (None, 0):
             assert baseline is not None
             ratio = value / baseline
-        checked = ratio if ratio is not None else value
+        checked = value if target_is_absolute or ratio is None else ratio
         ok = _meets(checked, target) if target else None
         row = Row(name, value, unit, baseline, ratio, target, ok, note)
         self.rows.append(row)

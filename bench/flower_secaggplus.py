@@ -23,6 +23,7 @@ import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 from uuid import uuid4
 
 import numpy as np
@@ -70,10 +71,23 @@ _SERVER_NODE_ID = 1
 class InProcessGrid(Grid):
     """A Flower ``Grid`` that runs each node's ``ClientApp`` synchronously, in process."""
 
-    def __init__(self, apps: Mapping[int, ClientApp]) -> None:
+    def __init__(
+        self,
+        apps: Mapping[int, ClientApp],
+        *,
+        node_configs: Mapping[int, Mapping[str, Any]] | None = None,
+        run_config: Mapping[str, Any] | None = None,
+    ) -> None:
         self._apps = dict(apps)
+        configs = node_configs or {}
         self._contexts = {
-            nid: Context(_RUN_ID, nid, node_config={}, state=RecordDict(), run_config={})
+            nid: Context(
+                _RUN_ID,
+                nid,
+                node_config=dict(configs.get(nid, {})),
+                state=RecordDict(),
+                run_config=dict(run_config or {}),
+            )
             for nid in self._apps
         }
         self._replies: dict[str, Message] = {}

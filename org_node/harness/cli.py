@@ -45,6 +45,10 @@ def harness(
     target: Annotated[
         str | None, typer.Option("--target", help="The label column of --data's files.")
     ] = None,
+    worker: Annotated[
+        str,
+        typer.Option("--worker", help="persistent (one local worker per run) or per-round."),
+    ] = "persistent",
     backend: Annotated[str, typer.Option("--backend", help="masked or ckks.")] = "masked",
     strategy: Annotated[
         str, typer.Option("--strategy", help="fedavg, fedprox, fedadam or diloco.")
@@ -91,6 +95,7 @@ def harness(
             flower_app=flower_app,
             data=None if data is None else str(data),
             target=target,
+            worker=worker,
         )
     except ScenarioError as exc:
         typer.echo(f"refused: {exc}", err=True)

@@ -70,6 +70,7 @@ STATEFUL_STRATEGIES = frozenset({"fedadam", "diloco"})
 """Strategies whose server state (moments, outer momentum) is not in the model, so an
 org that missed rounds cannot catch up (``RunEngine.try_catch_up``)."""
 KILL_STAGES = ("train", "reduce")
+WORKERS = ("persistent", "per-round")
 FLOWER_TRAINER = "flower-app"
 """The name under which the harness installs ``--flower-app`` at every org."""
 MAX_ORGS = 16
@@ -162,6 +163,9 @@ class Scenario:
     threshold: the secure sum's ``t``; None picks :func:`default_threshold`.
     local_steps / batch_size / dirichlet_alpha: each org's local job per round and its
         label-skew partition of the task's data (Dirichlet(alpha)).
+    flower_app / data / target: what the orgs train instead of a demo task (see the
+        module docstring).
+    worker: ``persistent`` (one local worker per org for the run) or ``per-round``.
     """
 
     orgs: int
@@ -180,6 +184,7 @@ class Scenario:
     flower_app: str | None = None
     data: str | None = None
     target: str | None = None
+    worker: str = "persistent"
     names: tuple[str, ...] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -248,6 +253,8 @@ class Scenario:
         if self.task is not None and self.task not in TASKS:
             raise ScenarioError(f"--task {self.task}: choose one of {', '.join(TASKS)}")
         self._validate_trainer()
+        if self.worker not in WORKERS:
+            raise ScenarioError(f"--worker {self.worker}: choose one of {', '.join(WORKERS)}")
         if self.backend not in BACKENDS:
             raise ScenarioError(f"--backend {self.backend}: choose one of {', '.join(BACKENDS)}")
         if self.strategy not in STRATEGIES:
@@ -342,6 +349,7 @@ class Scenario:
             "flower_app": self.flower_app,
             "data": self.data,
             "target": self.target,
+            "worker": self.worker,
             "backend": self.backend,
             "strategy": self.strategy,
             "threshold": self.t,

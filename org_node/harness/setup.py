@@ -80,6 +80,7 @@ def create(scenario: Scenario, out: Path) -> dict[str, NodeProcess]:
                     partition_seed=scenario.seed,
                     dirichlet_alpha=None if scenario.data else scenario.dirichlet_alpha,
                     evaluate=True,
+                    worker=scenario.worker,
                 ),
                 engine=EngineConfig(
                     strategy=scenario.strategy,

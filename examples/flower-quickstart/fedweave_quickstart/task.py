@@ -57,7 +57,7 @@ def train(net: Net, loader: DataLoader, epochs: int, lr: float, device: torch.de
             loss = nn.functional.cross_entropy(net(x.to(device)), y.to(device))
             loss.backward()
             optimizer.step()
-            total, batches = total + float(loss), batches + 1
+            total, batches = total + loss.item(), batches + 1
     return total / max(batches, 1)
 
 
