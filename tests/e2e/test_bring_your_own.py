@@ -97,6 +97,9 @@ def test_each_org_trains_on_its_own_csv(tmp_path: Path) -> None:
         assert binding["trainer"]["name"] == "tabular"
         assert binding["dataset"]["name"] == f"{org}-data" and binding["dataset"]["rows"] == rows
         assert summary["metrics"][org]["accuracy"] > 0.8
+        # the report names the dataset by id and hash, never by where it lives
+        report = Path(summary["audit_reports"][org]).read_text()
+        assert str(data) not in report and f"{org}.csv" not in report
 
 
 def test_a_wiped_org_registers_its_data_again_and_rejoins(tmp_path: Path) -> None:

@@ -438,3 +438,105 @@ def test_training_config_errors_name_the_field() -> None:
     assert info.value.field == "training.local_steps"
     with pytest.raises(EngineError, match=r"training\.nope"):
         TrainingConfig.from_mapping({"nope": 1})
+
+
+class StatsTrainer(FixedTrainer):
+    """A trainer that asks for the federation's sum of a statistics vector first, and
+    starts from a round-0 model of its own."""
+
+    def __init__(self, value: float, stats: np.ndarray) -> None:
+        super().__init__(value)
+        self.local = stats
+        self.seen: np.ndarray | None = None
+
+    def initial_model(self) -> dict[str, np.ndarray]:
+        return {k: v + 1.0 for k, v in MODEL.items()}
+
+    def statistics(self) -> np.ndarray:
+        return self.local
+
+    def use_statistics(self, total: np.ndarray) -> None:
+        self.seen = total
+
+
+def test_statistics_are_summed_securely_once_before_round_one_and_kept(tmp_path: Path) -> None:
+    stats = {o: np.array([10.0 * (i + 1), 1.5, 1e9]) for i, o in enumerate(ORGS)}
+
+    async def scenario() -> dict[str, RunEngine]:
+        fed = Federation()
+        await fed.start()
+        trainers = {o: StatsTrainer(0.1, stats[o]) for o in ORGS}
+        engines = {
+            o: RunEngine(
+                plan(rounds=1), fast(), rounds=fed.rounds[o], trainer=t, state_dir=tmp_path / o
+            )
+            for o, t in trainers.items()
+        }
+        try:
+            await asyncio.gather(*(e.run() for e in engines.values()))
+        finally:
+            await fed.close()
+        return engines
+
+    engines = asyncio.run(scenario())
+    total = np.sum(list(stats.values()), axis=0)
+    for o, engine in engines.items():
+        trainer = engine.trainer
+        assert isinstance(trainer, StatsTrainer) and trainer.seen is not None
+        np.testing.assert_allclose(trainer.seen, total, rtol=1e-9)
+        assert engine.state.statistics is not None
+        np.testing.assert_allclose(engine.state.statistics, total, rtol=1e-9)
+        # the round-0 model came from the trainer, not from anywhere in the node
+        assert float(engine.state.model["w"].min()) > 0.9
+    # a restart resumes with the kept sum and asks for no second statistics round
+    again = RunEngine(
+        plan(rounds=1),
+        fast(),
+        rounds=Federation().rounds["org-a"],
+        trainer=StatsTrainer(0.1, np.array([99.0, 0.0, 0.0])),
+        state_dir=tmp_path / "org-a",
+    )
+    assert again.resume()
+    asyncio.run(again.prepare())
+    assert isinstance(again.trainer, StatsTrainer) and again.trainer.seen is not None
+    np.testing.assert_allclose(again.trainer.seen, total, rtol=1e-9)
+
+
+def test_a_dp_run_refuses_statistics_released_without_noise(tmp_path: Path) -> None:
+    fed = Federation()
+    engine = RunEngine(
+        plan(rounds=1, epsilon=8.0),
+        fast(weighting="uniform", l2_clip=10.0, noise_multiplier=1.5),
+        rounds=fed.rounds["org-a"],
+        trainer=StatsTrainer(0.1, np.array([1.0, 2.0])),
+        state_dir=tmp_path,
+    )
+    with pytest.raises(EngineError, match=r"without DP noise"):
+        asyncio.run(engine.prepare())
+
+
+def test_a_statistic_beyond_the_secure_sums_range_is_refused(tmp_path: Path) -> None:
+    fed = Federation()
+    engine = RunEngine(
+        plan(rounds=1),
+        fast(),
+        rounds=fed.rounds["org-a"],
+        trainer=StatsTrainer(0.1, np.array([1.0, 2.0**41])),
+        state_dir=tmp_path,
+    )
+    with pytest.raises(UpdateRejected, match=r"exceeds"):
+        asyncio.run(engine.prepare())
+
+
+def test_an_engine_without_a_model_and_a_trainer_that_builds_none_is_refused(
+    tmp_path: Path,
+) -> None:
+    engine = RunEngine(
+        plan(rounds=1),
+        fast(),
+        rounds=Federation().rounds["org-a"],
+        trainer=FixedTrainer(0.1),
+        state_dir=tmp_path,
+    )
+    with pytest.raises(EngineError, match=r"no initial model"):
+        asyncio.run(engine.prepare())
