@@ -480,7 +480,7 @@ def test_statistics_are_summed_securely_once_before_round_one_and_kept(tmp_path:
 
     engines = asyncio.run(scenario())
     total = np.sum(list(stats.values()), axis=0)
-    for o, engine in engines.items():
+    for engine in engines.values():
         trainer = engine.trainer
         assert isinstance(trainer, StatsTrainer) and trainer.seen is not None
         np.testing.assert_allclose(trainer.seen, total, rtol=1e-9)
