@@ -18,7 +18,16 @@ from typing import Annotated, Any
 
 import typer
 
-from org_node.cli_common import ApiClient, ClientDataDir, TokenOpt, UrlOpt, client, fmt, table
+from org_node.cli_common import (
+    ApiClient,
+    ClientDataDir,
+    TokenOpt,
+    UrlOpt,
+    client,
+    fmt,
+    guarded,
+    table,
+)
 
 __all__ = ["datasets_app", "guess_kind", "trainers_app"]
 
@@ -40,6 +49,8 @@ def guess_kind(ref: str) -> tuple[str, str]:
     if target.endswith(".py"):
         resolved = str(path.resolve())
         return "flower-clientapp", f"{resolved}:{attr}" if sep else resolved
+    if "/" in target or target.startswith("."):
+        raise ValueError(f"no such file or directory: {target}")
     return "task", ref
 
 
@@ -73,7 +84,7 @@ def trainers_install(
     data_dir: ClientDataDir = None,
 ) -> None:
     """Install a trainer (admin token): the node hashes its code and checks it imports."""
-    kind, ref = (kind, _absolute(kind, ref)) if kind else guess_kind(ref)
+    kind, ref = (kind, _absolute(kind, ref)) if kind else guarded(lambda: guess_kind(ref))
     body: dict[str, Any] = {"name": name, "kind": kind, "ref": ref, "description": description}
     if sha256:
         body["sha256"] = sha256

@@ -18,7 +18,9 @@ from typing import Annotated, Any
 import typer
 
 from org_node.cli_common import (
+    ApiClient,
     ClientDataDir,
+    ClientError,
     TokenOpt,
     UrlOpt,
     client,
@@ -143,6 +145,17 @@ def _columns(pairs: list[str]) -> dict[str, str]:
     return out
 
 
+def _data_like(api: ApiClient, name: str) -> dict[str, Any]:
+    """The data requirement of a dataset like this org's ``name``: its kind, and its
+    columns with numeric types widened to ``number``."""
+    rows = api.get("/v1/datasets", limit=1000)["data"]
+    found = [r for r in rows if r["name"] == name]
+    if not found:
+        raise ClientError(f"no dataset {name!r} at this node (for --data-like)")
+    columns = {c: "number" if t in ("int", "float") else t for c, t in found[0]["columns"].items()}
+    return {"kind": found[0]["kind"], "columns": columns}
+
+
 @runs_app.command("propose")
 def runs_propose(
     name: Annotated[str, typer.Option("--name", help="The run's name (the same at every org).")],
@@ -173,6 +186,14 @@ def runs_propose(
     column: Annotated[
         list[str] | None,
         typer.Option("--column", help="NAME:TYPE of a column the trainer reads (repeat)."),
+    ] = None,
+    data_like: Annotated[
+        str | None,
+        typer.Option(
+            "--data-like",
+            help="Require the columns of this org's registered dataset NAME (numbers as "
+            "'number'); only names and types go into the spec.",
+        ),
     ] = None,
     config: Annotated[
         list[str] | None, typer.Option("--config", help="KEY=VALUE of the run's config (repeat).")
@@ -208,6 +229,9 @@ def runs_propose(
         typer.echo(f"error: the spec lacks {', '.join(missing)} (--spec or flags)", err=True)
         raise typer.Exit(1)
     with client(url, token, data_dir) as api:
+        if data_like is not None:
+            like = _data_like(api, data_like)
+            spec["data"] = like | {"columns": like["columns"] | _columns(column or [])}
         row = api.post("/v1/runs", {"name": name, "spec": spec})
     typer.echo(f"proposed run {row['name']} ({row['id']}): {row['state']}")
 
