@@ -1,12 +1,14 @@
 """The run engine: one org's side of a federated run, round after round.
 
 ``docs/ARCHITECTURE.md``, "A round", is what :meth:`RunEngine.run` does for each round
-``r`` of a run:
+``r`` of a run, once :meth:`RunEngine.prepare` has the round-0 model (from the saved
+state, or from the trainer) and, when the trainer asks for them, the federation's
+secure sum of its pre-training statistics:
 
-1. **train** — the local job (:class:`LocalTrainer`; by default :class:`JobTrainer`,
-   i.e. :func:`org_node.training.run_local_job`) starts from the global model ``M[r]``
-   and hands back ``delta = local - global``, its weight (examples seen) and its step
-   count ``tau``;
+1. **train** — the local job (:class:`LocalTrainer`; on a node the org's local worker,
+   :class:`~org_node.trainers.local.WorkerTrainer`) starts from the global model
+   ``M[r]`` and hands back ``delta = local - global``, its weight (examples seen) and
+   its step count ``tau``;
 2. **check** — names, shapes and finiteness of the update against the global model
    (:class:`UpdateRejected` names the offending field; a NaN update is never sent);
 3. **pack** — FedNova normalization (Wang et al., "Tackling the Objective

@@ -62,6 +62,7 @@ def test_bundled_trainers_are_always_installed(api: Api) -> None:
 
 def test_an_admin_installs_a_trainer_and_its_hash_is_fixed(api: Api, app_file: Path) -> None:
     assert _install(api, "tiny", str(app_file), Role.OPERATOR).status_code == 403
+    assert _install(api, "tiny", str(app_file), Role.AUDITOR).status_code == 403
     r = _install(api, "tiny", str(app_file), description="a test app")
     assert r.status_code == 201, r.text
     assert r.json()["sha256"] == code_hash("flower-clientapp", str(app_file))
@@ -92,6 +93,7 @@ def test_install_refuses_code_that_does_not_import_or_hashes_otherwise(
 def test_remove_refuses_bundled_trainers_and_trainers_in_use(api: Api, app_file: Path) -> None:
     assert api.client.delete("/v1/trainers/digits", headers=api.h()).status_code == 409
     assert _install(api, "tiny", str(app_file)).status_code == 201
+    assert api.client.delete("/v1/trainers/tiny", headers=api.h(Role.OPERATOR)).status_code == 403
     run = propose_run(api, trainer="tiny", epsilon=None)
     assert api.client.post(f"/v1/runs/{run['id']}/accept", headers=api.h()).status_code == 200
     r = api.client.delete("/v1/trainers/tiny", headers=api.h())
