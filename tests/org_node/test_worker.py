@@ -266,3 +266,52 @@ def test_probe_reports_an_import_failure_in_one_line(tmp_path: Path) -> None:
     notapp.write_text("app = 42\n")
     with pytest.raises(TrainerRefused, match=r"is a int, not a Flower ClientApp"):
         probe_trainer("flower-clientapp", str(notapp))
+
+
+def _ranked(tmp_path: Path, trainer: TrainerRef, **config: Any) -> WorkerTrainer:
+    spec = WorkerSpec(
+        session="",
+        node_pid=os.getpid(),
+        org_id="org-a",
+        run_key="k" * 32,
+        trainer=trainer,
+        run_config=config,
+        job=TrainingConfig(
+            local_steps=2, batch_size=8, dp_replicate=2, evaluate=False
+        ).job_fields(),
+    )
+    launch = WorkerLaunch(world_size=2, start_timeout_s=180, round_timeout_s=120)
+    return WorkerTrainer(spec, tmp_path / "worker", launch)
+
+
+def test_torchrun_ranks_live_for_the_run_and_train_every_round(
+    tmp_path: Path, probe: TrainerRef
+) -> None:
+    trainer = _ranked(tmp_path, probe)
+    try:
+        model = trainer.initial_model()
+        assert trainer._proc is not None
+        launcher = trainer._proc.pid  # torchrun, with one worker rank per data-parallel replica
+        for r in range(2):
+            result = trainer.train(model, r, {})
+            assert result.steps == 2 and result.metrics["world_size"] == 2.0
+            model = {k: model[k] + result.update[k] for k in model}
+        assert trainer._proc.pid == launcher
+        log = (tmp_path / "worker" / "worker.log").read_text()
+        assert "rank 0: serving" in log and "rank 1: serving" in log
+    finally:
+        trainer.close()
+
+
+def test_a_failing_rank_ends_the_ranks_and_the_next_round_starts_new_ones(
+    tmp_path: Path, probe: TrainerRef
+) -> None:
+    trainer = _ranked(tmp_path, probe, mode="raise")
+    try:
+        model = trainer.initial_model()
+        first = trainer._proc
+        with pytest.raises(TrainerFailed, match=r"ValueError: bad value in row 7"):
+            trainer.train(model, 0, {})
+        assert first is not None and first.wait(timeout=60) != 0  # the ranks are gone
+    finally:
+        trainer.close()
