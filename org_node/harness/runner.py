@@ -192,16 +192,20 @@ def _pause_all(obs: Observation) -> list[NodeProcess]:
 
 
 def _pause_due(obs: Observation, wipe: Wipe) -> bool:
-    """Time to pause everyone for a held wipe: every live org's update of round
-    ``wipe.round`` is made, so every org is inside that round (a pause acts between
-    rounds: each one finishes it and stops before the next; an org paused before it
-    entered the round would leave the others short of the threshold there, and a
-    worker's start can hold an org back that long). Also due once any org finished that
-    round (too late to hold it)."""
+    """Time to pause everyone for a held wipe: every live org has its round-0 model (it
+    is past its worker's start, which can hold an org back for seconds, and so inside
+    the rounds) and the first org's update of round ``wipe.round`` is made. The round
+    cannot end before every participant's update is in too, so every org is inside that
+    round: each one finishes it and stops before the next (a pause acts between rounds;
+    an org paused before it entered the round would leave the others short of the
+    threshold there). Also due once any org finished that round (too late to hold it)."""
     live = [org for org, node in obs.nodes.items() if not node.down]
-    if all(export_file(obs, org, wipe.round - 1).exists() for org in live):
+    started = all((obs.export_dir / org / obs.run_key / "initial.npz").exists() for org in live)
+    if started and any(export_file(obs, org, wipe.round - 1).exists() for org in live):
         return True
-    return any(node.state == "running" and node.round >= wipe.round for node in obs.nodes.values())
+    return any(
+        node.state == "running" and node.round >= wipe.round for node in obs.nodes.values()
+    )
 
 
 def _paused_between_rounds(nodes: list[NodeProcess], wipe: Wipe) -> bool:
