@@ -331,6 +331,13 @@ class RunEngine:
             raise UpdateRejected("statistics", "expected a non-empty finite float vector")
         run = f"{self.plan.run_key}:stats"
         if self.ckks is not None:
+            bound = self.ckks.params.max_abs_sum / len(self.plan.participants)
+            if float(np.max(np.abs(local))) > bound:
+                raise UpdateRejected(
+                    "statistics",
+                    f"a statistic exceeds {bound:g}, the CKKS sum's range per participant: "
+                    "use the masked backend (the tabular trainer: or standardize=false)",
+                )
             return await self._retry(
                 "statistics",
                 lambda a: self.ckks.run_round(  # type: ignore[union-attr]

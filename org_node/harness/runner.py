@@ -203,9 +203,7 @@ def _pause_due(obs: Observation, wipe: Wipe) -> bool:
     started = all((obs.export_dir / org / obs.run_key / "initial.npz").exists() for org in live)
     if started and any(export_file(obs, org, wipe.round - 1).exists() for org in live):
         return True
-    return any(
-        node.state == "running" and node.round >= wipe.round for node in obs.nodes.values()
-    )
+    return any(node.state == "running" and node.round >= wipe.round for node in obs.nodes.values())
 
 
 def _paused_between_rounds(nodes: list[NodeProcess], wipe: Wipe) -> bool:

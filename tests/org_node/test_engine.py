@@ -540,3 +540,18 @@ def test_an_engine_without_a_model_and_a_trainer_that_builds_none_is_refused(
     )
     with pytest.raises(EngineError, match=r"no initial model"):
         asyncio.run(engine.prepare())
+
+
+def test_statistics_beyond_the_ckks_range_are_refused_with_the_way_out(tmp_path: Path) -> None:
+    fed = Federation()
+    ckks = CkksAggregator(fed.endpoints["org-a"], timeout=5)
+    engine = RunEngine(
+        plan(rounds=1, backend="ckks"),
+        fast(),
+        rounds=fed.rounds["org-a"],
+        trainer=StatsTrainer(0.1, np.array([1.0, 1e8])),
+        state_dir=tmp_path,
+        ckks=ckks,
+    )
+    with pytest.raises(UpdateRejected, match=r"CKKS sum's range.*masked backend"):
+        asyncio.run(engine.prepare())
