@@ -250,19 +250,30 @@ def _engine_round(obs: Observation, node: NodeProcess) -> int:
         return -1
 
 
+def _worker_serving(obs: Observation, node: NodeProcess) -> bool:
+    """Whether ``node``'s local worker for the run has started serving (its log says so)."""
+    log = node.data_dir / "runs" / obs.run_key / "worker" / "worker.log"
+    try:
+        return "serving trainer" in log.read_text(errors="replace")
+    except OSError:
+        return False
+
+
 def _release(
     obs: Observation, held: list[NodeProcess], node: NodeProcess, record: dict[str, Any]
 ) -> None:
     """Resume the run at the ``held`` orgs once the restarted ``node`` has caught up with
-    the round they are at and all of them see each other alive (90 s at most; at once
-    if the node did not come back)."""
+    the round they are at, its local worker is serving (starting one loads Python and
+    torch: seconds of CPU in which its membership may lag) and all of them see each
+    other alive (90 s at most; at once if the node did not come back)."""
     if not node.down and node.run_id:
         end = time.monotonic() + 90
         while time.monotonic() < end:
             for other in held:
                 _poll(other)
             at = max((other.round for other in held), default=0)
-            if _engine_round(obs, node) >= at and _converged([*held, node]):
+            caught_up = _engine_round(obs, node) >= at and _worker_serving(obs, node)
+            if caught_up and _converged([*held, node]):
                 record["caught_up_before_resume"] = True
                 break
             time.sleep(0.2)

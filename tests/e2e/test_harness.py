@@ -44,7 +44,15 @@ def _run(scenario: Scenario, out: Path) -> dict[str, Any]:
     return summary
 
 
-def _common(summary: dict[str, Any], scenario: Scenario, surviving: list[str]) -> None:
+def _common(
+    summary: dict[str, Any],
+    scenario: Scenario,
+    surviving: list[str],
+    rejoined: frozenset[str] = frozenset(),
+) -> None:
+    """``rejoined``: orgs wiped and rebuilt whose new audit log has egress of the run only
+    if they took part in a round after their recovery (an un-held wipe lets the others
+    go on; the rebuilt org may then adopt the final model without sending anything)."""
     assert summary["ok"] is True, summary["reason"]
     assert summary["reason"] == ""
     assert summary["orgs"] == list(scenario.names)
@@ -60,11 +68,21 @@ def _common(summary: dict[str, Any], scenario: Scenario, surviving: list[str]) -
         assert m["loss"] is not None and m["loss"] > 0
         assert m["accuracy"] is not None and 0.0 <= m["accuracy"] <= 1.0
         assert 0.0 <= m["final_model_accuracy"] <= 1.0 and m["final_model_loss"] > 0
-        assert Path(summary["audit_reports"][org]).is_file()
+        report = summary["audit_reports"][org]
+        if org in rejoined and not _sent_after_recovery(summary, org):
+            assert report.startswith("not written: no egress of run"), report
+        else:
+            assert Path(report).is_file(), report
     check = summary["harness_check"]
     assert check["ok"] is True
     assert check["max_abs_diff"] is not None and check["max_abs_diff"] <= check["tolerance"]
     assert check["rounds"] == scenario.rounds
+
+
+def _sent_after_recovery(summary: dict[str, Any], org: str) -> bool:
+    (rec,) = [r for r in summary["recoveries"] if r["org"] == org]
+    later = range(int(rec["recovered_round"]) + 1, summary["rounds_completed"] + 1)
+    return any(org in summary["survivors"].get(str(r), []) for r in later)
 
 
 def test_three_orgs_three_rounds_masked(tmp_path: Path) -> None:
@@ -94,7 +112,7 @@ def test_four_orgs_one_killed_mid_reduce(tmp_path: Path) -> None:
 def test_a_wiped_org_recovers_and_finishes_the_run(tmp_path: Path) -> None:
     scenario = Scenario(orgs=3, rounds=2, wipes=(Wipe("org3", 1),))
     summary = _run(scenario, tmp_path / "wipe")
-    _common(summary, scenario, ["org1", "org2", "org3"])
+    _common(summary, scenario, ["org1", "org2", "org3"], rejoined=frozenset({"org3"}))
     (fault,) = summary["faults"]
     assert fault["kind"] == "wipe" and fault["org"] == "org3"
     (rec,) = summary["recoveries"]
