@@ -9,8 +9,6 @@ Every command but ``run`` lives in :mod:`org_node.cli`; ``run`` starts the whole
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import sys
 from pathlib import Path
 
@@ -24,6 +22,9 @@ __all__ = ["app", "main", "run"]
 @app.command("run")
 def run(data_dir: Path = DataDir) -> None:
     """Run the node: admin API, mutual-TLS peer API, gossip and the run engine."""
+    import asyncio
+    import logging
+
     from api.serve import serve_node
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from coordinator_free.address import PeerAddress
 from coordinator_free.errors import IdentityError, ManifestError
 from coordinator_free.identity import (
     OrgIdentity,
@@ -31,7 +32,6 @@ from coordinator_free.identity import (
     load_certificate,
     verify_signature,
 )
-from coordinator_free.tls import PeerAddress
 from cryptography.hazmat.primitives import serialization
 
 __all__ = [

@@ -42,7 +42,6 @@ import hashlib
 import logging
 import os
 import random
-import re
 import ssl
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, MutableMapping
@@ -52,6 +51,7 @@ from typing import Any
 
 import httpcore
 import httpx
+from coordinator_free.address import PeerAddress
 from coordinator_free.errors import (
     PeerUnreachable,
     RefusalReason,
@@ -83,28 +83,7 @@ logger = logging.getLogger(__name__)
 
 PEER_PATH = "/fedweave/peer/v1/message"
 REFUSAL_HEADER = "x-fedweave-refusal"
-_FINGERPRINT = re.compile(r"[0-9a-f]{64}")
 _DRAIN_FACTOR = 4
-
-
-@dataclass(frozen=True)
-class PeerAddress:
-    """Where a peer listens and which certificate it must present."""
-
-    url: str
-    """Base URL of the peer port, ``https://host:port``."""
-    fingerprint: str
-    """SHA-256 of the peer's DER certificate, lowercase hex (from the manifest)."""
-
-    def __post_init__(self) -> None:
-        try:
-            parsed = httpx.URL(self.url)
-        except (httpx.InvalidURL, TypeError) as exc:
-            raise ValueError(f"invalid peer URL {self.url!r}: {exc}") from None
-        if parsed.scheme != "https" or not parsed.host:
-            raise ValueError(f"peer URL must be https://host[:port], got {self.url!r}")
-        if not _FINGERPRINT.fullmatch(self.fingerprint):
-            raise ValueError("fingerprint must be 64 lowercase hex digits")
 
 
 @dataclass(frozen=True)

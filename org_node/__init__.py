@@ -1,10 +1,25 @@
 """The org's runtime: local trainer, strategies, run engine, audit, persistence, CLI."""
 
-from importlib.metadata import PackageNotFoundError, version
+from __future__ import annotations
 
-try:
-    __version__ = version("fedweave")
-except PackageNotFoundError:  # running from a source tree without an install
-    __version__ = "0.0.0+unknown"
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    __version__: str
 
 __all__ = ["__version__"]
+
+
+def __getattr__(name: str) -> str:
+    """``__version__``, read from the installed metadata on first use (importing
+    ``importlib.metadata`` costs a client command of the CLI more than it runs)."""
+    if name != "__version__":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        value = version("fedweave")
+    except PackageNotFoundError:  # running from a source tree without an install
+        value = "0.0.0+unknown"
+    globals()["__version__"] = value
+    return value

@@ -1,14 +1,14 @@
 """The `fedweave` command line.
 
 fedweave --version
-fedweave init --org-id ORG --data-dir DIR --peer-port P --admin-port A
+fedweave init --org-id ORG --data-dir DIR --peer-port P --admin-port A [--dataset-root D ...]
 fedweave federation found --federation FED --member A/member.json --member B/member.json --out m.json
 fedweave federation sign --data-dir DIR m.json        (each founder, in turn)
 fedweave federation install --data-dir DIR m.json     (each founder)
 fedweave run --data-dir DIR                           (api.cli: the composition root)
 fedweave status --data-dir DIR
 fedweave recover --data-dir NEW_DIR --backup ORG-recovery-backup.json --manifest chain.json
-fedweave audit verify LOG_OR_REPORT [--peer-log P] [--key ORG=HEX]
+fedweave audit verify LOG_OR_REPORT [--data-dir DIR] [--peer-log P] [--key ORG=HEX]
 fedweave audit report RUN --data-dir DIR --out DIR  (offline, from the node's data dir)
 
 Client commands over a running node's admin API (``--url``, default from ``--data-dir``'s
@@ -19,20 +19,26 @@ fedweave runs accept|decline|start|pause|resume|abort RUN
 fedweave peers
 fedweave audit events [--run R] [--round N] [--peer P] [--class C]
 fedweave audit fetch RUN --out DIR   (the node generates the report; both files downloaded)
+fedweave tokens create --name N --role admin|operator|auditor | list | revoke ID
+
+A client command imports nothing heavy (no torch, numpy, database layer or web
+framework): the commands that need those import them when they run.
 
 Every error is one readable line on stderr and a non-zero exit status.
 """
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
+import importlib
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
+import click
 import typer
+from typer.core import TyperGroup
 
-from org_node import __version__
 from org_node.audit.cli import audit_app
 from org_node.cli_catalog import datasets_app, trainers_app
 from org_node.cli_common import (
@@ -41,14 +47,47 @@ from org_node.cli_common import (
     TokenOpt,
     admin_url,
     guarded,
+    read_chain_file,
 )
 from org_node.cli_remote import audit_events, audit_fetch, peers, runs_app
-from org_node.harness.cli import harness
+from org_node.cli_tokens import tokens_app
+
+if TYPE_CHECKING:
+    from coordinator_free.manifest import Manifest
 
 __all__ = ["ApiClient", "ClientError", "DataDir", "admin_url", "app", "culprit_line", "guarded"]
 
+
+class _Commands(TyperGroup):
+    """The root command group. A command in ``LAZY`` is imported only when it is run or
+    listed in the help: the harness pulls in the whole node, which a client command
+    must not pay for at start."""
+
+    LAZY: ClassVar[dict[str, tuple[str, str]]] = {"harness": ("org_node.harness.cli", "harness")}
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return [*self.LAZY, *(n for n in super().list_commands(ctx) if n not in self.LAZY)]
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in self.LAZY and cmd_name not in self.commands:
+            module, attr = self.LAZY[cmd_name]
+            one = typer.Typer(add_completion=False)
+            one.command(cmd_name)(getattr(importlib.import_module(module), attr))
+            self.add_command(typer.main.get_command(one), cmd_name)
+        return super().get_command(ctx, cmd_name)
+
+    def resolve_command(
+        self, ctx: click.Context, args: list[str]
+    ) -> tuple[str | None, click.Command | None, list[str]]:
+        if args and args[0] not in self.commands:  # a lazy one, or a typo to suggest for
+            for name in self.LAZY:
+                self.get_command(ctx, name)
+        return super().resolve_command(ctx, args)
+
+
 app = typer.Typer(
     name="fedweave",
+    cls=_Commands,
     help=(
         "fedweave: federated training across organizations with no central server.\n\n"
         "Each institution runs one org node. Nodes find each other over a signed gossip "
@@ -65,10 +104,10 @@ federation_app = typer.Typer(
 )
 app.add_typer(federation_app, name="federation")
 app.add_typer(audit_app, name="audit")
-app.command("harness")(harness)
 app.add_typer(runs_app, name="runs")
 app.add_typer(trainers_app, name="trainers")
 app.add_typer(datasets_app, name="datasets")
+app.add_typer(tokens_app, name="tokens")
 app.command("peers")(peers)
 audit_app.command("events")(audit_events)
 audit_app.command("fetch")(audit_fetch)
@@ -78,6 +117,8 @@ DataDir = typer.Option(..., "--data-dir", help="The node's data directory.")
 
 def _print_version(value: bool) -> None:
     if value:
+        from org_node import __version__
+
         typer.echo(f"fedweave {__version__}")
         raise typer.Exit()
 
@@ -101,6 +142,7 @@ def info() -> None:
     import numpy
 
     import secure_agg
+    from org_node import __version__
 
     typer.echo(f"fedweave {__version__}")
     typer.echo(f"numpy {numpy.__version__}")
@@ -121,6 +163,14 @@ def init(
     backup: Annotated[
         Path | None, typer.Option("--backup", help="Where to write the recovery backup file.")
     ] = None,
+    dataset_root: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--dataset-root",
+            help="A directory datasets may be registered under (repeatable; created if "
+            "missing; default DATA_DIR/datasets).",
+        ),
+    ] = None,
     harness: bool = typer.Option(
         False, "--harness", hidden=True, help="Test harnesses only: debug export, fast SWIM."
     ),
@@ -139,11 +189,13 @@ def init(
             advertise_url=advertise_url,
             backup_file=backup,
             harness=harness,
+            dataset_roots=dataset_root or None,
         )
     )
     typer.echo(f"initialized {org_id} in {result.paths.root}")
     typer.echo(f"certificate fingerprint: {result.fingerprint}")
     typer.echo(f"member record (share with the founding orgs): {result.member_file}")
+    typer.echo(f"dataset roots: {', '.join(result.dataset_roots)}")
     typer.echo(
         f"recovery backup: {result.backup_file}\n"
         "  -> move it OFFLINE now; with it and the manifest chain a wiped node recovers"
@@ -167,33 +219,21 @@ def culprit_line(node: dict[str, Any]) -> str:
 def status(data_dir: Path = DataDir, token: TokenOpt = None) -> None:
     """The node's identity, federation, runs, whether it is running, and (with a token)
     the peer it blames for a recent slow or failed round."""
-    import httpx
-    from sqlmodel import Session, col, select
-
-    from org_node.config import NodeConfig, NodePaths
-    from org_node.db.engine import default_database_url, make_engine
-    from org_node.db.models import Run
-    from org_node.node import read_chain
+    from org_node.cli_http import HttpClient, HttpError
+    from org_node.config import NodePaths, load_node_network
 
     def gather() -> dict[str, object]:
         paths = NodePaths(data_dir)
-        config = NodeConfig.load(paths.config)
-        chain = read_chain(paths.chain) if paths.chain.exists() else []
-        url = f"http://{config.network.admin_host}:{config.network.admin_port}/healthz"
+        node, network = load_node_network(paths.config)
+        chain: list[Manifest] = read_chain_file(paths.chain) if paths.chain.exists() else []
+        host = network.admin_host
+        host = f"[{host}]" if ":" in host else host
         try:
-            running = httpx.get(url, timeout=1.0).status_code == 200
-        except httpx.HTTPError:
+            health = HttpClient(f"http://{host}:{network.admin_port}", timeout=1.0)
+            running = health.request("GET", "/healthz").status_code == 200
+        except HttpError:
             running = False
-        runs = []
-        db = paths.root / "fedweave.db"
-        if db.exists():
-            engine = make_engine(default_database_url(paths.root))
-            with Session(engine) as session:
-                for row in session.exec(select(Run).order_by(col(Run.created_at).desc())).all():
-                    runs.append(
-                        f"{row.name} ({row.id[:8]}): {row.state}, round {row.current_round}"
-                    )
-            engine.dispose()
+        runs = _local_runs(paths.root / "fedweave.db")
         culprit = "(pass --token to ask the running node)" if running else "(node not running)"
         if running and token:
             try:
@@ -205,7 +245,7 @@ def status(data_dir: Path = DataDir, token: TokenOpt = None) -> None:
             except ClientError as exc:
                 culprit = f"(could not ask the node: {exc})"
         return {
-            "org": config.node.org_id,
+            "org": node.org_id,
             "federation": chain[-1].federation if chain else "(none installed)",
             "members": list(chain[-1].member_ids) if chain else [],
             "manifest_version": chain[-1].version if chain else None,
@@ -222,6 +262,23 @@ def status(data_dir: Path = DataDir, token: TokenOpt = None) -> None:
                 typer.echo(f"  {item}")
         else:
             typer.echo(f"{key}: {value}")
+
+
+def _local_runs(db: Path) -> list[str]:
+    """The runs in the node's SQLite database, newest first, one line each (read with the
+    standard library: ``status`` loads no database layer)."""
+    import sqlite3
+
+    if not db.exists():
+        return []
+    try:
+        with contextlib.closing(sqlite3.connect(db, timeout=10.0)) as c:
+            rows = c.execute(
+                "SELECT name, id, state, current_round FROM run ORDER BY created_at DESC"
+            ).fetchall()
+    except sqlite3.Error as exc:
+        return [f"(cannot read the runs from {db.name}: {exc})"]
+    return [f"{name} ({rid[:8]}): {state}, round {rnd}" for name, rid, state, rnd in rows]
 
 
 @app.command("recover")
@@ -242,6 +299,8 @@ def recover_cmd(
 ) -> None:
     """Rebuild a wiped node from its backup: fetch any k shards from the peers, verify,
     decode, decrypt; `fedweave run` then rejoins the run at the round it had reached."""
+    import asyncio
+
     from coordinator_free.endpoint import Endpoint
     from coordinator_free.tls import TlsTransport
     from rich.progress import Progress, SpinnerColumn, TextColumn

@@ -8,12 +8,16 @@ printed.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
+
+if TYPE_CHECKING:
+    from coordinator_free.manifest import Manifest
 
 __all__ = [
     "ApiClient",
@@ -26,6 +30,7 @@ __all__ = [
     "fmt",
     "guarded",
     "http_client",
+    "read_chain_file",
     "resolve_run",
     "table",
 ]
@@ -33,29 +38,36 @@ __all__ = [
 T = TypeVar("T")
 
 
+# The expected failures, by module: each is caught only once its module is imported (an
+# exception of a module never imported cannot be raised), so that a client command does
+# not import the node, the engine and the database layer just to name what it catches.
+_EXPECTED = (
+    ("coordinator_free.errors", "CoordinatorFreeError"),
+    ("org_node.config", "ConfigError"),
+    ("org_node.db.engine", "DatabaseError"),
+    ("org_node.run_config", "EngineError"),
+    ("org_node.initialize", "InitError"),
+    ("org_node.node", "NodeError"),
+)
+
+
+def _expected() -> tuple[type[BaseException], ...]:
+    found: list[type[BaseException]] = [OSError, ValueError]
+    for module, name in _EXPECTED:
+        loaded = sys.modules.get(module)
+        if loaded is not None:
+            found.append(getattr(loaded, name))
+    return tuple(found)
+
+
 @contextmanager
 def errors() -> Iterator[None]:
     """Turn every expected failure into one line on stderr and exit status 1."""
-    from coordinator_free.errors import CoordinatorFreeError
-
-    from org_node.config import ConfigError
-    from org_node.db.engine import DatabaseError
-    from org_node.engine import EngineError
-    from org_node.initialize import InitError
-    from org_node.node import NodeError
-
     try:
         yield
-    except (
-        ConfigError,
-        CoordinatorFreeError,
-        DatabaseError,
-        EngineError,
-        InitError,
-        NodeError,
-        OSError,
-        ValueError,
-    ) as exc:
+    except Exception as exc:
+        if not isinstance(exc, _expected()):
+            raise
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         typer.echo(f"error: {message}", err=True)
         raise typer.Exit(1) from None
@@ -99,22 +111,51 @@ def admin_url(url: str | None, data_dir: Path | None) -> str:
     if url:
         return url.rstrip("/")
     if data_dir is not None:
-        from org_node.config import NodeConfig, NodePaths
+        from org_node.config import NodePaths, load_node_network
 
-        config = NodeConfig.load(NodePaths(data_dir).config)
-        host = config.network.admin_host
+        _node, network = load_node_network(NodePaths(data_dir).config)
+        host = network.admin_host
         host = f"[{host}]" if ":" in host else host
-        return f"http://{host}:{config.network.admin_port}"
+        return f"http://{host}:{network.admin_port}"
     raise ClientError("no node given: pass --url, --data-dir or set FEDWEAVE_URL")
 
 
-def http_client(base_url: str, token: str) -> Any:
-    """The HTTP client the client commands use (tests swap it for an in-process one)."""
-    import httpx
+def read_chain_file(path: Path) -> list[Manifest]:
+    """Read and verify a node's manifest chain (``federation/chain.json``) as the node
+    does, without importing the node: a chain that does not verify is a ValueError."""
+    from coordinator_free.errors import ManifestError
+    from coordinator_free.manifest import Manifest, load_chain
 
-    return httpx.Client(
-        base_url=base_url, headers={"Authorization": f"Bearer {token}"}, timeout=30.0
-    )
+    try:
+        versions = load_chain(Path(path).read_bytes())
+        Manifest.verify_chain(versions)
+    except (OSError, ManifestError) as exc:
+        raise ValueError(f"cannot use the federation manifest {path}: {exc}") from None
+    return versions
+
+
+def http_client(base_url: str, token: str) -> Any:
+    """The HTTP client the client commands use (tests swap it for an in-process one):
+    :class:`~org_node.cli_http.HttpClient`, on the standard library, since importing
+    httpx would cost a short command more than the rest of its run."""
+    from org_node.cli_http import HttpClient
+
+    return HttpClient(base_url, {"Authorization": f"Bearer {token}"}, timeout=30.0)
+
+
+def _transport_error(exc: Exception, base_url: str) -> Exception:
+    """The :class:`ClientError` of a request that got no answer; ``exc`` itself if it is
+    not that (an httpx-style client swapped in raises httpx's errors)."""
+    from org_node.cli_http import ConnectFailed, HttpError, TimedOut
+
+    httpx = sys.modules.get("httpx")
+    if isinstance(exc, ConnectFailed) or (httpx and isinstance(exc, httpx.ConnectError)):
+        return ClientError(f"no node answers at {base_url}")
+    if isinstance(exc, TimedOut) or (httpx and isinstance(exc, httpx.TimeoutException)):
+        return ClientError(f"the node at {base_url} did not answer in time")
+    if isinstance(exc, HttpError) or (httpx and isinstance(exc, httpx.HTTPError)):
+        return ClientError(f"request to {base_url} failed: {exc}")
+    return exc
 
 
 class ApiClient:
@@ -141,17 +182,12 @@ class ApiClient:
         return r.text
 
     def send(self, method: str, path: str, *, json_body: Any = None, params: Any = None) -> Any:
-        """Send one request; the successful ``httpx.Response`` as it came."""
-        import httpx
-
+        """Send one request; the successful response as it came (status, headers,
+        ``content``, ``text``, ``json()``)."""
         try:
             r = self._http.request(method, path, json=json_body, params=params)
-        except httpx.ConnectError:
-            raise ClientError(f"no node answers at {self.base_url}") from None
-        except httpx.TimeoutException:
-            raise ClientError(f"the node at {self.base_url} did not answer in time") from None
-        except httpx.HTTPError as exc:
-            raise ClientError(f"request to {self.base_url} failed: {exc}") from None
+        except Exception as exc:
+            raise _transport_error(exc, self.base_url) from None
         if r.status_code == 401:
             raise ClientError("authentication failed: check --token")
         if r.status_code >= 400:
@@ -210,20 +246,14 @@ def table(title: str, columns: list[str], rows: list[list[str]]) -> None:
 
 
 def resolve_run(client: ApiClient, run: str) -> dict[str, Any]:
-    """The run whose id is ``run``, or whose name or id prefix alone matches it."""
+    """The run ``run`` names (its key, name or a unique key prefix; the node resolves it)."""
     try:
         body: dict[str, Any] = client.get(f"/v1/runs/{run}")
         return body
     except ClientError as exc:
-        if not str(exc).startswith("not found"):
-            raise
-    rows = client.get("/v1/runs", limit=1000)["data"]
-    found = [r for r in rows if r["name"] == run] or [r for r in rows if r["id"].startswith(run)]
-    if len(found) == 1:
-        return dict(found[0])
-    if found:
-        raise ClientError(f"{run!r} names {len(found)} runs: give the run id")
-    raise ClientError(f"no run {run!r} at this node")
+        if str(exc).startswith("not found"):
+            raise ClientError(f"no run {run!r} at this node") from None
+        raise
 
 
 def fmt(value: Any) -> str:

@@ -50,39 +50,51 @@ def runs_list(
         body = api.get("/v1/runs", state=state, limit=1000)
     rows = [
         [
-            r["id"],
+            str(r.get("run_key") or r["id"])[:12],
             r["name"],
             r["state"],
             str(r["current_round"]),
             str(r["spec"]["rounds"]),
             r["spec"]["backend"],
             ", ".join(r["spec"]["participants"]),
+            _waiting_line(r.get("waiting")),
         ]
         for r in body["data"]
     ]
     table(
         f"runs ({body['count']})",
-        ["id", "name", "state", "round", "of", "backend", "participants"],
+        ["key", "name", "state", "round", "of", "backend", "participants", "waiting"],
         rows,
     )
 
 
-@runs_app.command("show")
-def runs_show(
-    run: Annotated[str, typer.Argument(help="Run id, id prefix or name.")],
-    url: UrlOpt = None,
-    token: TokenOpt = None,
-    data_dir: ClientDataDir = None,
-) -> None:
-    """A run's status and its per-round metrics."""
-    with client(url, token, data_dir) as api:
-        row = resolve_run(api, run)
-        metrics = api.get(f"/v1/runs/{row['id']}/metrics", limit=1000)["data"]
+def _when(value: Any) -> str:
+    """An API timestamp as ``YYYY-MM-DD HH:MM:SS UTC``."""
+    text = str(value or "")
+    return text[:19].replace("T", " ") + " UTC" if text else "-"
+
+
+def _waiting_line(waiting: dict[str, Any] | None) -> str:
+    if not waiting:
+        return ""
+    what, orgs = waiting.get("what"), ", ".join(waiting.get("orgs") or [])
+    if what == "consent":
+        line = f"consent of {orgs}" if orgs else str(waiting.get("detail") or "consent")
+        return f"{line} (deadline {_when(waiting.get('until'))})"
+    if what == "start":
+        return f"start at {_when(waiting.get('until'))}"
+    return str(waiting.get("detail") or what)
+
+
+def _print_run(row: dict[str, Any]) -> None:
     spec = row["spec"]
-    typer.echo(f"run {row['name']} ({row['id']})")
+    typer.echo(f"run {row['name']} (key {row.get('run_key') or '-'})")
     typer.echo(f"state: {row['state']} (version {row['version']})")
     if row.get("state_reason"):
         typer.echo(f"why: {row['state_reason']}")
+    waiting = row.get("waiting")
+    if waiting:
+        typer.echo(f"waiting for: {_waiting_line(waiting)}, since {_when(waiting.get('since'))}")
     typer.echo(f"round: {row['current_round']} of {spec['rounds']}")
     pin = f" (pinned {spec['trainer_hash'][:12]}…)" if spec.get("trainer_hash") else ""
     typer.echo(
@@ -94,7 +106,8 @@ def runs_show(
         typer.echo(f"data: {spec['data']['kind']}" + (f" ({columns})" if columns else ""))
     if spec.get("config"):
         typer.echo("config: " + ", ".join(f"{k}={v}" for k, v in sorted(spec["config"].items())))
-    typer.echo(f"participants: {', '.join(spec['participants'])}")
+    needed = spec.get("quorum") or len(spec["participants"])
+    typer.echo(f"participants: {', '.join(spec['participants'])} ({needed} must consent)")
     if row.get("trainer_hash"):
         typer.echo(f"bound trainer: {spec['trainer']} {row['trainer_hash'][:12]}…")
     if row.get("dataset_name"):
@@ -102,10 +115,38 @@ def runs_show(
             f"bound dataset: {row['dataset_name']} ({row.get('dataset_rows')} rows, "
             f"{str(row.get('dataset_hash'))[:12]}…)"
         )
-    typer.echo(f"proposed by {row['proposed_by']}")
-    if row.get("decided_by"):
-        reason = f" ({row['decision_reason']})" if row.get("decision_reason") else ""
-        typer.echo(f"decided by {row['decided_by']} at {row['decided_at']}{reason}")
+    origin = f" at {row['origin']}" if row.get("origin") else ""
+    typer.echo(
+        f"proposed by {row['proposed_by']}{origin}; consent by {_when(row.get('consent_by'))}"
+    )
+    if row.get("start_at"):
+        typer.echo(f"start: {_when(row['start_at'])}")
+    decided = {c["org_id"]: c for c in row.get("consents") or []}
+    typer.echo("consents:")
+    for org in spec["participants"]:
+        c = decided.get(org)
+        said = (
+            f"{c['decision']} at {_when(c['decided_at'])}"
+            + (f" ({c['reason']})" if c["reason"] else "")
+            if c
+            else "no answer yet"
+        )
+        typer.echo(f"  {org}: {said}")
+
+
+@runs_app.command("show")
+def runs_show(
+    run: Annotated[str, typer.Argument(help="Run key, name or unique key prefix.")],
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+    data_dir: ClientDataDir = None,
+) -> None:
+    """A run's state, what it waits for (whom, since when), why it failed, the
+    participants' consents and its per-round metrics."""
+    with client(url, token, data_dir) as api:
+        row = resolve_run(api, run)
+        metrics = api.get(f"/v1/runs/{row['run_key'] or row['id']}/metrics", limit=1000)["data"]
+    _print_run(row)
     if not metrics:
         typer.echo("no round metrics yet")
         return
@@ -198,11 +239,23 @@ def runs_propose(
     config: Annotated[
         list[str] | None, typer.Option("--config", help="KEY=VALUE of the run's config (repeat).")
     ] = None,
+    quorum: Annotated[
+        int | None,
+        typer.Option("--quorum", help="Consents needed to start (default: every participant)."),
+    ] = None,
+    consent_timeout: Annotated[
+        int, typer.Option("--consent-timeout", help="Seconds the participants have to consent.")
+    ] = 3600,
+    start_delay: Annotated[
+        int, typer.Option("--start-delay", help="Seconds from the last consent to the start.")
+    ] = 5,
     url: UrlOpt = None,
     token: TokenOpt = None,
     data_dir: ClientDataDir = None,
 ) -> None:
-    """Propose a run at this node (a spec file, flags, or a file with flags overriding)."""
+    """Propose a run to every participant, once: the node signs the proposal and sends it;
+    each org accepts or declines it, and the run starts by itself once all have consented
+    (a spec file, flags, or a file with flags overriding)."""
     spec: dict[str, Any] = {}
     if spec_file is not None:
         loaded = guarded(lambda: json.loads(spec_file.read_text(encoding="utf-8")))
@@ -218,6 +271,7 @@ def runs_propose(
         "backend": backend,
         "threshold": threshold,
         "epsilon": epsilon,
+        "quorum": quorum,
     }
     spec |= {k: v for k, v in flags.items() if v is not None}
     if data_kind is not None or column:
@@ -232,13 +286,23 @@ def runs_propose(
         if data_like is not None:
             like = _data_like(api, data_like)
             spec["data"] = like | {"columns": like["columns"] | _columns(column or [])}
-        row = api.post("/v1/runs", {"name": name, "spec": spec})
-    typer.echo(f"proposed run {row['name']} ({row['id']}): {row['state']}")
+        body = {
+            "name": name,
+            "spec": spec,
+            "consent_timeout_s": consent_timeout,
+            "start_delay_s": start_delay,
+        }
+        row = api.post("/v1/runs", body)
+    typer.echo(
+        f"proposed run {row['name']} (key {row['run_key']}) to "
+        f"{', '.join(row['spec']['participants'])}; consent by {_when(row.get('consent_by'))}"
+    )
+    typer.echo(f"each org consents with: fedweave runs accept {row['name']}")
 
 
 def _action_command(action: str, doc: str) -> None:
     def command(
-        run: Annotated[str, typer.Argument(help="Run id, id prefix or name.")],
+        run: Annotated[str, typer.Argument(help="Run key, name or unique key prefix.")],
         reason: Annotated[str, typer.Option("--reason", help="Recorded with the action.")] = "",
         url: UrlOpt = None,
         token: TokenOpt = None,
@@ -261,36 +325,53 @@ def _act(
 ) -> None:
     with client(url, token, data_dir) as api:
         row = resolve_run(api, run)
-        new = api.post(f"/v1/runs/{row['id']}/{action}", body)
-    typer.echo(f"run {new['name']} ({new['id']}): {new['state']}")
+        new = api.post(f"/v1/runs/{row['run_key'] or row['id']}/{action}", body)
+    typer.echo(f"run {new['name']} (key {new.get('run_key') or new['id']}): {new['state']}")
     if new.get("dataset_name"):
         typer.echo(f"bound dataset {new['dataset_name']} ({new.get('dataset_rows')} rows)")
+    if new.get("waiting"):
+        typer.echo(f"waiting for: {_waiting_line(new['waiting'])}")
 
 
 @runs_app.command("accept")
 def runs_accept(
-    run: Annotated[str, typer.Argument(help="Run id, id prefix or name.")],
+    run: Annotated[str, typer.Argument(help="Run key, name or unique key prefix.")],
     dataset: Annotated[
         str | None,
         typer.Option("--dataset", help="This org's registered dataset to bind (runs with data)."),
     ] = None,
     reason: Annotated[str, typer.Option("--reason", help="Recorded with the consent.")] = "",
+    key: Annotated[
+        str | None,
+        typer.Option("--key", help="The run key you reviewed: refused if the run's differs."),
+    ] = None,
     url: UrlOpt = None,
     token: TokenOpt = None,
     data_dir: ClientDataDir = None,
 ) -> None:
     """This org consents to the run: its policies, its installed trainer (and pinned
-    hash), and for a run that needs data the dataset named here, bound to the run."""
+    hash), and for a run that needs data the dataset named here, bound to the run. The
+    consent is signed and sent to every participant."""
     body: dict[str, Any] = {}
     if reason:
         body["reason"] = reason
+    if key:
+        body["run_key"] = key
     if dataset:
         body["dataset"] = dataset
     _act("accept", run, body or None, url, token, data_dir)
 
 
-_action_command("decline", "This org declines the run; the decision is recorded.")
-_action_command("start", "Start an accepted run.")
+_action_command(
+    "decline",
+    "This org declines the run (--reason is required); the signed decline reaches every "
+    "participant.",
+)
+_action_command(
+    "start",
+    "Start an accepted run now, once every consent is in (it also starts by itself at the "
+    "agreed time).",
+)
 _action_command("pause", "Pause a running run after the current round.")
 _action_command("resume", "Resume a paused run.")
 _action_command("abort", "Abort a run that has not ended.")
@@ -360,7 +441,7 @@ def audit_events(
 
 
 def audit_fetch(
-    run: Annotated[str, typer.Argument(help="The run id.")],
+    run: Annotated[str, typer.Argument(help="Run key, name or unique key prefix.")],
     out: Annotated[Path, typer.Option("--out", help="Directory for report.json and .html.")],
     url: UrlOpt = None,
     token: TokenOpt = None,

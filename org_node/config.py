@@ -39,6 +39,7 @@ __all__ = [
     "NodePaths",
     "NodeSection",
     "TrainerSection",
+    "load_node_network",
 ]
 
 CONFIG_FILE = "fedweave.toml"
@@ -355,6 +356,31 @@ class NodeConfig:
         """A copy with some sections replaced."""
         values = {f.name: getattr(self, f.name) for f in fields(self)} | sections
         return NodeConfig(**values)
+
+
+def load_node_network(path: Path) -> tuple[NodeSection, NetworkSection]:
+    """The ``[node]`` and ``[network]`` tables of the config file at ``path``, checked as
+    :meth:`NodeConfig.load` checks them, the other tables left unread.
+
+    What the client commands need (the org id, the admin address): checking
+    ``[training]`` and ``[engine]`` would import the training stack (torch, numpy).
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError("", f"cannot read the config file {path}: {exc.strerror}") from None
+    try:
+        tables = _keys(NodeConfig, tomllib.loads(text), "config")
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("", f"not valid TOML: {exc}") from None
+    if "node" not in tables:
+        raise ConfigError("node", "the [node] table is required")
+    try:
+        node = NodeSection(**_keys(NodeSection, tables["node"], "node"))
+        network = NetworkSection(**_keys(NetworkSection, tables.get("network", {}), "network"))
+    except TypeError as exc:
+        raise ConfigError("config", str(exc)) from None
+    return node, network
 
 
 def _table(tables: Mapping[str, Any], name: str) -> dict[str, Any]:

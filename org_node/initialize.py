@@ -72,11 +72,31 @@ class InitResult:
     member_file: Path
     backup_file: Path
     fingerprint: str
+    dataset_roots: tuple[str, ...] = ()
+    """The config's ``[datasets] roots``."""
 
 
 def _empty_or_absent(data_dir: Path) -> None:
     if data_dir.exists() and any(data_dir.iterdir()):
         raise InitError(f"{data_dir} is not empty; refusing to overwrite a node")
+
+
+def dataset_root(path: Path) -> Path:
+    """``path`` made absolute, if it is a directory or one ``init`` can create (checked
+    without creating anything); InitError naming the path otherwise."""
+    root = Path(os.path.abspath(Path(path).expanduser()))
+    if root.exists():
+        if not root.is_dir():
+            raise InitError(f"dataset root {root} is not a directory")
+        return root
+    parent = root.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise InitError(f"dataset root {root} cannot be created: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InitError(f"dataset root {root} cannot be created: {parent} is not writable")
+    return root
 
 
 def initialize(
@@ -90,11 +110,17 @@ def initialize(
     advertise_url: str = "",
     backup_file: Path | None = None,
     harness: bool = False,
+    dataset_roots: Sequence[Path] | None = None,
     randbytes: RandBytes = os.urandom,
 ) -> InitResult:
-    """Create a node's data directory (see the module docstring)."""
+    """Create a node's data directory (see the module docstring).
+
+    ``dataset_roots``: the directories datasets may be registered under (made absolute,
+    created if missing); by default ``DATA_DIR/datasets``.
+    """
     data_dir = Path(data_dir)
     _empty_or_absent(data_dir)
+    roots = [dataset_root(r) for r in dataset_roots] if dataset_roots else None
     try:
         config = NodeConfig(
             node=NodeSection(org_id, display_name or org_id),
@@ -104,7 +130,11 @@ def initialize(
                 admin_port=admin_port,
                 advertise_url=advertise_url,
             ),
-            datasets=DatasetsSection((str(NodePaths(data_dir.resolve()).datasets),)),
+            datasets=DatasetsSection(
+                tuple(dict.fromkeys(str(r) for r in roots))
+                if roots
+                else (str(NodePaths(data_dir.resolve()).datasets),)
+            ),
         )
         if harness:
             from org_node.config import DebugSection
@@ -114,7 +144,8 @@ def initialize(
         raise InitError(str(exc)) from None
     paths = NodePaths(data_dir)
     data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    paths.datasets.mkdir(mode=0o700, exist_ok=True)
+    for root in roots or [paths.datasets]:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
     identity = OrgIdentity.generate(org_id, randbytes(32))
     identity.save(paths.identity_dir)
     secret = RecoverySecret.generate(randbytes)
@@ -127,7 +158,9 @@ def initialize(
         raise InitError("the database already holds tokens")
     backup = backup_file or data_dir / f"{org_id}-recovery-backup.json"
     RecoveryBackup.create(identity, "", secret).save(backup)
-    return InitResult(paths, token, paths.member, backup, identity.fingerprint)
+    return InitResult(
+        paths, token, paths.member, backup, identity.fingerprint, config.datasets.roots
+    )
 
 
 def read_member(path: Path) -> Member:

@@ -75,6 +75,7 @@ from org_node.engine import (
     EngineState,
 )
 from org_node.node_federation import FederationHost, write_chain
+from org_node.node_proposals import ProposalHost
 from org_node.node_runs import RunHost, TrainerFactory, _ActiveRun
 from org_node.observability import Observability
 from org_node.services import (
@@ -125,7 +126,7 @@ def load_secret(path: Path) -> RecoverySecret:
         raise NodeError(f"cannot read the recovery secret {path}: {exc}") from None
 
 
-class OrgNode(FederationHost, RunHost):
+class OrgNode(FederationHost, RunHost, ProposalHost):
     """One org's running node (see the module docstring)."""
 
     def __init__(
@@ -190,6 +191,9 @@ class OrgNode(FederationHost, RunHost):
         self._proposals: dict[str, Manifest] = {}
         self._follow: asyncio.Task[None] | None = None
         self._retry: asyncio.Task[None] | None = None
+        self._settle: asyncio.Task[None] | None = None
+        self._starting: set[str] = set()
+        """Runs whose agreed start is in progress (not started twice)."""
         self._waiting: dict[str, tuple[str, Mapping[str, Any]]] = {}
         """Runs left running that cannot resume yet (run id -> name, spec)."""
         self._reasons: dict[str, str] = {}
@@ -301,6 +305,7 @@ class OrgNode(FederationHost, RunHost):
         )
         self._follow = asyncio.create_task(self._follow_proposals(), name="manifest-proposals")
         await self._resume_runs()
+        await self._start_proposals()
 
     async def stop(self) -> None:
         """Abandon the current round cleanly (state stays at the last finished round), leave."""
@@ -309,7 +314,7 @@ class OrgNode(FederationHost, RunHost):
             active.task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await active.task
-        for task in (self._follow, self._retry):
+        for task in (self._follow, self._retry, self._settle):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

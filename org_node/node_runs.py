@@ -543,6 +543,7 @@ class RunHost:
                 current_round=state.round,
                 proposed_by="recovery",
                 decided_by="recovery",
+                run_key=state.run_key,
                 trainer_hash=bound.get("trainer_hash"),
                 dataset_name=bound.get("dataset_name"),
                 dataset_hash=bound.get("dataset_hash"),

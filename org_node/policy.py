@@ -102,6 +102,9 @@ class RunSpec:
     data: what each org's bound dataset must hold; None for a run that needs none.
     config: the run's config values (Flower's ``run_config``; the tabular trainer's
         ``target``, ``features``, ``model``, ...).
+    quorum: how many participants must consent for the run to start (None: all of
+        them); at least ``threshold``. With fewer than all, the run starts at the
+        consent deadline with those that consented.
     """
 
     trainer: str
@@ -113,6 +116,7 @@ class RunSpec:
     trainer_hash: str | None = None
     data: DataSpec | None = None
     config: Mapping[str, bool | int | float | str] = field(default_factory=dict)
+    quorum: int | None = None
 
     def __post_init__(self) -> None:
         _trainer_name(self.trainer)
@@ -146,6 +150,18 @@ class RunSpec:
             raise PolicyError("threshold exceeds the number of participants")
         if self.epsilon is not None:
             object.__setattr__(self, "epsilon", _pos_float(self.epsilon, "epsilon"))
+        if self.quorum is not None:
+            _pos_int(self.quorum, "quorum")
+            if not self.threshold <= self.quorum <= len(self.participants):
+                raise PolicyError(
+                    f"quorum must be between the threshold ({self.threshold}) and the "
+                    f"number of participants ({len(self.participants)})"
+                )
+
+    @property
+    def consents_needed(self) -> int:
+        """Consents the run needs to start: its quorum, or every participant."""
+        return len(self.participants) if self.quorum is None else self.quorum
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> RunSpec:
@@ -167,6 +183,7 @@ class RunSpec:
             "epsilon": self.epsilon,
             "data": None if self.data is None else self.data.to_dict(),
             "config": dict(self.config),
+            "quorum": self.quorum,
         }
 
 

@@ -14,10 +14,6 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from coordinator_free.manifest import canonical_json
-
-from org_node.strategies import StrategyError, make_strategy
-
 __all__ = [
     "ATTEMPTS",
     "WORKER_MODES",
@@ -110,6 +106,8 @@ class EngineConfig:
     delta: float = 1e-5
 
     def __post_init__(self) -> None:
+        from org_node.strategies import StrategyError, make_strategy  # numpy: on use only
+
         s = "engine"
         try:
             make_strategy(self.strategy, self.strategy_options)
@@ -259,7 +257,13 @@ def run_key(name: str, spec: Mapping[str, Any]) -> str:
     Each org records the run under its own local id; orgs that accepted the same name
     and spec take part in the same rounds.
     """
-    defaults = {"backend": "masked", "threshold": 2, "epsilon": None, "trainer_hash": None}
+    defaults = {
+        "backend": "masked",
+        "threshold": 2,
+        "epsilon": None,
+        "trainer_hash": None,
+        "quorum": None,
+    }
     body: dict[str, Any] = defaults | {"data": None, "config": {}} | dict(spec)
     body["participants"] = sorted(body.get("participants", ()))
     if body.get("epsilon") is not None:
@@ -268,5 +272,7 @@ def run_key(name: str, spec: Mapping[str, Any]) -> str:
         from org_node.datasets import DataSpec
 
         body["data"] = DataSpec.from_dict(body["data"]).to_dict()
+    from coordinator_free.manifest import canonical_json
+
     digest = hashlib.sha256(canonical_json({"name": name, "spec": body})).hexdigest()
     return digest[:32]

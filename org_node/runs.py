@@ -1,13 +1,17 @@
 """The life cycle of a federated run at one org, as a pure transition table.
 
 A run is proposed (by this org or a peer), then this org consents to it or not
-(``accept`` / ``decline``). An accepted run is started; a running run can be paused and
-resumed, and ends ``completed``, ``aborted`` (by an operator) or ``failed`` (by the
-engine). ``declined``, ``completed``, ``aborted`` and ``failed`` are terminal::
+(``accept`` / ``decline``). An accepted run starts once the participants' consents
+allow it (:mod:`org_node.proposals`); a running run can be paused and resumed, and
+ends ``completed``, ``aborted`` (by an operator) or ``failed`` (by the engine). A run
+that will not start (a participant declined, or the consent deadline passed without
+enough consents) is ``cancelled`` at every participant, with the reason.
+``declined``, ``cancelled``, ``completed``, ``aborted`` and ``failed`` are terminal::
 
     proposed --accept--> accepted --start--> running <--pause/resume--> paused
         |                   |                  |  \\--complete--> completed
         +--decline--> declined                 +--fail--> failed
+    proposed/accepted --cancel--> cancelled
     proposed/accepted/running/paused --abort--> aborted
 
 :func:`next_state` is the only entry point; it raises :class:`InvalidTransition`, which
@@ -38,6 +42,7 @@ class RunState(StrEnum):
     PROPOSED = "proposed"
     ACCEPTED = "accepted"
     DECLINED = "declined"
+    CANCELLED = "cancelled"
     RUNNING = "running"
     PAUSED = "paused"
     COMPLETED = "completed"
@@ -56,6 +61,7 @@ class RunAction(StrEnum):
     ABORT = "abort"
     COMPLETE = "complete"
     FAIL = "fail"
+    CANCEL = "cancel"
 
 
 _S = RunState
@@ -66,8 +72,10 @@ TRANSITIONS: Mapping[tuple[RunState, RunAction], RunState] = MappingProxyType(
         (_S.PROPOSED, _A.ACCEPT): _S.ACCEPTED,
         (_S.PROPOSED, _A.DECLINE): _S.DECLINED,
         (_S.PROPOSED, _A.ABORT): _S.ABORTED,
+        (_S.PROPOSED, _A.CANCEL): _S.CANCELLED,
         (_S.ACCEPTED, _A.START): _S.RUNNING,
         (_S.ACCEPTED, _A.ABORT): _S.ABORTED,
+        (_S.ACCEPTED, _A.CANCEL): _S.CANCELLED,
         (_S.RUNNING, _A.PAUSE): _S.PAUSED,
         (_S.RUNNING, _A.ABORT): _S.ABORTED,
         (_S.RUNNING, _A.COMPLETE): _S.COMPLETED,
@@ -82,7 +90,7 @@ TRANSITIONS: Mapping[tuple[RunState, RunAction], RunState] = MappingProxyType(
 TERMINAL_STATES: frozenset[RunState] = frozenset(
     s for s in RunState if not any(k[0] is s for k in TRANSITIONS)
 )
-"""States no action leaves: declined, completed, aborted, failed."""
+"""States no action leaves: declined, cancelled, completed, aborted, failed."""
 
 
 class InvalidTransition(Exception):

@@ -25,11 +25,15 @@ from typing import Any, Protocol, runtime_checkable
 from coordinator_free.manifest import Manifest, Member
 from coordinator_free.membership import MemberState
 
+from org_node.policy import PolicyError, RunSpec
+from org_node.proposals import Proposal
+
 __all__ = [
     "CheckpointInfo",
     "NodeHealth",
     "NodeIdentityInfo",
     "NodeServices",
+    "ProposalRefused",
     "RunEvent",
     "RunEventBus",
     "RunReports",
@@ -38,6 +42,7 @@ __all__ = [
     "ShardReport",
     "StaticNode",
     "UnknownCheckpoint",
+    "make_proposal",
 ]
 
 
@@ -47,6 +52,11 @@ class ServiceError(Exception):
 
 class ServiceRefused(ServiceError):
     """The node will not do this in its current state (the message says why)."""
+
+
+class ProposalRefused(ServiceRefused):
+    """A run proposal this node will not make: the spec's participants or size are wrong
+    (the API answers 422: the request, not the node's state, is at fault)."""
 
 
 class UnknownCheckpoint(ServiceError):
@@ -209,6 +219,19 @@ class NodeServices(Protocol):
         """The live view of the other members (status, last seen, round-trip time)."""
         ...
 
+    def propose_run(
+        self, name: str, spec: Mapping[str, Any], consent_timeout_s: int, start_delay_s: int
+    ) -> Proposal:
+        """The signed-to-be proposal of a new run, checked (called before the run's row
+        is committed; :class:`ProposalRefused` for a spec it will not propose)."""
+        ...
+
+    def announce_run(self, run_id: str) -> None:
+        """Spread this org's records of the run (its proposal if this org made it, its
+        consent once given) to the participants; called after each commit. Never raises:
+        a node that cannot spread them now does so when it can."""
+        ...
+
     def on_run_accepted(self, run_id: str, spec: Mapping[str, Any]) -> None:
         """Called before the new state is committed; raising ServiceError undoes it."""
         ...
@@ -297,6 +320,18 @@ class StaticNode:
     def _record(self, hook: str, run_id: str) -> None:
         self.calls.append((hook, run_id))
 
+    def propose_run(
+        self, name: str, spec: Mapping[str, Any], consent_timeout_s: int, start_delay_s: int
+    ) -> Proposal:
+        """A proposal by this org, its participants checked against the manifest (if any);
+        nothing spreads it: this node runs no gossip."""
+        return make_proposal(
+            self._identity.org_id, self._manifest, name, spec, consent_timeout_s, start_delay_s
+        )
+
+    def announce_run(self, run_id: str) -> None:
+        self._record("announced", run_id)
+
     def on_run_accepted(self, run_id: str, spec: Mapping[str, Any]) -> None:
         self._record("accepted", run_id)
 
@@ -330,3 +365,33 @@ class StaticNode:
         if self._reports is None:
             raise ServiceRefused("this node has no egress log to report from")
         return self._reports(run_id)
+
+
+def make_proposal(
+    me: str,
+    manifest: Manifest | None,
+    name: str,
+    spec: Mapping[str, Any],
+    consent_timeout_s: int,
+    start_delay_s: int,
+    *,
+    now_ms: int | None = None,
+) -> Proposal:
+    """``me``'s proposal of the run ``name``, refused (:class:`ProposalRefused`) when this
+    org is not a participant or a participant is not a member of ``manifest``."""
+    import time
+
+    try:
+        parsed = RunSpec.from_dict(spec)
+    except PolicyError as exc:
+        raise ProposalRefused(f"invalid run spec: {exc}") from None
+    if me not in parsed.participants:
+        raise ProposalRefused(f"{me} proposes only runs it takes part in: add it to participants")
+    if manifest is not None:
+        strangers = sorted(set(parsed.participants) - set(manifest.member_ids))
+        if strangers:
+            raise ProposalRefused(
+                f"participants {', '.join(strangers)} are not members of the federation"
+            )
+    now = int(time.time() * 1000) if now_ms is None else now_ms
+    return Proposal.make(name, spec, me, now, consent_timeout_s, start_delay_s)

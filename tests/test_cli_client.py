@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 import org_node.cli as cli
 import org_node.cli_common as cli_common
 from org_node.db.models import Role
-from tests.api.conftest import RUN_SPEC, Api, make_api, migrated_sqlite
+from tests.api.conftest import RUN_SPEC, Api, make_api, migrated_sqlite, peer_consents
 
 __all__ = ["migrated_sqlite"]
 
@@ -49,26 +49,33 @@ def _propose(api: Api, tmp_path: Path, name: str = "r1") -> str:
     spec.write_text(json.dumps(RUN_SPEC))
     r = invoke(api, "runs", "propose", "--name", name, "--spec", str(spec))
     assert r.exit_code == 0, r.output
-    assert f"proposed run {name} (" in r.output
-    return str(r.output.split("(")[1].split(")")[0])
+    assert f"proposed run {name} (key " in r.output
+    assert f"each org consents with: fedweave runs accept {name}" in r.output
+    key = str(r.output.split("(key ")[1].split(")")[0])
+    peer_consents(api, key, "org-b", "org-c")  # as if they had arrived from the peers
+    return key
 
 
 def test_propose_list_accept_start_show(client_api: Api, tmp_path: Path) -> None:
     run_id = _propose(client_api, tmp_path)
     r = invoke(client_api, "runs", "list")
     assert r.exit_code == 0, r.output
-    assert run_id in r.output and "proposed" in r.output and "org-b" in r.output
+    assert run_id[:12] in r.output and "proposed" in r.output and "org-b" in r.output
     r = invoke(client_api, "runs", "accept", "r1", "--reason", "ok by the board")
     assert r.exit_code == 0, r.output
-    assert r.output.strip() == f"run r1 ({run_id}): accepted"
+    assert r.output.splitlines()[0] == f"run r1 (key {run_id}): accepted"
+    assert "waiting for: start at" in r.output  # every consent is in: a start time is agreed
     r = invoke(client_api, "runs", "start", run_id[:10])
     assert r.exit_code == 0, r.output
     assert "running" in r.output
-    assert client_api.node.calls == [("accepted", run_id), ("started", run_id)]
+    local = client_api.client.get(f"/v1/runs/{run_id}", headers=client_api.h()).json()["id"]
+    hooks = [c for c in client_api.node.calls if c[0] != "announced"]
+    assert hooks == [("accepted", local), ("started", local)]
     r = invoke(client_api, "runs", "show", run_id, role=Role.AUDITOR)
     assert r.exit_code == 0, r.output
     assert "state: running" in r.output
     assert "ok by the board" in r.output
+    assert "org-b: accept at" in r.output and f"run r1 (key {run_id})" in r.output
     assert "no round metrics yet" in r.output
 
 
@@ -77,7 +84,8 @@ def test_show_prints_metrics_per_round(client_api: Api, tmp_path: Path) -> None:
 
     from org_node.db.models import RunMetric
 
-    run_id = _propose(client_api, tmp_path)
+    key = _propose(client_api, tmp_path)
+    run_id = client_api.client.get(f"/v1/runs/{key}", headers=client_api.h()).json()["id"]
     with Session(client_api.engine) as session:
         for rnd, loss in ((1, 0.75), (2, 0.5)):
             session.add(RunMetric(run_id=run_id, round=rnd, name="loss", value=loss))
@@ -245,3 +253,73 @@ def test_status_culprit_line() -> None:
         }
     )
     assert line == "org3 (score 4.50, round 2): timeout in reduce; no unmask shares"
+
+
+def test_tokens_create_list_revoke(client_api: Api) -> None:
+    r = invoke(client_api, "tokens", "create", "--name", "ci-bot", "--role", "operator")
+    assert r.exit_code == 0, r.output
+    created, secret_line = r.output.strip().splitlines()
+    assert created.startswith("created token ") and "(ci-bot, operator, key id " in created
+    secret = secret_line.rsplit(" ", 1)[1]
+    assert secret_line.startswith("token (shown once") and secret.startswith("fw_")
+    token_id = created.split()[2]
+    key_id = secret.split("_")[1]
+    # the new token works, with its role
+    assert invoke_with(secret, "runs", "list").exit_code == 0
+    assert invoke_with(secret, "tokens", "list").output.startswith("error: forbidden")
+
+    listed = invoke(client_api, "tokens", "list")
+    assert listed.exit_code == 0, listed.output
+    assert f"tokens ({len(Role) + 1})" in listed.output
+    assert "ci-bot" in listed.output and key_id in listed.output
+    assert "fw_" not in listed.output and secret not in listed.output
+
+    r = invoke(client_api, "tokens", "revoke", key_id[:6])
+    assert r.exit_code == 0, r.output
+    assert r.output.startswith(f"revoked token {token_id} (ci-bot, operator) at ")
+    assert invoke_with(secret, "runs", "list").output.strip() == (
+        "error: authentication failed: check --token"
+    )
+    again = invoke(client_api, "tokens", "revoke", token_id)
+    assert again.exit_code == 1
+    assert again.output.strip() == f"error: token {token_id} is already revoked"
+
+
+def invoke_with(token: str, *args: str) -> Any:
+    return CliRunner().invoke(cli.app, [*args, "--url", URL, "--token", token])
+
+
+def test_tokens_revoke_refusals_are_one_line(client_api: Api) -> None:
+    unknown = invoke(client_api, "tokens", "revoke", "999")
+    assert unknown.exit_code == 1
+    assert unknown.output.strip() == "error: no token '999' at this node (give its id or key id)"
+    # a secret given instead of an id is refused without being echoed
+    secret = client_api.tokens[Role.OPERATOR]
+    r = invoke(client_api, "tokens", "revoke", secret)
+    assert r.exit_code == 1 and secret not in r.output and "not its secret" in r.output
+    # the last live admin token stays
+    admin_id = next(
+        line.split()[1]
+        for line in invoke(client_api, "tokens", "list").output.splitlines()
+        if "admin-token" in line
+    )
+    last = invoke(client_api, "tokens", "revoke", admin_id)
+    assert last.exit_code == 1
+    assert last.output.strip() == "error: cannot revoke the last live admin token"
+    # an operator may not manage tokens
+    r = invoke(client_api, "tokens", "create", "--name", "x", "--role", "admin", role=Role.OPERATOR)
+    assert r.exit_code == 1 and r.output.startswith("error: forbidden")
+    bad_role = invoke(client_api, "tokens", "create", "--name", "x", "--role", "root")
+    assert bad_role.exit_code == 2
+
+
+def test_status_reads_the_runs_with_the_standard_library(client_api: Api, tmp_path: Path) -> None:
+    from org_node.cli import _local_runs
+
+    _propose(client_api, tmp_path)
+    run_id = client_api.client.get("/v1/runs", headers=client_api.h()).json()["data"][0]["id"]
+    lines = _local_runs(tmp_path / "node" / "fedweave.db")
+    assert lines == [f"r1 ({run_id[:8]}): proposed, round 0"]
+    assert _local_runs(tmp_path / "none.db") == []
+    (tmp_path / "bad.db").write_bytes(b"not a database, at all, no")
+    assert _local_runs(tmp_path / "bad.db")[0].startswith("(cannot read the runs from bad.db: ")

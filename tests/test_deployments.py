@@ -42,7 +42,7 @@ def check_invocation(tokens: list[str]) -> None:
     rest = list(tokens)
     while isinstance(ctx_cmd, click.Group) and rest and not rest[0].startswith("-"):
         name = rest.pop(0)
-        sub = ctx_cmd.commands.get(name)
+        sub = ctx_cmd.get_command(click.Context(ctx_cmd), name)  # lazily loaded ones too
         assert sub is not None, f"`{' '.join(path)} {name}`: no such command"
         path.append(name)
         ctx_cmd = sub

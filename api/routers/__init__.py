@@ -23,6 +23,7 @@ __all__ = [
     "InvalidRequest",
     "conflict",
     "not_found",
+    "unprocessable",
 ]
 
 ADMIN = (Role.ADMIN,)
@@ -66,3 +67,8 @@ def not_found(what: str) -> HTTPException:
 
 def conflict(message: str) -> HTTPException:
     return HTTPException(status_code=status.HTTP_409_CONFLICT, detail=message)
+
+
+def unprocessable(message: str) -> HTTPException:
+    """422 with one line saying what is wrong with the request's content."""
+    return HTTPException(status_code=status.HTTP_422_UNPROCESSABLE_CONTENT, detail=message)

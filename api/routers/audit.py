@@ -15,6 +15,7 @@ An unknown run is 404; a run whose messages no signed head covers yet is 409.
 
 from __future__ import annotations
 
+import contextlib
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
@@ -34,6 +35,7 @@ from org_node.audit.html import render_html
 from org_node.audit.report import ReportError, report_to_bytes
 from org_node.db.models import AuditEvent, AuditEventsPublic, AuditHead, Run
 from org_node.db.repo import GENESIS_HASH, audit_entry_hash
+from org_node.run_store import AmbiguousRun, RunNotFound, resolve_run
 from org_node.services import RunReports, ServiceError
 
 __all__ = ["AuditReport", "events_page_generic", "events_page_sqlite", "report_dir", "router"]
@@ -99,7 +101,7 @@ def _filters(
     if privacy_class is not None:
         cond.append(AuditEvent.privacy_class == privacy_class)
     if run is not None:
-        cond.append(AuditEvent.run == run)
+        cond.append(col(AuditEvent.run).in_(run.split("\0")))
     if peer is not None:
         cond.append(AuditEvent.peer == peer)
     if kind is not None:
@@ -186,6 +188,10 @@ def list_events(
     text as the generic path); elsewhere rows are read as plain column tuples, whose
     typed columns are ``AuditEventPublic``'s fields, and encoded straight to JSON.
     """
+    if run is not None:  # a run's events carry its local id or its run key
+        with contextlib.suppress(RunNotFound, AmbiguousRun):
+            row = resolve_run(session, run)
+            run = "\0".join(sorted({row.id, row.run_key or row.id, run}))
     cond = _filters(
         run,
         peer,
@@ -259,17 +265,28 @@ def report_dir(settings: Settings) -> Path:
     return settings.data_dir / "audit" / "reports"
 
 
-def _known_run(session: Any, run_id: str) -> None:
-    if not 0 < len(run_id) <= 32 or session.get(Run, run_id) is None:
-        raise not_found("run")
+def _known_run(session: Any, ref: str) -> Run:
+    """The run ``ref`` names (run key, name, unique key prefix or local id)."""
+    try:
+        return resolve_run(session, ref)
+    except RunNotFound:
+        raise not_found("run") from None
+    except AmbiguousRun as exc:
+        raise conflict(str(exc)) from None
 
 
-def _stored(settings: Settings, run_id: str, suffix: str) -> Path:
-    path = report_dir(settings) / f"{run_id}{suffix}"
+def _file_key(row: Run) -> str:
+    """What the stored report files are named by: the federation run key."""
+    return row.run_key or row.id
+
+
+def _stored(settings: Settings, row: Run, suffix: str) -> Path:
+    key = _file_key(row)
+    path = report_dir(settings) / f"{key}{suffix}"
     if not path.is_file():
         raise HTTPException(
             status_code=status.HTTP_404_NOT_FOUND,
-            detail=f"no report of run {run_id} yet: POST /v1/audit/runs/{run_id}/report",
+            detail=f"no report of run {row.name} yet: POST /v1/audit/runs/{key}/report",
         )
     return path
 
@@ -288,33 +305,34 @@ _REPORT_JSON: dict[int | str, dict[str, Any]] = {
 def generate_report(
     run_id: str, session: SessionDep, node: NodeDep, settings: SettingsDep
 ) -> Response:
-    """Build the run's signed privacy report now, store it (JSON and HTML), return it."""
-    _known_run(session, run_id)
+    """Build the run's signed privacy report now, store it (JSON and HTML) under the run
+    key, return it."""
+    row = _known_run(session, run_id)
     if not isinstance(node, RunReports):
         raise conflict("this node does not write privacy reports")
     try:
-        report = node.run_report(run_id)
+        report = node.run_report(row.id)
     except UnknownRunId:
         raise not_found("run") from None
     except ReportError as exc:
-        raise conflict(f"cannot report run {run_id} yet: {exc}") from None
+        raise conflict(f"cannot report run {row.name} yet: {exc}") from None
     except ServiceError as exc:
         raise conflict(str(exc)) from None
     body = report_to_bytes(report)
     out = report_dir(settings)
     out.mkdir(parents=True, exist_ok=True)
     for suffix, data in ((".json", body), (".html", render_html(report).encode("utf-8"))):
-        tmp = out / f"{run_id}{suffix}.tmp"
+        tmp = out / f"{_file_key(row)}{suffix}.tmp"
         tmp.write_bytes(data)
-        tmp.replace(out / f"{run_id}{suffix}")
+        tmp.replace(out / f"{_file_key(row)}{suffix}")
     return Response(body, status_code=status.HTTP_201_CREATED, media_type="application/json")
 
 
 @router.get("/runs/{run_id}/report", response_class=Response, responses=_REPORT_JSON)
 def read_report(run_id: str, session: SessionDep, settings: SettingsDep) -> Response:
     """The stored report of the run, as signed (the verifiable JSON form)."""
-    _known_run(session, run_id)
-    return Response(_stored(settings, run_id, ".json").read_bytes(), media_type="application/json")
+    row = _known_run(session, run_id)
+    return Response(_stored(settings, row, ".json").read_bytes(), media_type="application/json")
 
 
 _REPORT_HTML: dict[int | str, dict[str, Any]] = {
@@ -328,5 +346,5 @@ _REPORT_HTML: dict[int | str, dict[str, Any]] = {
 @router.get("/runs/{run_id}/report.html", response_class=Response, responses=_REPORT_HTML)
 def read_report_html(run_id: str, session: SessionDep, settings: SettingsDep) -> HTMLResponse:
     """The stored report as one self-contained HTML page (no external references)."""
-    _known_run(session, run_id)
-    return HTMLResponse(_stored(settings, run_id, ".html").read_text(encoding="utf-8"))
+    row = _known_run(session, run_id)
+    return HTMLResponse(_stored(settings, row, ".html").read_text(encoding="utf-8"))

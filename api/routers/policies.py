@@ -25,7 +25,8 @@ from org_node.db.models import (
     utcnow,
 )
 from org_node.db.repo import append_audit_event, update_versioned
-from org_node.policy import Policy, RunSpec, check_run_against_policy
+from org_node.policy import RunSpec
+from org_node.run_store import policy_violations
 
 __all__ = ["PolicyCheck", "PolicyViolation", "router", "violations"]
 
@@ -43,26 +44,11 @@ class PolicyCheck(BaseModel):
     violations: list[PolicyViolation]
 
 
-def _as_policy(row: PolicyRecord) -> Policy:
-    return Policy(
-        min_participants=row.min_participants,
-        required_backend=row.required_backend,
-        min_threshold=row.min_threshold,
-        max_epsilon=row.max_epsilon,
-        allowed_trainers=None if row.allowed_trainers is None else tuple(row.allowed_trainers),
-        allowed_peers=None if row.allowed_peers is None else tuple(row.allowed_peers),
-    )
-
-
 def violations(session: Session, spec: RunSpec) -> list[PolicyViolation]:
     """Every requirement of every enabled policy that ``spec`` breaks."""
-    rows = session.exec(
-        select(PolicyRecord).where(col(PolicyRecord.enabled)).order_by(col(PolicyRecord.id))
-    ).all()
     return [
-        PolicyViolation(policy=row.name, requirement=v.requirement, message=v.message)
-        for row in rows
-        for v in check_run_against_policy(spec, _as_policy(row))
+        PolicyViolation(policy=name, requirement=v.requirement, message=v.message)
+        for name, v in policy_violations(session, spec)
     ]
 
 

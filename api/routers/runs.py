@@ -1,5 +1,12 @@
-"""``/v1/runs``: propose a run, consent to it or not, start, pause, resume, abort; its
-status, per-round metrics, and a server-sent events stream of its progress.
+"""``/v1/runs``: propose a run to every participant, consent to it or not, pause,
+resume, abort; its status (with the participants' consents and what it waits for),
+per-round metrics, and a server-sent events stream of its progress.
+
+A run is proposed once, at one org (``POST /v1/runs``): the node signs the proposal and
+spreads it to every participant, where it appears as ``proposed``. Each org's accept
+or decline is signed and spread the same way; the node starts the run by itself at the
+time the consents agree on (:mod:`org_node.proposals`). ``{run}`` in every route is the
+federation run key, the run's name, a unique key prefix or the local id.
 
 State changes follow the pure table of :mod:`org_node.runs`; an action the current
 state does not allow is 409 naming that state. Each change is one conditional update
@@ -35,12 +42,14 @@ from api.deps import (
     require_roles,
 )
 from api.idempotency import remember, replay, scope_of
-from api.routers import ERRORS, READERS, WRITERS, conflict, not_found
+from api.routers import ERRORS, READERS, WRITERS, conflict, not_found, unprocessable
 from api.routers.policies import violations
 from org_node.consent import ConsentRefused, bind_run
 from org_node.db.models import (
     Run,
     RunActionRequest,
+    RunConsent,
+    RunConsentPublic,
     RunCreate,
     RunMetric,
     RunMetricPublic,
@@ -52,8 +61,20 @@ from org_node.db.models import (
 )
 from org_node.db.repo import append_audit_event, update_versioned
 from org_node.policy import PolicyError, RunSpec
+from org_node.proposals import Consent, from_ms
+from org_node.run_store import (
+    AmbiguousRun,
+    RunNotFound,
+    consents_of,
+    now_ms,
+    outcome_of,
+    proposal_of,
+    resolve_run,
+    store_consent,
+    waiting_of,
+)
 from org_node.runs import TERMINAL_STATES, InvalidTransition, RunAction, RunState, next_state
-from org_node.services import NodeServices, RunEvent, ServiceError
+from org_node.services import NodeServices, ProposalRefused, RunEvent, ServiceError
 from org_node.trainers.catalog import TrainerCatalog
 
 __all__ = ["HEARTBEAT_S", "router"]
@@ -74,8 +95,16 @@ _HOOKS: dict[RunAction, str] = {
 _POLICY_CHECKED = (RunAction.ACCEPT, RunAction.START, RunAction.RESUME)
 
 
-def _public(row: Run) -> RunPublic:
-    return RunPublic.model_validate(row, from_attributes=True)
+def _view(row: Run, consents: list[RunConsent]) -> RunPublic:
+    """The run as the API shows it: its row, the consents known and what it waits for."""
+    public = RunPublic.model_validate(row, from_attributes=True)
+    public.consents = [RunConsentPublic.model_validate(c, from_attributes=True) for c in consents]
+    public.waiting = waiting_of(row, consents)
+    return public
+
+
+def _public(row: Run, session: Session) -> RunPublic:
+    return _view(row, consents_of(session, row.run_key) if row.run_key else [])
 
 
 def _spec_of(row: Run) -> RunSpec:
@@ -87,11 +116,14 @@ def _spec_of(row: Run) -> RunSpec:
         raise conflict(f"the run's spec is not valid here: {' '.join(first[:3])}") from None
 
 
-def _get(session: Session, run_id: str) -> Run:
-    row = session.get(Run, run_id) if 0 < len(run_id) <= 32 else None
-    if row is None:
-        raise not_found("run")
-    return row
+def _get(session: Session, ref: str) -> Run:
+    """The run ``ref`` names (key, name, key prefix or local id); 404 or 409."""
+    try:
+        return resolve_run(session, ref)
+    except RunNotFound:
+        raise not_found("run") from None
+    except AmbiguousRun as exc:
+        raise conflict(str(exc)) from None
 
 
 @router.post(
@@ -103,27 +135,48 @@ def _get(session: Session, run_id: str) -> Run:
 def propose(
     body: RunCreate,
     session: SessionDep,
+    node: NodeDep,
     principal: CurrentPrincipal,
     idempotency_key: IdempotencyKeyDep,
 ) -> Response | RunPublic:
-    """Record a proposed run (this org has not consented yet)."""
+    """Propose a run to every participant (this org has not consented yet).
+
+    The node checks the spec (every participant a federation member, this org among
+    them), signs the proposal and spreads it; each participant records it as
+    ``proposed``. A name already used in the federation (known here) is 409.
+    """
     scope = scope_of("runs.create", principal)
     if (earlier := replay(session, scope, idempotency_key, body)) is not None:
         return earlier
+    spec = body.spec.model_dump(mode="json")
+    same = session.exec(select(Run).where(Run.name == body.name)).first()
+    if same is not None:
+        raise conflict(f"a run named {body.name!r} exists already (key {same.run_key})")
+    try:
+        proposal = node.propose_run(body.name, spec, body.consent_timeout_s, body.start_delay_s)
+    except ProposalRefused as exc:
+        raise unprocessable(str(exc)) from None
+    except ServiceError as exc:
+        raise conflict(f"the node cannot propose the run: {exc}") from None
     row = Run(
         id=uuid.uuid4().hex,
         name=body.name,
-        spec=body.spec.model_dump(mode="json"),
+        spec=spec,
         proposed_by=principal.name,
+        run_key=proposal.run_key,
+        origin=proposal.proposer,
+        proposal=proposal.to_dict(),
+        consent_by=from_ms(proposal.consent_by_ms),
     )
     session.add(row)
     session.flush()
-    public = _public(row)
+    public = _public(row, session)
     remember(session, scope, idempotency_key, body, 201, public.model_dump(mode="json"))
     append_audit_event(
         session, stage="consent", kind="run.propose", run=row.id, privacy_class="internal"
     )
     session.commit()
+    node.announce_run(row.id)
     return public
 
 
@@ -143,30 +196,79 @@ def list_runs(
         .offset(page.offset)
         .limit(page.limit)
     ).all()
-    return RunsPublic(data=[_public(r) for r in rows], count=count)
+    return RunsPublic(data=[_public(r, session) for r in rows], count=count)
 
 
 _RUN = Run.__table__  # type: ignore[attr-defined]
-_RUN_BY_ID = sa_select(_RUN).where(_RUN.c.id == bindparam("run_id"))
+_CONSENT = RunConsent.__table__  # type: ignore[attr-defined]
+_RUN_BY = {
+    column: sa_select(_RUN).where(_RUN.c[column] == bindparam("ref"))
+    for column in ("id", "run_key", "name")
+}
+_CONSENTS_OF = (
+    sa_select(_CONSENT).where(_CONSENT.c.run_key == bindparam("key")).order_by(_CONSENT.c.org_id)
+)
 
 
-def _run_fields(conn: Connection, run_id: str) -> dict[str, Any] | None:
-    if not 0 < len(run_id) <= 32:
+def _exact_run(conn: Connection, ref: str) -> tuple[Run, list[RunConsent]] | None:
+    """The run whose id, key or name is ``ref`` (one indexed read each), with its
+    consents; None if none is (a prefix, or an unknown run)."""
+    if not 0 < len(ref) <= 100:
         return None
-    row = conn.execute(_RUN_BY_ID, {"run_id": run_id}).mappings().first()
-    return None if row is None else dict(row)
+    for query in _RUN_BY.values():
+        rows = conn.execute(query, {"ref": ref}).mappings().all()
+        if len(rows) == 1:
+            run = Run.model_validate(dict(rows[0]))
+            if not run.run_key:
+                return run, []
+            found = conn.execute(_CONSENTS_OF, {"key": run.run_key}).mappings().all()
+            return run, [RunConsent.model_validate(dict(c)) for c in found]
+    return None
+
+
+def _resolved(engine: Any, ref: str) -> RunPublic:
+    with Session(engine) as session:
+        return _public(_get(session, ref), session)
 
 
 @router.get("/{run_id}", response_model=RunPublic, dependencies=[require_roles(*READERS)])
-async def read(run_id: str, reads: ReadsDep) -> Response:
-    """The run's status: state, version, current round, this org's recorded consent."""
-    # One indexed read (api.reads: on the event loop for SQLite), validated once into
-    # RunPublic and encoded once; FastAPI would validate a returned model a second time.
-    fields = await reads(partial(_run_fields, run_id=run_id))
-    if fields is None:
-        raise not_found("run")
-    body = RunPublic.model_validate(fields).model_dump_json()
-    return Response(body, media_type="application/json")
+async def read(run_id: str, reads: ReadsDep, request: Request) -> Response:
+    """The run's status: state, version, current round, this org's recorded consent,
+    the participants' consents known here and what the run waits for."""
+    # One indexed read by id, key or name (api.reads: on the event loop for SQLite),
+    # validated once and encoded once; a key prefix takes the general path.
+    found = await reads(partial(_exact_run, ref=run_id))
+    if found is None:
+        public = await run_in_threadpool(_resolved, request.app.state.engine, run_id)
+    else:
+        public = _view(*found)
+    return Response(public.model_dump_json(), media_type="application/json")
+
+
+def _check_decision(row: Run, action: RunAction, request: RunActionRequest) -> None:
+    """Refuse an accept or decline that does not fit the run's proposal (409/422)."""
+    if action is RunAction.DECLINE and not request.reason.strip():
+        raise unprocessable("a decline must give its reason (reason)")
+    if request.run_key is not None and request.run_key != row.run_key:
+        raise conflict(
+            f"the run's key is {row.run_key}, not {request.run_key}: its spec is not the "
+            "one reviewed"
+        )
+    proposal = proposal_of(row)
+    if proposal is not None and now_ms() > proposal.consent_by_ms:
+        raise conflict(
+            f"the consent deadline passed at {from_ms(proposal.consent_by_ms).isoformat()}"
+        )
+
+
+def _check_start(session: Session, row: Run, me: str) -> None:
+    """A run with a proposal starts once its consents allow it (409 naming what is missing)."""
+    outcome = outcome_of(row, consents_of(session, row.run_key)) if row.run_key else None
+    if outcome is None or (outcome.kind == "start" and me in outcome.accepted):
+        return
+    if outcome.kind == "waiting":
+        raise conflict("waiting for the consent of " + ", ".join(outcome.waiting_for))
+    raise conflict(f"the run will not start: {outcome.reason or 'without this org'}")
 
 
 def _transition(
@@ -181,6 +283,8 @@ def _transition(
     request = body or RunActionRequest()
     if request.dataset is not None and action is not RunAction.ACCEPT:
         raise conflict("a dataset is bound when accepting a run, not otherwise")
+    if request.run_key is not None and action not in (RunAction.ACCEPT, RunAction.DECLINE):
+        raise conflict("a run key is pinned when accepting or declining a run, not otherwise")
     row = _get(session, run_id)
     if request.version is not None and request.version != row.version:
         raise conflict(f"run version is {row.version}, not {request.version}: reload and retry")
@@ -189,13 +293,18 @@ def _transition(
         new = next_state(current, action)
     except InvalidTransition as exc:
         raise conflict(str(exc)) from None
+    deciding = action in (RunAction.ACCEPT, RunAction.DECLINE)
+    if deciding:
+        _check_decision(row, action, request)
+    if action is RunAction.START:
+        _check_start(session, row, node.identity().org_id)
     if action in _POLICY_CHECKED:
         broken = violations(session, _spec_of(row))
         if broken:
             listed = "; ".join(f"{v.policy}: {v.message}" for v in broken)
             raise conflict(f"run violates this org's policies: {listed}")
     values: dict[str, Any] = {"state": new.value, "updated_at": utcnow()}
-    if action in (RunAction.ACCEPT, RunAction.DECLINE):
+    if deciding:
         values |= {
             "decided_by": principal.name,
             "decided_at": utcnow(),
@@ -208,27 +317,40 @@ def _transition(
         except ConsentRefused as exc:
             raise conflict(f"this org cannot accept the run: {exc}") from None
         values |= binding.row_values()
-    if not update_versioned(session, Run, run_id, row.version, values, where={"state": current}):
+    if not update_versioned(session, Run, row.id, row.version, values, where={"state": current}):
         session.rollback()
-        latest = _get(session, run_id)
+        latest = _get(session, row.id)
         raise conflict(f"run changed concurrently; it is now {latest.state}")
+    if deciding and row.run_key and row.proposal:
+        mine = Consent(
+            row.run_key,
+            node.identity().org_id,
+            "accept" if action is RunAction.ACCEPT else "decline",
+            request.reason,
+            now_ms(),
+        )
+        if not store_consent(session, mine, ""):
+            session.rollback()
+            raise conflict("this org has decided on the run already")
     append_audit_event(
         session,
-        stage="consent" if action in (RunAction.ACCEPT, RunAction.DECLINE) else "control",
+        stage="consent" if deciding else "control",
         kind=f"run.{action.value}",
-        run=run_id,
+        run=row.id,
         privacy_class="internal",
     )
     hook: Callable[[str, dict[str, Any]], None] = getattr(node, _HOOKS[action])
     try:
-        hook(run_id, dict(row.spec))
+        hook(row.id, dict(row.spec))
     except ServiceError as exc:
         session.rollback()
         raise conflict(f"the node refused to {action.value} the run: {exc}") from None
     session.commit()
     session.expire_all()
-    public = _public(_get(session, run_id))
-    node.events.publish(run_id, "state", {"state": public.state.value, "version": public.version})
+    public = _public(_get(session, row.id), session)
+    if deciding:
+        node.announce_run(row.id)
+    node.events.publish(row.id, "state", {"state": public.state.value, "version": public.version})
     return public
 
 
@@ -282,7 +404,7 @@ def metrics(
     round: Annotated[int | None, Query(ge=0, le=2**31 - 1)] = None,
 ) -> RunMetricsPublic:
     """Per-round metrics recorded by the run engine, in round order."""
-    _get(session, run_id)
+    run_id = _get(session, run_id).id
     cond = [RunMetric.run_id == run_id]
     if round is not None:
         cond.append(RunMetric.round == round)
@@ -302,10 +424,9 @@ def _sse(event: RunEvent) -> str:
     return f"id: {event.seq}\nevent: {event.kind}\ndata: {data}\n\n"
 
 
-def _snapshot(engine: Any, run_id: str) -> RunPublic | None:
+def _snapshot(engine: Any, ref: str) -> RunPublic:
     with Session(engine) as session:
-        row = session.get(Run, run_id) if 0 < len(run_id) <= 32 else None
-        return None if row is None else _public(row)
+        return _public(_get(session, ref), session)
 
 
 def _ended(event: RunEvent) -> bool:
@@ -324,8 +445,7 @@ async def events(run_id: str, request: Request, node: NodeDep) -> StreamingRespo
     The first event is a ``state`` snapshot; the stream ends after a terminal state.
     """
     snapshot = await run_in_threadpool(_snapshot, request.app.state.engine, run_id)
-    if snapshot is None:
-        raise not_found("run")
+    run_id = snapshot.id
     bus = node.events
     queue = bus.subscribe(run_id)
 

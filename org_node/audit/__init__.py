@@ -6,41 +6,87 @@ report of a run; :func:`~org_node.audit.html.render_html` renders it as one offl
 HTML page; :func:`~org_node.audit.verify.verify_path` checks a log or a report.
 """
 
-from org_node.audit.classes import (
-    FORBIDDEN_CLASSES,
-    ClassificationError,
-    ForbiddenClass,
-    PrivacyClass,
-    UnclassifiedKind,
-    classify,
-)
-from org_node.audit.heads import HEAD_KIND, publish_head, serve_heads
-from org_node.audit.html import render_html
-from org_node.audit.log import (
-    AuditError,
-    DatabaseStore,
-    EgressEntry,
-    EgressLog,
-    LogFormatError,
-    SignedHead,
-    read_log,
-)
-from org_node.audit.report import (
-    ConsentRecord,
-    DpFacts,
-    ReportError,
-    RoundFacts,
-    RunFacts,
-    SecAggFacts,
-    ShardHeld,
-    UnknownRun,
-    build_report,
-    report_to_bytes,
-    round_facts_from_engine,
-    save_report,
-    validate_report,
-)
-from org_node.audit.verify import VerifyResult, verify_log, verify_path, verify_report
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from org_node.audit.classes import (
+        FORBIDDEN_CLASSES,
+        ClassificationError,
+        ForbiddenClass,
+        PrivacyClass,
+        UnclassifiedKind,
+        classify,
+    )
+    from org_node.audit.heads import HEAD_KIND, publish_head, serve_heads
+    from org_node.audit.html import render_html
+    from org_node.audit.log import (
+        AuditError,
+        DatabaseStore,
+        EgressEntry,
+        EgressLog,
+        LogFormatError,
+        SignedHead,
+        read_log,
+    )
+    from org_node.audit.report import (
+        ConsentRecord,
+        DpFacts,
+        ReportError,
+        RoundFacts,
+        RunFacts,
+        SecAggFacts,
+        ShardHeld,
+        UnknownRun,
+        build_report,
+        report_to_bytes,
+        round_facts_from_engine,
+        save_report,
+        validate_report,
+    )
+    from org_node.audit.verify import VerifyResult, verify_log, verify_path, verify_report
+
+# Exports are imported on first use: the report pulls in the DP accountant (scipy),
+# which a client command of the CLI that imports this package must not pay for.
+_EXPORTS = {
+    "AuditError": "org_node.audit.log",
+    "ClassificationError": "org_node.audit.classes",
+    "ConsentRecord": "org_node.audit.report",
+    "DatabaseStore": "org_node.audit.log",
+    "DpFacts": "org_node.audit.report",
+    "EgressEntry": "org_node.audit.log",
+    "EgressLog": "org_node.audit.log",
+    "FORBIDDEN_CLASSES": "org_node.audit.classes",
+    "ForbiddenClass": "org_node.audit.classes",
+    "HEAD_KIND": "org_node.audit.heads",
+    "LogFormatError": "org_node.audit.log",
+    "PrivacyClass": "org_node.audit.classes",
+    "ReportError": "org_node.audit.report",
+    "RoundFacts": "org_node.audit.report",
+    "RunFacts": "org_node.audit.report",
+    "SecAggFacts": "org_node.audit.report",
+    "ShardHeld": "org_node.audit.report",
+    "SignedHead": "org_node.audit.log",
+    "UnclassifiedKind": "org_node.audit.classes",
+    "UnknownRun": "org_node.audit.report",
+    "VerifyResult": "org_node.audit.verify",
+    "build_report": "org_node.audit.report",
+    "classify": "org_node.audit.classes",
+    "publish_head": "org_node.audit.heads",
+    "read_log": "org_node.audit.log",
+    "render_html": "org_node.audit.html",
+    "report_to_bytes": "org_node.audit.report",
+    "round_facts_from_engine": "org_node.audit.report",
+    "save_report": "org_node.audit.report",
+    "serve_heads": "org_node.audit.heads",
+    "validate_report": "org_node.audit.report",
+    "verify_log": "org_node.audit.verify",
+    "verify_path": "org_node.audit.verify",
+    "verify_report": "org_node.audit.verify",
+}
+
 
 __all__ = [
     "FORBIDDEN_CLASSES",
@@ -78,3 +124,12 @@ __all__ = [
     "verify_path",
     "verify_report",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

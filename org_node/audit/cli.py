@@ -1,8 +1,12 @@
 """The ``fedweave audit`` commands, as a Typer sub-application to mount on the main CLI.
 
-``fedweave audit verify PATH [--peer-log P ...] [--key ORG=HEX ...]`` checks a log or a
-report (:func:`org_node.audit.verify.verify_path`) and exits 0 with a one-line summary
-or 1 naming the first broken entry. :func:`write_run_report` is what ``fedweave audit
+``fedweave audit verify PATH [--data-dir DIR] [--peer-log P ...] [--key ORG=HEX ...]``
+checks a log or a report (:func:`org_node.audit.verify.verify_path`) and exits 0 with a
+one-line summary or 1 naming the first broken entry. With ``--data-dir`` (or
+``FEDWEAVE_DATA_DIR``) the members' keys are pinned from the node's installed federation
+manifest (:func:`manifest_keys`), and the line names the org and the certificate
+fingerprint of the key it pinned; ``--key`` overrides; with neither the key is the one
+the file carries, and the line says it is not pinned. :func:`write_run_report` is what ``fedweave audit
 report RUN --data-dir DIR --out DIR`` runs once it has opened the node's egress log and
 gathered the run's facts from the node's database (:mod:`org_node.audit.facts`, offline:
 the node need not run): it writes the JSON and HTML pair, or exits 1 for a run the node
@@ -11,16 +15,29 @@ does not know.
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from org_node.audit.log import EgressLog
-from org_node.audit.report import ReportError, RunFacts, UnknownRun, build_report, save_report
-from org_node.audit.verify import main as verify_main
+if TYPE_CHECKING:
+    from org_node.audit.log import EgressLog
+    from org_node.audit.report import RunFacts
 
-__all__ = ["audit_app", "parse_keys", "report", "write_run_report"]
+# The log, report and verify modules are imported by the commands that use them: the
+# report pulls in the DP accountant (scipy), which ``fedweave runs list`` must not load.
+
+__all__ = [
+    "Pin",
+    "audit_app",
+    "manifest_keys",
+    "org_of",
+    "parse_keys",
+    "report",
+    "write_run_report",
+]
 
 audit_app = typer.Typer(
     name="audit",
@@ -50,6 +67,80 @@ def parse_keys(values: list[str]) -> dict[str, bytes]:
     return keys
 
 
+@dataclass(frozen=True)
+class Pin:
+    """Where the key of the org whose log or report is verified came from."""
+
+    org: str
+    source: str
+    fingerprint: str = ""
+
+    def line(self) -> str:
+        what = f"key of {self.org!r} pinned from {self.source}"
+        return what + (f" (certificate fingerprint {self.fingerprint})" if self.fingerprint else "")
+
+
+def org_of(path: Path) -> str | None:
+    """The org a log (its header) or a report names; None when the file says nothing
+    readable (verification then names what is wrong with it)."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    first = data.split(b"\n", 1)[0]
+    try:
+        doc = json.loads(first if b'"type":"header"' in first else data)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    org = doc.get("org") if isinstance(doc, dict) else None
+    return org if isinstance(org, str) and org else None
+
+
+def manifest_keys(data_dir: Path, org: str | None) -> tuple[dict[str, bytes], Pin | None]:
+    """The members' keys of the federation installed at ``data_dir`` (every version of its
+    verified chain, the newest record of each org winning; the node's own ``member.json``
+    when no federation is installed), and where the key of ``org`` comes from.
+
+    ValueError, naming the reason, when ``org``'s key is not there to pin.
+    """
+    from coordinator_free.errors import ManifestError
+    from coordinator_free.manifest import Member
+
+    from org_node.cli_common import read_chain_file
+    from org_node.config import NodePaths
+
+    paths = NodePaths(data_dir)
+    chain = read_chain_file(paths.chain) if paths.chain.exists() else []
+    members: dict[str, tuple[Member, str]] = {}
+    for manifest in chain:
+        where = f"federation {manifest.federation!r} manifest v{manifest.version} in {data_dir}"
+        for m in manifest.members:
+            members[m.org_id] = (m, where)
+    if paths.member.exists():
+        try:
+            own = Member.from_obj(json.loads(paths.member.read_bytes()))
+        except (OSError, ValueError, ManifestError) as exc:
+            raise ValueError(f"{paths.member} is not a valid member record: {exc}") from None
+        members.setdefault(own.org_id, (own, f"the member record {paths.member}"))
+    if not members:
+        raise ValueError(
+            f"{data_dir} holds no federation manifest and no member record to pin a key from"
+        )
+    keys = {o: m.public_key for o, (m, _) in members.items()}
+    if org is None:
+        return keys, None
+    if org not in members:
+        where = (
+            f"not a member of federation {chain[-1].federation!r} in {data_dir}"
+            if chain
+            else f"{data_dir} has no federation installed and its member record is of "
+            f"{', '.join(repr(o) for o in members)}"
+        )
+        raise ValueError(f"cannot pin the key of {org!r}: {where} (pass --key {org}=HEX)")
+    member, where = members[org]
+    return keys, Pin(org, where, member.fingerprint)
+
+
 @audit_app.command("verify")
 def verify(
     path: Annotated[Path, typer.Argument(help="An egress log (JSON lines) or a report (JSON).")],
@@ -63,14 +154,46 @@ def verify(
         list[str] | None,
         typer.Option("--key", help="ORG=HEX: pin an org's Ed25519 public key (repeatable)."),
     ] = None,
+    data_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--data-dir",
+            envvar="FEDWEAVE_DATA_DIR",
+            help="A node's data directory: pin the members' keys from its installed "
+            "federation manifest (--key overrides).",
+        ),
+    ] = None,
 ) -> None:
-    """Check the chain, every signature, forbidden classes, and the peers' signed heads."""
-    keys = parse_keys(key or [])
-    raise typer.Exit(verify_main(path, peer_logs=peer_log or [], keys=keys or None))
+    """Check the chain, every signature, forbidden classes, and the peers' signed heads.
+
+    With --data-dir the org's key is pinned from the node's federation manifest (or
+    its member record) and the line names it; without it or --key it is not pinned."""
+    from org_node.audit.verify import verify_path
+    from org_node.cli_common import guarded
+
+    explicit = parse_keys(key or [])
+    org = org_of(path)
+    keys: dict[str, bytes] = {}
+    pin: Pin | None = None
+    if data_dir is not None:
+        keys, pin = guarded(lambda: manifest_keys(data_dir, None if org in explicit else org))
+    keys |= explicit
+    if org is not None and org in explicit:
+        pin = Pin(org, "--key")
+    result = verify_path(path, trusted_keys=keys or None, peer_logs=peer_log or [])
+    summary = result.summary
+    if pin is not None:
+        summary += f"; {pin.line()}"
+    elif result.ok and org not in keys:
+        summary += "; pass --data-dir DIR or --key ORG=HEX to pin it"
+    typer.echo(summary)
+    raise typer.Exit(result.exit_code)
 
 
 def write_run_report(log: EgressLog, facts: RunFacts, out_dir: Path) -> int:
     """Build, sign and save the report of ``facts.run``; print the paths; return the exit code."""
+    from org_node.audit.report import ReportError, UnknownRun, build_report, save_report
+
     try:
         report = build_report(log, facts)
         json_path, html_path = save_report(report, out_dir)
@@ -95,6 +218,8 @@ def report(
     from coordinator_free.identity import OrgIdentity
 
     from org_node.audit.facts import UnknownRunId, node_run_facts
+    from org_node.audit.log import EgressLog
+    from org_node.audit.report import ReportError
     from org_node.config import ConfigError, NodeConfig, NodePaths
     from org_node.db.engine import (
         DB_FILENAME,

@@ -51,12 +51,15 @@ __all__ = [
     "Role",
     "Run",
     "RunActionRequest",
+    "RunConsent",
+    "RunConsentPublic",
     "RunCreate",
     "RunMetric",
     "RunMetricPublic",
     "RunMetricsPublic",
     "RunPublic",
     "RunSpecModel",
+    "RunWaiting",
     "RunsPublic",
     "TokenCreate",
     "TokenCreated",
@@ -438,6 +441,13 @@ class RunSpecModel(SQLModel):
         max_length=1000,
         description="The run's config (Flower's run_config): names -> scalars.",
     )
+    quorum: int | None = Field(
+        default=None,
+        ge=1,
+        le=10_000,
+        description="Consents the run needs to start (default: every participant); "
+        "with fewer, it starts at the consent deadline with those that consented.",
+    )
 
     @field_validator("config")
     @classmethod
@@ -469,7 +479,13 @@ class RunBase(SQLModel):
 
 
 class RunCreate(RunBase):
+    """A run to propose to every participant: its name (unique in the federation), its
+    spec, how long the participants have to consent, and how long after the last
+    consent the run starts (every org computes the same start time from the consents)."""
+
     spec: RunSpecModel
+    consent_timeout_s: int = Field(default=3600, ge=10, le=7 * 86400)
+    start_delay_s: int = Field(default=5, ge=1, le=3600)
 
 
 class Run(RunBase, table=True):
@@ -491,8 +507,45 @@ class Run(RunBase, table=True):
     dataset_name: str | None = Field(default=None, max_length=100)
     dataset_hash: str | None = Field(default=None, max_length=64)
     dataset_rows: int | None = Field(default=None, sa_type=BigInteger)
+    run_key: str | None = Field(default=None, max_length=32, index=True)
+    origin: str | None = Field(default=None, max_length=100)
+    proposal: dict[str, Any] | None = Field(default=None, sa_type=JSON)
+    consent_by: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    start_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
     created_at: datetime = _ts()
     updated_at: datetime = _ts()
+
+
+class RunConsent(SQLModel, table=True):
+    """One participant's signed consent to a run (or its decline), by federation run key:
+    this org's own, or a peer's as received over gossip (its signature verified)."""
+
+    __tablename__ = "run_consent"
+    run_key: str = Field(primary_key=True, max_length=32)
+    org_id: str = Field(primary_key=True, max_length=100)
+    decision: str = Field(max_length=16)
+    reason: str = Field(default="", max_length=500)
+    decided_at: datetime = Field(sa_type=UTCDateTime)
+    signature: str = Field(default="", max_length=256)
+    received_at: datetime = _ts()
+
+
+class RunConsentPublic(SQLModel):
+    org_id: str
+    decision: str
+    reason: str
+    decided_at: datetime
+
+
+class RunWaiting(SQLModel):
+    """What a run waits for at this org: ``what`` (``consent``, ``start``, ``resume``),
+    from whom (``orgs``), since when, and until when (a deadline or a start time)."""
+
+    what: str
+    orgs: list[str] = Field(default_factory=list)
+    since: datetime | None = None
+    until: datetime | None = None
+    detail: str = ""
 
 
 class RunPublic(RunBase):
@@ -517,6 +570,20 @@ class RunPublic(RunBase):
         default=None, description="The content hash of the dataset bound at consent."
     )
     dataset_rows: int | None = None
+    run_key: str | None = Field(
+        default=None, description="The federation-wide run key (the same at every org)."
+    )
+    origin: str | None = Field(default=None, description="The org that proposed the run.")
+    consent_by: datetime | None = Field(
+        default=None, description="The consent deadline the proposal set."
+    )
+    start_at: datetime | None = Field(
+        default=None, description="When the run starts (agreed from the consents)."
+    )
+    consents: list[RunConsentPublic] = Field(
+        default_factory=list, description="The participants' decisions known here."
+    )
+    waiting: RunWaiting | None = Field(default=None, description="What the run waits for.")
     created_at: datetime
     updated_at: datetime
 
@@ -537,6 +604,12 @@ class RunActionRequest(SQLModel):
     reason: str = Field(default="", max_length=500)
     dataset: str | None = Field(
         default=None, min_length=1, max_length=100, schema_extra={"pattern": NAME_PATTERN}
+    )
+    run_key: str | None = Field(
+        default=None,
+        schema_extra={"pattern": r"^[0-9a-f]{32}$"},
+        description="Accept/decline only: the run key the operator reviewed; a run whose "
+        "key differs is refused.",
     )
 
 

@@ -10,8 +10,9 @@
 2. **start** one ``fedweave run`` process per org (its own session, so that one
    ``kill -9`` of its process group is a crash of the whole node), on free loopback
    ports, with ``FEDWEAVE_HARNESS_DEBUG_EXPORT`` pointing at ``DIR/debug-export``;
-3. **propose** the run at org1's REST API, relay the proposal (name and spec) to each
-   other org's API, and **accept** and start it at every org through its own API;
+3. **propose** the run once at org1's REST API (the node sends the signed proposal to
+   every participant) and **accept** it at every org through its own API; the run
+   starts by itself at the time the consents agree on;
 4. **follow** every org's run until it ends (a progress bar of rounds), reading each
    org's event stream for the survivors of every round, and **inject** the faults of
    the scenario (:mod:`org_node.harness.scenario`);
@@ -25,8 +26,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -279,7 +282,23 @@ def _release(
             time.sleep(0.2)
         else:
             record["caught_up_before_resume"] = False
-    record["resumed_by"] = sorted(n.org for n in _act_on_all(held, "resume"))
+    resumed: list[NodeProcess] = []
+    for _ in range(3):  # a resume lost to a busy node's API timeout is sent again
+        resumed += _act_on_all([n for n in held if n not in resumed], "resume")
+        if len(resumed) == len(held):
+            break
+        time.sleep(1.0)
+    record["resumed_by"] = sorted(n.org for n in resumed)
+
+
+def _kill_strays(data_dir: Path) -> None:
+    """``kill -9`` what a killed node left running on ``data_dir`` (its local worker runs
+    in a session of its own, and would exit only once it sees the node gone)."""
+    needle = f"{data_dir}/".encode()
+    for proc in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError, ValueError):
+            if needle in (proc / "cmdline").read_bytes():
+                os.kill(int(proc.name), signal.SIGKILL)
 
 
 def _inject_wipe(
@@ -306,6 +325,7 @@ def _inject_wipe(
         "at_s": round(time.monotonic() - obs.t0, 2),
     }
     obs.faults.append(fault)
+    _kill_strays(node.data_dir)
     held = [n for n in paused or [] if n.org != wipe.org]
     if paused is not None:
         fault["held_by"] = sorted(n.org for n in held)
@@ -512,9 +532,9 @@ def run_harness(
                 wait_ready(node, out)
             if on_started is not None:
                 on_started(obs, procs.pids)
+            _wait_converged(list(obs.nodes.values()))
             propose_and_accept(obs)
             _listen(obs, stop)
-            _wait_converged(list(obs.nodes.values()))
             start_run(obs)
             _follow(procs, obs, limit, progress, stop)
             _collect_metrics(obs)

@@ -6,10 +6,14 @@ accepted and started at every org through its own API.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import shutil
+import time
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from org_node.harness.nodes import (
     RUN_NAME,
@@ -21,6 +25,10 @@ from org_node.harness.nodes import (
     hold_file,
 )
 from org_node.harness.scenario import FLOWER_TRAINER, Scenario
+
+START_DELAY_S = 5
+"""Seconds from the last consent to the run's start (each org's event stream is
+subscribed meanwhile)."""
 
 __all__ = [
     "bring_data",
@@ -194,9 +202,20 @@ def run_spec(s: Scenario) -> dict[str, Any]:
 
 
 def propose_and_accept(obs: Observation) -> None:
-    """Bring each org's trainer and data through its API, propose at org1, relay the
-    proposal to every other org, accept it at each (binding its dataset)."""
+    """Bring each org's trainer and data through its API, propose the run once at org1
+    (the node sends the signed proposal to every participant), wait until each org
+    sees it, and accept it at each (binding its dataset); the run then starts by itself
+    at the time the consents agree on.
+
+    First, for each ``reduce`` kill, the hold file that stops the org once its update of
+    that round is made and exported, before any of it is sent: the kill then always
+    finds it there (watching the export alone, the round could end first)."""
     s = obs.scenario
+    for kill in s.kills:
+        if kill.stage == "reduce":
+            hold = hold_file(obs, kill)
+            hold.parent.mkdir(parents=True, exist_ok=True)
+            hold.touch()
     for org in s.names:
         bring_trainer(obs.nodes[org], s)
         bring_data(obs.nodes[org], s)
@@ -204,38 +223,42 @@ def propose_and_accept(obs: Observation) -> None:
     obs.spec = spec
     first = obs.nodes[s.names[0]]
     with first.client() as c:
-        proposal = check(
-            c.post("/v1/runs", json={"name": RUN_NAME, "spec": spec}), f"propose at {first.org}"
-        )
-    first.run_id = proposal["id"]
-    relayed = {"name": proposal["name"], "spec": proposal["spec"]}
-    for org in s.names[1:]:
-        node = obs.nodes[org]
-        with node.client() as c:
-            node.run_id = check(c.post("/v1/runs", json=relayed), f"relay to {org}")["id"]
+        body = {"name": RUN_NAME, "spec": spec, "start_delay_s": START_DELAY_S}
+        proposal = check(c.post("/v1/runs", json=body), f"propose at {first.org}")
+    obs.run_key = str(proposal["run_key"])
+    for org in s.names:
+        obs.nodes[org].run_id = _proposed_at(obs.nodes[org], obs.run_key)
     for org in s.names:
         node = obs.nodes[org]
-        body = {"dataset": dataset_name(org)} if s.data is not None else {}
+        accept = {"dataset": dataset_name(org)} if s.data is not None else {}
         with node.client() as c:
-            check(c.post(f"/v1/runs/{node.run_id}/accept", json=body), f"accept at {org}")
-    from org_node.engine import RunPlan
-
-    obs.run_key = RunPlan.from_spec(RUN_NAME, proposal["spec"]).run_key
+            check(c.post(f"/v1/runs/{obs.run_key}/accept", json=accept), f"accept at {org}")
 
 
-def start_run(obs: Observation) -> None:
-    """Start the accepted run at every org through its own API.
+def _proposed_at(node: NodeProcess, run_key: str, timeout: float = 60.0) -> str:
+    """The local id of the run once ``node`` has received its proposal."""
+    end = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(httpx.HTTPError), node.client() as c:
+            r = c.get(f"/v1/runs/{run_key}")
+            if r.status_code == 200:
+                return str(r.json()["id"])
+        if time.monotonic() > end:
+            raise HarnessError(f"{node.org} did not receive the run's proposal in {timeout:.0f} s")
+        time.sleep(0.1)
 
-    First, for each ``reduce`` kill, the hold file that stops the org once its update of
-    that round is made and exported, before any of it is sent: the kill then always
-    finds it there (watching the export alone, the round could end first)."""
-    for kill in obs.scenario.kills:
-        if kill.stage == "reduce":
-            hold = hold_file(obs, kill)
-            hold.parent.mkdir(parents=True, exist_ok=True)
-            hold.touch()
+
+def start_run(obs: Observation, timeout: float = 60.0) -> None:
+    """Wait until the run has started by itself at every org (every consent is in)."""
+    end = time.monotonic() + timeout
     for org in obs.scenario.names:
         node = obs.nodes[org]
-        with node.client() as c:
-            check(c.post(f"/v1/runs/{node.run_id}/start", json={}), f"start at {org}")
-            node.state = "running"
+        while True:
+            with contextlib.suppress(httpx.HTTPError), node.client() as c:
+                row = c.get(f"/v1/runs/{obs.run_key}").json()
+                if row.get("state") not in ("proposed", "accepted"):
+                    node.state = str(row["state"])
+                    break
+            if time.monotonic() > end:
+                raise HarnessError(f"the run did not start at {org}: {row.get('waiting')}")
+            time.sleep(0.1)

@@ -4,6 +4,7 @@ token per role."""
 from __future__ import annotations
 
 import shutil
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,8 @@ from api.settings import Settings
 from org_node.db.engine import DB_FILENAME, make_engine, migrate
 from org_node.db.models import Role
 from org_node.db.repo import create_token
+from org_node.proposals import Consent, Proposal
+from org_node.run_store import store_consent
 from org_node.services import (
     CheckpointInfo,
     NodeHealth,
@@ -33,6 +36,7 @@ from org_node.services import (
     ServiceRefused,
     ShardReport,
     UnknownCheckpoint,
+    make_proposal,
 )
 
 ORG = "org-a"
@@ -57,7 +61,7 @@ class FakeClock:
 
 @dataclass
 class FakeNode:
-    """A node double: a real two-member manifest, a fixed peer view, recorded hooks,
+    """A node double: a real three-member manifest, a fixed peer view, recorded hooks,
     one checkpoint, and a switch that makes the next hook refuse."""
 
     events: RunEventBus = field(default_factory=RunEventBus)
@@ -68,9 +72,10 @@ class FakeNode:
     _pending: list[Manifest] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        me, other = identity(ORG), identity("org-b")
-        m0 = Manifest.found("fed", [member(ORG, 9001), member("org-b", 9002)], created_at=1)
-        self._manifest = m0.sign(me).sign(other)
+        me, other, third = identity(ORG), identity("org-b"), identity("org-c")
+        founders = [member(ORG, 9001), member("org-b", 9002), member("org-c", 9003)]
+        m0 = Manifest.found("fed", founders, created_at=1)
+        self._manifest = m0.sign(me).sign(other).sign(third)
         self._me = me
 
     def identity(self) -> NodeIdentityInfo:
@@ -112,6 +117,17 @@ class FakeNode:
             exc, self.refuse_next = self.refuse_next, None
             raise exc
         self.calls.append((name, run_id))
+
+    def propose_run(
+        self, name: str, spec: Mapping[str, Any], consent_timeout_s: int, start_delay_s: int
+    ) -> Proposal:
+        if self.refuse_next is not None:
+            exc, self.refuse_next = self.refuse_next, None
+            raise exc
+        return make_proposal(ORG, self._manifest, name, spec, consent_timeout_s, start_delay_s)
+
+    def announce_run(self, run_id: str) -> None:
+        self.calls.append(("announced", run_id))
 
     def on_run_accepted(self, run_id: str, spec: Mapping[str, Any]) -> None:
         self._hook("accepted", run_id)
@@ -220,8 +236,23 @@ RUN_SPEC: dict[str, Any] = {
 }
 
 
-def propose_run(api: Api, **spec: Any) -> dict[str, Any]:
+def propose_run(api: Api, *, peers_accept: bool = True, **spec: Any) -> dict[str, Any]:
+    """Propose a run here; with ``peers_accept`` the other participants' signed consents
+    are recorded as if they had arrived over gossip (so that this org's accept is the
+    last one and the run may start)."""
     r = api.client.post("/v1/runs", json={"name": "r1", "spec": RUN_SPEC | spec}, headers=api.h())
     assert r.status_code == 201, r.text
     body: dict[str, Any] = r.json()
+    if peers_accept:
+        peer_consents(api, body["run_key"], *(p for p in body["spec"]["participants"] if p != ORG))
     return body
+
+
+def peer_consents(api: Api, run_key: str, *orgs: str, decision: str = "accept") -> None:
+    """Record ``orgs``' consent (or decline) of ``run_key`` as the node does on receipt."""
+    with Session(api.engine) as s:
+        for org in orgs:
+            reason = "" if decision == "accept" else f"{org} says no"
+            consent = Consent(run_key, org, decision, reason, int(time.time() * 1000))  # type: ignore[arg-type]
+            assert store_consent(s, consent, "00")
+        s.commit()

@@ -35,6 +35,7 @@ from org_node.engine import ATTEMPTS, STATE_FILE, EngineConfig, EngineState, Rou
 from org_node.policy import RunSpec
 from org_node.services import NodeIdentityInfo, StaticNode
 from tests.api.conftest import ORG, Api, identity, propose_run
+from tests.run_flow import apropose_once, await_states
 
 PEERS = ("org-b", "org-c")
 DP_CONFIG = EngineConfig(weighting="uniform", l2_clip=10.0, noise_multiplier=1.5)
@@ -144,8 +145,9 @@ def test_report_files_are_stored(api: Api, run: Run) -> None:
 
     settings: Settings = api.app.state.settings
     assert api.client.post(f"/v1/audit/runs/{run.id}/report", headers=api.h()).status_code == 201
-    assert (report_dir(settings) / f"{run.id}.json").is_file()
-    assert (report_dir(settings) / f"{run.id}.html").is_file()
+    # named by the federation run key, the name every org and the report itself use
+    assert (report_dir(settings) / f"{run.key}.json").is_file()
+    assert (report_dir(settings) / f"{run.key}.html").is_file()
 
 
 def test_operator_may_not_read_reports(api: Api, run: Run) -> None:
@@ -324,22 +326,9 @@ def test_running_nodes_report_their_run(tmp_path: Path, monkeypatch: pytest.Monk
             for org, node in nodes.items()
         }
         try:
-            ids = {}
-            for org, c in clients.items():
-                ids[org] = (
-                    await c.post("/v1/runs", json={"name": "audited", "spec": spec})
-                ).json()["id"]
-                assert (await c.post(f"/v1/runs/{ids[org]}/accept", json={})).status_code == 200
-            for org, c in clients.items():
-                assert (await c.post(f"/v1/runs/{ids[org]}/start", json={})).status_code == 200
-            for _ in range(300):
-                states = {
-                    (await c.get(f"/v1/runs/{ids[o]}")).json()["state"] for o, c in clients.items()
-                }
-                if states == {"completed"}:
-                    break
-                await asyncio.sleep(0.05)
-            assert states == {"completed"}
+            ids = await apropose_once(clients, "audited", spec)
+            rows = await await_states(clients, "audited", {"completed", "failed"})
+            assert {r["state"] for r in rows.values()} == {"completed"}
             auditor = {"Authorization": f"Bearer {tokens['org-a']}"}
             a = clients["org-a"]
             made = await a.post(f"/v1/audit/runs/{ids['org-a']}/report", headers=auditor)

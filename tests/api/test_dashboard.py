@@ -85,8 +85,8 @@ def test_snapshot_lists_node_peers_checkpoints_and_audit(api: Api) -> None:
     assert r.status_code == 200, r.text
     body: dict[str, Any] = r.json()
     assert body["node"]["org_id"] == ORG and body["node"]["ready"] is True
-    assert body["federation"] == {"name": "fed", "version": 0, "members": 2}
-    (peer,) = body["peers"]
+    assert body["federation"] == {"name": "fed", "version": 0, "members": 3}
+    peer = next(p for p in body["peers"] if p["org_id"] == "org-b")
     assert peer["org_id"] == "org-b" and peer["display_name"] == "ORG-B"
     assert peer["status"] == "alive" and peer["latency_ms"] == pytest.approx(4.0)
     assert body["run"] is None and body["metrics"] == [] and body["timeline"] == []

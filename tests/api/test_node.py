@@ -50,10 +50,10 @@ def test_peers_live_view(api: Api) -> None:
 
 def test_federation_manifest_members_and_proposals(api: Api) -> None:
     m = api.client.get("/v1/federation/manifest", headers=api.h(Role.AUDITOR)).json()
-    assert m["version"] == 0 and m["signers"] == [ORG, "org-b"]
+    assert m["version"] == 0 and m["signers"] == [ORG, "org-b", "org-c"]
     members = api.client.get("/v1/federation/members", headers=api.h()).json()
-    assert [x["org_id"] for x in members["data"]] == [ORG, "org-b"]
-    new = member("org-c", 9003)
+    assert [x["org_id"] for x in members["data"]] == [ORG, "org-b", "org-c"]
+    new = member("org-d", 9004)
     body = {
         "action": "add",
         "member": {

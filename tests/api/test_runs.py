@@ -12,12 +12,16 @@ from sqlmodel import Session, select
 from org_node.db.models import AuditEvent, Role, Run, RunMetric
 from org_node.runs import InvalidTransition, RunAction, RunState, allowed_actions, next_state
 from org_node.services import RunEventBus, ServiceRefused
-from tests.api.conftest import RUN_SPEC, Api, propose_run
+from tests.api.conftest import ORG, RUN_SPEC, Api, propose_run
 
 
 def test_propose_read_and_list(api: Api) -> None:
-    run = propose_run(api)
+    run = propose_run(api, peers_accept=False)
     assert run["state"] == "proposed" and run["version"] == 1
+    assert run["origin"] == ORG and len(run["run_key"]) == 32 and run["consents"] == []
+    assert run["waiting"]["what"] == "consent"
+    assert run["waiting"]["orgs"] == sorted(RUN_SPEC["participants"])
+    assert ("announced", run["id"]) in api.node.calls
     assert run["spec"]["participants"] == RUN_SPEC["participants"]
     assert run["proposed_by"] == "admin-token"
     got = api.client.get(f"/v1/runs/{run['id']}", headers=api.h(Role.AUDITOR)).json()
@@ -46,7 +50,10 @@ def test_full_life_cycle_calls_hooks_and_records_consent(api: Api) -> None:
     assert final["decided_by"] == "operator-token"
     assert final["decision_reason"] == "ok by us"
     assert final["version"] == 6
-    assert [c[0] for c in api.node.calls] == ["accepted", "started", "paused", "resumed", "aborted"]
+    hooks = [c[0] for c in api.node.calls if c[0] != "announced"]
+    assert hooks == ["accepted", "started", "paused", "resumed", "aborted"]
+    # the proposal, then this org's consent: each spread once
+    assert [c for c in api.node.calls if c[0] == "announced"] == [("announced", rid)] * 2
     with Session(api.engine) as s:
         kinds = s.exec(select(AuditEvent.kind).where(AuditEvent.run == rid)).all()
     assert kinds == [
@@ -95,7 +102,8 @@ def test_policy_blocks_consent(api: Api) -> None:
     assert r.status_code == 409
     detail = r.json()["detail"]
     assert "strict" in detail and "epsilon" in detail and "breast_cancer" in detail
-    assert api.client.post(f"/v1/runs/{rid}/decline", headers=api.h()).status_code == 200
+    r = api.client.post(f"/v1/runs/{rid}/decline", json={"reason": "no"}, headers=api.h())
+    assert r.status_code == 200
 
 
 def test_unknown_run_and_bad_specs(api: Api) -> None:
@@ -150,7 +158,7 @@ def _events(text: str) -> list[tuple[str, dict[str, object]]]:
 
 def test_event_stream_of_a_finished_run(api: Api) -> None:
     rid = propose_run(api)["id"]
-    api.client.post(f"/v1/runs/{rid}/decline", headers=api.h())
+    api.client.post(f"/v1/runs/{rid}/decline", json={"reason": "not now"}, headers=api.h())
     with api.client.stream("GET", f"/v1/runs/{rid}/events", headers=api.h()) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")

@@ -22,6 +22,7 @@ from org_node.engine import TrainingConfig
 from org_node.harness.runner import free_ports, port_is_free
 from org_node.initialize import found_manifest, initialize, install_manifest, sign_manifest
 from tests.org_node.test_node_processes import wait_for_line
+from tests.run_flow import propose_once, wait_states
 
 __all__ = ["Harness", "running_nodes"]
 
@@ -49,23 +50,28 @@ class Harness:
         )
 
     def propose_and_accept(self, name: str, spec: Mapping[str, Any]) -> dict[str, str]:
-        """Propose ``spec`` at every org and accept it there; the run id at each."""
-        run_ids: dict[str, str] = {}
-        for org in self.orgs:
-            with self.client(org) as c:
-                r = c.post("/v1/runs", json={"name": name, "spec": dict(spec)})
-                assert r.status_code == 201, r.text
-                run_ids[org] = r.json()["id"]
-                r = c.post(f"/v1/runs/{run_ids[org]}/accept", json={})
-                assert r.status_code == 200, r.text
-        return run_ids
+        """Propose ``spec`` once (at the first org), accept it at every org; the run id at
+        each. The run starts by itself once every consent is in."""
+        clients = {org: self.client(org) for org in self.orgs}
+        try:
+            return propose_once(clients, name, spec)
+        finally:
+            for c in clients.values():
+                c.close()
 
     def start(self, run_ids: Mapping[str, str]) -> None:
-        """Start the accepted run at every org."""
-        for org in self.orgs:
-            with self.client(org) as c:
-                r = c.post(f"/v1/runs/{run_ids[org]}/start", json={})
-                assert r.status_code == 200, r.text
+        """Wait until the run has started (by itself) at every org."""
+        clients = {org: self.client(org) for org in self.orgs}
+        try:
+            name = {
+                r["id"]: r["name"]
+                for r in [clients[self.orgs[0]].get(f"/v1/runs/{run_ids[self.orgs[0]]}").json()]
+            }[run_ids[self.orgs[0]]]
+            rows = wait_states(clients, name, {"running", "completed", "failed"})
+            assert all(r["state"] != "accepted" for r in rows.values()), rows
+        finally:
+            for c in clients.values():
+                c.close()
 
 
 @contextmanager

@@ -232,3 +232,112 @@ def test_the_audit_cli_verifies_and_writes_reports(tmp_path: Path) -> None:
     assert verify_path(tmp_path / "out" / "r.audit.json").ok
     unknown = RunFacts(**{**facts.__dict__, "run": "nope"})
     assert write_run_report(log, unknown, tmp_path / "out") == 1
+
+
+def _federated_node(tmp_path: Path) -> Path:
+    """A data dir of org 'a' with an installed two-member federation 'fed'."""
+    from org_node.initialize import found_manifest, initialize, install_manifest, sign_manifest
+
+    dirs = [tmp_path / org for org in ("a", "b")]
+    for i, d in enumerate(dirs):
+        initialize(d, d.name, peer_port=9400 + 2 * i, admin_port=9401 + 2 * i)
+    manifest = tmp_path / "manifest.json"
+    found_manifest("fed", [d / "member.json" for d in dirs], manifest)
+    for d in dirs:
+        sign_manifest(d, manifest)
+    install_manifest(dirs[0], manifest)
+    return dirs[0]
+
+
+def _report_of(log: EgressLog, path: Path) -> Path:
+    report = build_report(
+        log,
+        RunFacts(
+            run="r",
+            spec=RunSpec(trainer="t", rounds=1, participants=("a", "b"), threshold=2),
+            policies={},
+            consents=(),
+            secure_aggregation=SecAggFacts("masked", 2, 2, 32, None),
+            rounds=(RoundFacts(1, ("a", "b"), ("a", "b")),),
+        ),
+    )
+    path.write_bytes(report_to_bytes(report))
+    return path
+
+
+def test_audit_verify_pins_the_key_of_the_installed_manifest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from typer.testing import CliRunner
+
+    from org_node.audit.cli import audit_app
+
+    monkeypatch.delenv("FEDWEAVE_DATA_DIR", raising=False)
+    node = _federated_node(tmp_path)
+    fingerprint = json.loads((node / "member.json").read_text())["fingerprint"]
+    real = EgressLog(OrgIdentity.load(node / "identity"), tmp_path / "real.log")
+    send(real, "b", "round.ready", b"k")
+    real.sign_head("r", 1)
+    genuine = _report_of(real, tmp_path / "genuine.json")
+    forged = _report_of(small_log(tmp_path / "forged.log"), tmp_path / "forged.json")
+    runner = CliRunner()
+
+    ok = runner.invoke(audit_app, ["verify", str(genuine), "--data-dir", str(node)])
+    assert ok.exit_code == 0, ok.output
+    assert ok.output.count("\n") == 1 and ok.output.startswith("OK: report of a")
+    assert "not pinned" not in ok.output
+    assert f"key of 'a' pinned from federation 'fed' manifest v0 in {node}" in ok.output
+    assert f"(certificate fingerprint {fingerprint})" in ok.output
+    # the node's data dir given the usual way, by the environment
+    monkeypatch.setenv("FEDWEAVE_DATA_DIR", str(node))
+    log_ok = runner.invoke(audit_app, ["verify", str(tmp_path / "real.log")])
+    assert log_ok.exit_code == 0 and "pinned from federation 'fed'" in log_ok.output
+    monkeypatch.delenv("FEDWEAVE_DATA_DIR")
+
+    # signed by another key than the manifest's: one line, exit 1
+    bad = runner.invoke(audit_app, ["verify", str(forged), "--data-dir", str(node)])
+    assert bad.exit_code == 1
+    assert bad.output.count("\n") == 1
+    assert bad.output.startswith("FAIL: report of a: log header: the key is not the pinned key")
+    assert fingerprint in bad.output
+
+    # an explicit key overrides the manifest's
+    other = f"a={identity('a').public_key.hex()}"
+    forced = runner.invoke(
+        audit_app, ["verify", str(forged), "--data-dir", str(node), "--key", other]
+    )
+    assert forced.exit_code == 0 and "key of 'a' pinned from --key" in forced.output
+
+    # no data dir, no key: the old check, saying plainly it is not pinned
+    loose = runner.invoke(audit_app, ["verify", str(forged)])
+    assert loose.exit_code == 0 and "not pinned" in loose.output and "--data-dir" in loose.output
+
+
+def test_audit_verify_pins_from_the_member_record_or_says_why_it_cannot(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from org_node.audit.cli import audit_app
+    from org_node.initialize import initialize
+
+    node = tmp_path / "a"
+    initialize(node, "a", peer_port=9410, admin_port=9411)  # no federation installed yet
+    real = EgressLog(OrgIdentity.load(node / "identity"), tmp_path / "a.log")
+    send(real, "b", "round.ready", b"k")
+    real.sign_head("r", 1)
+    runner = CliRunner()
+    ok = runner.invoke(audit_app, ["verify", str(tmp_path / "a.log"), "--data-dir", str(node)])
+    assert ok.exit_code == 0, ok.output
+    assert f"pinned from the member record {node / 'member.json'}" in ok.output
+    small_log(tmp_path / "c.log", org="c").close()
+    stranger = runner.invoke(
+        audit_app, ["verify", str(tmp_path / "c.log"), "--data-dir", str(node)]
+    )
+    assert stranger.exit_code == 1
+    assert stranger.output.strip() == (
+        f"error: cannot pin the key of 'c': {node} has no federation installed and its member "
+        "record is of 'a' (pass --key c=HEX)"
+    )
+    empty = runner.invoke(
+        audit_app, ["verify", str(tmp_path / "a.log"), "--data-dir", str(tmp_path / "none")]
+    )
+    assert empty.exit_code == 1 and "no federation manifest and no member record" in empty.output

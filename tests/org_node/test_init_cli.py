@@ -6,6 +6,7 @@ import json
 import socket
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from org_node.cli import app
@@ -163,3 +164,39 @@ def test_recover_refuses_a_non_empty_dir(tmp_path: Path) -> None:
         ],
     )
     assert r.exit_code == 1 and "not empty" in one_line_error(r.output)
+
+
+def test_init_writes_the_dataset_roots_given(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    existing = tmp_path / "shared" / "cohorts"
+    existing.mkdir(parents=True)
+    d = tmp_path / "node"
+    args = ["init", "--org-id", "org-a", "--data-dir", str(d), "--peer-port", "9340"]
+    roots = ["--dataset-root", "rel/data", "--dataset-root", str(existing)]
+    r = runner.invoke(app, [*args, "--admin-port", "9341", *roots])
+    assert r.exit_code == 0, r.output
+    written = NodeConfig.load(d / "fedweave.toml").datasets.roots
+    assert written == (str(tmp_path / "rel" / "data"), str(existing))
+    assert (tmp_path / "rel" / "data").is_dir() and not (d / "datasets").exists()
+    assert f"dataset roots: {tmp_path / 'rel' / 'data'}, {existing}" in r.output
+    default = init(tmp_path, "org-b", 9350)
+    assert NodeConfig.load(default / "fedweave.toml").datasets.roots == (
+        str((default / "datasets").resolve()),
+    )
+    assert (default / "datasets").is_dir()
+
+
+def test_a_dataset_root_that_cannot_be_a_directory_writes_nothing(tmp_path: Path) -> None:
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    for root, reason in ((a_file, "is not a directory"), (a_file / "sub", "cannot be created")):
+        d = tmp_path / "node"
+        r = runner.invoke(
+            app, ["init", "--org-id", "org-a", "--data-dir", str(d), "--dataset-root", str(root)]
+        )
+        assert r.exit_code == 1
+        line = one_line_error(r.output)
+        assert str(root) in line and reason in line
+        assert not d.exists()

@@ -31,6 +31,7 @@ from org_node.node import OrgNode, load_secret, read_chain, recover_state
 from org_node.services import NodeServices
 from org_node.trainers.code import code_hash
 from org_node.training.exchange import LocalResult
+from tests.run_flow import apropose_once
 
 ORGS = ("org-a", "org-b", "org-c")
 MODEL_SHAPES = {"w": (3, 2), "b": (2,)}
@@ -140,16 +141,7 @@ def test_three_nodes_run_through_the_admin_api_and_a_wiped_node_recovers(
             )
         results: dict[str, Any] = {}
         try:
-            run_ids = {}
-            for org, c in clients.items():
-                r = await c.post("/v1/runs", json={"name": "demo", "spec": spec})
-                assert r.status_code == 201, r.text
-                run_ids[org] = r.json()["id"]
-                r = await c.post(f"/v1/runs/{run_ids[org]}/accept", json={})
-                assert r.status_code == 200, r.text
-            for org, c in clients.items():
-                r = await c.post(f"/v1/runs/{run_ids[org]}/start", json={})
-                assert r.status_code == 200, r.text
+            run_ids = await apropose_once(clients, "demo", spec)
             for _ in range(300):
                 states = {}
                 for org, c in clients.items():

@@ -19,6 +19,7 @@ from org_node.config import NodeConfig
 from org_node.engine import STATE_FILE, EngineState, RunPlan, TrainingConfig, model_hash
 from org_node.harness.runner import free_ports, port_is_free
 from org_node.initialize import found_manifest, initialize, install_manifest, sign_manifest
+from tests.run_flow import propose_once
 
 pytestmark = pytest.mark.e2e
 
@@ -91,15 +92,7 @@ def test_three_node_processes_train_two_rounds_and_stop_on_sigterm(tmp_path: Pat
             )
             for i, org in enumerate(ORGS)
         }
-        run_ids = {}
-        for org, c in clients.items():
-            r = c.post("/v1/runs", json={"name": "cancer-demo", "spec": spec})
-            assert r.status_code == 201, r.text
-            run_ids[org] = r.json()["id"]
-            assert c.post(f"/v1/runs/{run_ids[org]}/accept", json={}).status_code == 200
-        for org, c in clients.items():
-            r = c.post(f"/v1/runs/{run_ids[org]}/start", json={})
-            assert r.status_code == 200, r.text
+        run_ids = propose_once(clients, "cancer-demo", spec)
 
         states: dict[str, str] = {}
         end = time.monotonic() + 60

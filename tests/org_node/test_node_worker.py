@@ -21,6 +21,7 @@ from org_node.db.repo import create_token
 from org_node.engine import TrainingConfig
 from org_node.node import OrgNode
 from tests.org_node.test_node_inprocess import ORGS, make_federation
+from tests.run_flow import apropose_once
 
 TASK = '''\
 """A task only the worker may import: it records the process that imported it."""
@@ -96,13 +97,7 @@ def test_the_trainer_runs_in_the_worker_never_in_the_node(tmp_path: Path) -> Non
             for org, node in nodes.items()
         }
         try:
-            ids = {}
-            for org, c in clients.items():
-                ids[org] = (await c.post("/v1/runs", json={"name": "w", "spec": spec})).json()["id"]
-                r = await c.post(f"/v1/runs/{ids[org]}/accept", json={})
-                assert r.status_code == 200, r.text
-            for org, c in clients.items():
-                assert (await c.post(f"/v1/runs/{ids[org]}/start", json={})).status_code == 200
+            ids = await apropose_once(clients, "w", spec)
             rows: dict[str, Any] = {}
             for _ in range(600):
                 rows = {o: (await c.get(f"/v1/runs/{ids[o]}")).json() for o, c in clients.items()}
