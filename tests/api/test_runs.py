@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+from typing import Any
 
 import pytest
 from sqlmodel import Session, select
@@ -238,3 +239,78 @@ def test_event_bus_delivers_across_threads_and_drops_the_oldest() -> None:
     assert asyncio.run(late()) == [4]  # the history replays the last event
     with pytest.raises(ValueError):
         RunEventBus(queue_size=0)
+
+
+# -- a run proposed once: bad input is a 4xx with its reason, nothing half-started ------
+
+
+def _state(api: Api, ref: str) -> dict[str, Any]:
+    body: dict[str, Any] = api.client.get(f"/v1/runs/{ref}", headers=api.h()).json()
+    return body
+
+
+def test_a_proposal_naming_a_non_member_or_leaving_out_the_proposer_is_422(api: Api) -> None:
+    for participants, said in (
+        ([ORG, "org-b", "org-zz"], "org-zz are not members of the federation"),
+        (["org-b", "org-c"], "proposes only runs it takes part in"),
+    ):
+        body = {"name": "bad", "spec": RUN_SPEC | {"participants": participants}}
+        r = api.client.post("/v1/runs", json=body, headers=api.h())
+        assert r.status_code == 422 and said in r.json()["detail"], r.text
+    assert api.client.get("/v1/runs", headers=api.h()).json()["count"] == 0
+    assert [c for c in api.node.calls if c[0] == "announced"] == []
+
+
+def test_a_name_used_in_the_federation_is_409(api: Api) -> None:
+    run = propose_run(api)
+    r = api.client.post("/v1/runs", json={"name": "r1", "spec": RUN_SPEC}, headers=api.h())
+    assert r.status_code == 409 and run["run_key"] in r.json()["detail"]
+
+
+def test_a_run_is_found_by_its_key_name_and_key_prefix(api: Api) -> None:
+    run = propose_run(api)
+    for ref in (run["run_key"], "r1", run["run_key"][:8], run["id"]):
+        assert _state(api, ref)["id"] == run["id"]
+    assert api.client.get("/v1/runs/r2", headers=api.h()).status_code == 404
+    r = api.client.get(f"/v1/runs/{run['run_key']}/metrics", headers=api.h())
+    assert r.status_code == 200
+
+
+def test_decline_without_reason_second_accept_and_wrong_key_are_refused(api: Api) -> None:
+    run = propose_run(api)
+    r = api.client.post("/v1/runs/r1/decline", json={"reason": " "}, headers=api.h())
+    assert r.status_code == 422 and "must give its reason" in r.json()["detail"]
+    wrong = "0" * 32
+    r = api.client.post("/v1/runs/r1/accept", json={"run_key": wrong}, headers=api.h())
+    assert r.status_code == 409 and "not the one reviewed" in r.json()["detail"]
+    assert _state(api, "r1")["state"] == "proposed"
+    r = api.client.post("/v1/runs/r1/accept", json={"run_key": run["run_key"]}, headers=api.h())
+    assert r.status_code == 200
+    r = api.client.post("/v1/runs/r1/accept", json={}, headers=api.h())
+    assert r.status_code == 409 and "accepted" in r.json()["detail"]
+    mine = [c for c in _state(api, "r1")["consents"] if c["org_id"] == ORG]
+    assert [c["decision"] for c in mine] == ["accept"]
+
+
+def test_an_accept_after_the_deadline_is_409(api: Api) -> None:
+    propose_run(api)
+    with Session(api.engine) as s:
+        row = s.exec(select(Run).where(Run.name == "r1")).one()
+        assert row.proposal is not None
+        row.proposal = dict(row.proposal) | {"consent_by_ms": row.proposal["proposed_at_ms"] + 1}
+        s.add(row)
+        s.commit()
+    r = api.client.post("/v1/runs/r1/accept", json={}, headers=api.h())
+    assert r.status_code == 409 and "consent deadline passed" in r.json()["detail"]
+    assert _state(api, "r1")["state"] == "proposed" and _state(api, "r1")["consents"] != []
+
+
+def test_start_waits_for_every_consent_and_says_whose(api: Api) -> None:
+    propose_run(api, peers_accept=False)
+    assert api.client.post("/v1/runs/r1/accept", json={}, headers=api.h()).status_code == 200
+    waiting = _state(api, "r1")["waiting"]
+    assert waiting["what"] == "consent" and waiting["orgs"] == ["org-b", "org-c"]
+    r = api.client.post("/v1/runs/r1/start", json={}, headers=api.h())
+    assert r.status_code == 409 and "org-b, org-c" in r.json()["detail"]
+    assert _state(api, "r1")["state"] == "accepted"
+    assert not [c for c in api.node.calls if c[0] == "started"]
