@@ -11,6 +11,15 @@
   with the likely culprit of each round), checkpoints with their shard placement and
   the holders' health, and the audit chain's status.
 
+The run shown is the current one (:func:`current_run`): the newest running or paused
+run, else the newest pending one (proposed, accepted), else the newest that ended; a
+newly proposed run thus replaces an ended one. It comes by name and run key, with its
+true state, why it is in it (``state_reason``), what it waits for (``waiting``: whose
+consent and until when, its start time, or what a resume waits for), the consents
+known, a one-line ``headline`` and each round's outcome (``round_states``): once the
+run has ended no round is ``running``; rounds it never reached are ``not_run``. A
+timeline round left ``running`` by a run that no longer runs is ``interrupted``.
+
 Live updates come from the run's server-sent events (``GET /v1/runs/{id}/events``),
 which the page reads with ``fetch()`` and a streamed body rather than ``EventSource``:
 ``EventSource`` cannot send an ``Authorization`` header, and a token in a query string
@@ -25,8 +34,10 @@ page's Content-Security-Policy forbids inline and foreign scripts as a second li
 from __future__ import annotations
 
 import time
+from datetime import UTC, datetime
 from importlib import resources
 from typing import Any
+from urllib.parse import quote
 
 from fastapi import APIRouter, HTTPException, Request, Response, status
 from fastapi.responses import HTMLResponse
@@ -34,12 +45,22 @@ from sqlmodel import Session, col, func, select
 
 from api.deps import NodeDep, SessionDep, require_roles
 from api.routers import ERRORS, READERS
-from org_node.db.models import AuditEvent, AuditHead, Run, RunMetric
+from org_node.db.models import AuditEvent, AuditHead, Run, RunMetric, RunWaiting
 from org_node.db.repo import GENESIS_HASH, audit_entry_hash
 from org_node.observability import Observability
+from org_node.run_store import PENDING_STATES, consents_of, waiting_of
+from org_node.runs import RunState
 from org_node.services import NodeServices
 
-__all__ = ["CSP", "STATIC_FILES", "observability_for", "page_router", "router", "snapshot"]
+__all__ = [
+    "CSP",
+    "STATIC_FILES",
+    "current_run",
+    "observability_for",
+    "page_router",
+    "router",
+    "snapshot",
+]
 
 router = APIRouter(tags=["dashboard"])
 """The snapshot route (token and role checked like every route under ``/v1``)."""
@@ -157,33 +178,92 @@ def snapshot(session: Session, node: NodeServices, obs: Observability) -> dict[s
         ),
         "peers": peers,
         **_run(session),
-        "timeline": obs.timeline(10),
+        "timeline": _timeline(session, obs),
         "culprit": named,
         "checkpoints": _checkpoints(node, states, ident.org_id),
         "audit": _audit(session),
     }
 
 
-def _run(session: Session) -> dict[str, Any]:
-    """The run to show (the newest running or paused one, else the newest) and its metrics."""
+_ACTIVE_STATES = (RunState.RUNNING.value, RunState.PAUSED.value)
+_ENDED_STATES = frozenset(
+    s.value
+    for s in (
+        RunState.COMPLETED,
+        RunState.FAILED,
+        RunState.ABORTED,
+        RunState.DECLINED,
+        RunState.CANCELLED,
+    )
+)
+_BAD_STATES = frozenset(
+    s.value for s in (RunState.FAILED, RunState.ABORTED, RunState.DECLINED, RunState.CANCELLED)
+)
+_ROUND_STATES_MAX = 1000
+
+
+def current_run(session: Session) -> Run | None:
+    """The run the dashboard follows: the newest running or paused one, else the newest
+    pending one (proposed, accepted), else the newest of the others (ended)."""
+    newest = (col(Run.created_at).desc(), col(Run.updated_at).desc(), col(Run.id).desc())
     active = session.exec(
         select(Run)
-        .where(col(Run.state).in_(("running", "paused")))
-        .order_by(col(Run.updated_at).desc())
+        .where(col(Run.state).in_(_ACTIVE_STATES))
+        .order_by(col(Run.updated_at).desc(), *newest)
         .limit(1)
     ).first()
-    row = active or session.exec(select(Run).order_by(col(Run.created_at).desc()).limit(1)).first()
+    if active is not None:
+        return active
+    pending = session.exec(
+        select(Run).where(col(Run.state).in_(PENDING_STATES)).order_by(*newest).limit(1)
+    ).first()
+    if pending is not None:
+        return pending
+    return session.exec(select(Run).order_by(*newest).limit(1)).first()
+
+
+def _run(session: Session) -> dict[str, Any]:
+    """The run to show (see :func:`current_run`), what it waits for, and its metrics."""
+    row = current_run(session)
     if row is None:
         return {"run": None, "metrics": []}
     spec = dict(row.spec or {})
+    consents = consents_of(session, row.run_key) if row.run_key else []
+    waiting = waiting_of(row, consents)
+    rounds = spec.get("rounds")
+    participants = spec.get("participants")
     run = {
         "id": row.id,
         "name": row.name,
+        "run_key": row.run_key,
+        "origin": row.origin,
         "state": str(row.state),
+        "state_reason": row.state_reason,
+        "decision_reason": row.decision_reason,
+        "ended": str(row.state) in _ENDED_STATES,
         "version": row.version,
         "current_round": row.current_round,
-        "rounds": spec.get("rounds"),
+        "rounds": rounds,
         "epsilon": spec.get("epsilon"),
+        "participants": list(participants) if isinstance(participants, list) else [],
+        "consents": [
+            {
+                "org_id": c.org_id,
+                "decision": c.decision,
+                "reason": c.reason,
+                "decided_at": _iso(c.decided_at),
+            }
+            for c in consents
+        ],
+        "waiting": None if waiting is None else waiting.model_dump(mode="json"),
+        "consent_by": _iso(row.consent_by),
+        "start_at": _iso(row.start_at),
+        "created_at": _iso(row.created_at),
+        "updated_at": _iso(row.updated_at),
+        "href": "/v1/runs/" + quote(row.run_key or row.id, safe=""),
+        "headline": _headline(row, rounds, waiting),
+        "tone": _tone(str(row.state), waiting),
+        "round_states": _round_states(str(row.state), row.current_round, rounds),
     }
     rows = session.exec(
         select(RunMetric.round, RunMetric.name, RunMetric.value)
@@ -193,6 +273,139 @@ def _run(session: Session) -> dict[str, Any]:
     ).all()
     metrics = [{"round": r, "name": n, "value": v} for r, n, v in rows]
     return {"run": run, "metrics": metrics}
+
+
+def _iso(at: datetime | None) -> str | None:
+    if at is None:
+        return None
+    if at.tzinfo is None:
+        at = at.replace(tzinfo=UTC)
+    return at.astimezone(UTC).isoformat().replace("+00:00", "Z")
+
+
+def _when(at: datetime | None) -> str:
+    """A time as the headline writes it (UTC, to the second)."""
+    if at is None:
+        return "an unknown time"
+    if at.tzinfo is None:
+        at = at.replace(tzinfo=UTC)
+    return at.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _of(rounds: Any) -> str:
+    return f" of {rounds}" if isinstance(rounds, int) else ""
+
+
+def _headline(row: Run, rounds: Any, waiting: RunWaiting | None) -> str:
+    """One line saying truthfully where the run stands, with why when it ended badly or
+    what it waits for (whom, and until when)."""
+    state, done = str(row.state), row.current_round
+    reason = row.state_reason or row.decision_reason or ""
+    if state in _BAD_STATES:
+        where = ""
+        if state == RunState.FAILED.value and not _finished(done, rounds):
+            where = f" in round {done + 1}{_of(rounds)}"
+        elif state in (RunState.FAILED.value, RunState.ABORTED.value):
+            where = f" after {done}{_of(rounds)} rounds"
+        return f"{state}{where}: {reason or 'no reason recorded'}"
+    if state in PENDING_STATES:
+        if waiting is not None and waiting.what == "consent":
+            whom = (
+                "the consent of " + ", ".join(waiting.orgs)
+                if waiting.orgs
+                else "this org's consent"
+            )
+            deadline = f" (deadline {_when(waiting.until)})" if waiting.until else ""
+            return f"{state}: waiting for {whom}{deadline}"
+        if waiting is not None and waiting.what == "start":
+            return f"{state}: every consent is in; starts at {_when(waiting.until)}"
+        return state
+    if state == RunState.RUNNING.value:
+        if waiting is not None and waiting.what == "resume":
+            return f"running, waiting to resume: {waiting.detail}"
+        return f"running round {done + 1}{_of(rounds)}"
+    if state == RunState.PAUSED.value:
+        return f"paused after round {done}{_of(rounds)}" + (f": {reason}" if reason else "")
+    if state == RunState.COMPLETED.value:
+        return f"completed {done}{_of(rounds)} rounds"
+    return state + (f": {reason}" if reason else "")
+
+
+def _finished(done: int, rounds: Any) -> bool:
+    return isinstance(rounds, int) and done >= rounds
+
+
+def _tone(state: str, waiting: RunWaiting | None) -> str:
+    """How the page colours the run's banner: bad, wait, ok or info."""
+    if state in _BAD_STATES:
+        return "bad"
+    if state in PENDING_STATES or waiting is not None:
+        return "wait"
+    return "ok" if state == RunState.COMPLETED.value else "info"
+
+
+def _round_states(state: str, done: int, rounds: Any) -> list[dict[str, Any]]:
+    """Each training round of the run (1 to ``rounds``) with what became of it: rounds up
+    to ``current_round`` are ``completed``; the next is ``running``/``paused`` while the
+    run is, ``failed``/``aborted`` when the run ended in it; every other one is
+    ``not_run`` once the run has ended and ``upcoming`` while it may still come."""
+    if not isinstance(rounds, int) or rounds < 1:
+        return []
+    ended = state in _ENDED_STATES
+    at_next = {
+        RunState.RUNNING.value: "running",
+        RunState.PAUSED.value: "paused",
+        RunState.FAILED.value: "failed",
+        RunState.ABORTED.value: "aborted",
+    }
+    out = []
+    for n in range(1, min(rounds, _ROUND_STATES_MAX) + 1):
+        if n <= done:
+            what = "completed"
+        elif n == done + 1 and state in at_next:
+            # an abort may come before the first round: only then is round 1 not run
+            started = state != RunState.ABORTED.value or done > 0
+            what = at_next[state] if started else "not_run"
+        else:
+            what = "not_run" if ended else "upcoming"
+        out.append({"round": n, "state": what})
+    return out
+
+
+def _timeline(session: Session, obs: Observability) -> list[dict[str, Any]]:
+    """The round timeline, with no round left ``running`` that cannot be: a round of a
+    run that is no longer running here, or one a later attempt already finished, is
+    ``interrupted`` (with a note saying why)."""
+    lines = obs.timeline(10)
+    keys = {str(line["run"]).split(":", 1)[0] for line in lines if line["state"] == "running"}
+    if not keys:
+        return lines
+    rows = session.exec(select(Run).where(col(Run.run_key).in_(keys))).all()
+    runs: dict[str, Run] = {}
+    for row in rows:
+        if row.run_key is None:
+            continue
+        seen = runs.get(row.run_key)
+        if seen is None or (row.state in _ACTIVE_STATES and seen.state not in _ACTIVE_STATES):
+            runs[row.run_key] = row
+    per = max(1, obs.attempts_per_round)
+    for line in lines:
+        key, _, part = str(line["run"]).partition(":")
+        run = runs.get(key)
+        if line["state"] != "running" or run is None:
+            continue
+        training_round = int(line["round"]) // per + 1
+        if not part and training_round <= run.current_round:
+            note = f"a later attempt finished round {training_round}"
+        elif run.state in _ACTIVE_STATES:
+            continue
+        else:
+            reason = run.state_reason or run.decision_reason
+            note = f"the run {run.state} before this round finished" + (
+                f": {reason}" if reason else ""
+            )
+        line["state"], line["note"] = "interrupted", note
+    return lines
 
 
 def _checkpoints(node: NodeServices, states: dict[str, Any], me: str) -> list[dict[str, Any]]:

@@ -10,12 +10,17 @@
 (function () {
   const TOKEN_KEY = "fedweave.dashboard.token";
   const POLL_MS = 3000;
-  const TERMINAL = new Set(["completed", "failed", "aborted", "declined"]);
+  const TERMINAL = new Set(["completed", "failed", "aborted", "declined", "cancelled"]);
+  const ROUND_TEXT = {
+    completed: "done", running: "running", paused: "paused", failed: "failed",
+    aborted: "aborted", not_run: "not reached", upcoming: "to come",
+  };
   const SVG_NS = "http://www.w3.org/2000/svg";
 
   let stream = null; // {runId, controller}
   let pollTimer = null;
   let refreshTimer = null;
+  let shownRun = null; // the run the banner's links point at: {key, href}
 
   // -- DOM helpers (text only) -------------------------------------------------------
 
@@ -143,12 +148,18 @@
     const run = d.run;
     facts($("run-facts"), run ? [
       ["Name", run.name],
+      ["Key", run.run_key],
+      ["Origin", run.origin],
       ["State", run.state],
       ["Round", run.current_round + (run.rounds ? " / " + run.rounds : "")],
       ["ε budget", run.epsilon],
+      ["Consents", consentText(run)],
     ] : [["Run", "none yet"]]);
     $("run-facts").dataset.round = run ? String(run.current_round) : "";
     $("run-facts").dataset.state = run ? run.state : "";
+    $("run-facts").dataset.key = run && run.run_key ? run.run_key : "";
+    renderRunBanner(run);
+    renderRoundStates(run);
     const a = d.audit;
     facts($("audit-facts"), [
       ["Entries", a.events],
@@ -162,6 +173,73 @@
     renderTimeline(d.timeline);
     renderCharts(d.metrics);
     renderCheckpoints(d.checkpoints);
+  }
+
+  function consentText(run) {
+    const decided = new Map((run.consents || []).map((c) => [c.org_id, c.decision]));
+    const orgs = (run.participants || []).slice();
+    for (const org of decided.keys()) if (!orgs.includes(org)) orgs.push(org);
+    if (!orgs.length) return null;
+    return orgs.map((org) => org + ": " + (decided.get(org) || "pending")).join(", ");
+  }
+
+  function renderRunBanner(run) {
+    const box = $("run-banner");
+    if (!run) {
+      box.hidden = true;
+      shownRun = null;
+      return;
+    }
+    const key = run.run_key || run.id;
+    if (!shownRun || shownRun.key !== key) {
+      $("run-json").hidden = true;
+      $("run-json").textContent = "";
+    }
+    shownRun = { key, href: run.href };
+    box.hidden = false;
+    box.dataset.tone = run.tone || "info";
+    box.dataset.state = run.state;
+    $("run-banner-state").textContent = "Run " + run.name + (run.run_key ? " (" + run.run_key.slice(0, 12) + ")" : "") + ":";
+    $("run-banner-text").textContent = run.headline;
+    const reason = run.state_reason || run.decision_reason || "";
+    const waiting = run.waiting;
+    const lines = [];
+    if (reason) lines.push(reason);
+    if (waiting) {
+      lines.push("Waiting for " + waiting.what + (waiting.orgs.length ? " of " + waiting.orgs.join(", ") : "") +
+        (waiting.until ? " until " + new Date(waiting.until).toLocaleString() : "") +
+        (waiting.detail ? ": " + waiting.detail : ""));
+    }
+    $("run-reason-text").textContent = lines.length ? lines.join("\n") : "No reason recorded.";
+    $("run-reason-link").hidden = !reason && !waiting;
+    $("run-json-link").setAttribute("href", run.href);
+  }
+
+  async function showRunJson() {
+    if (!shownRun) return;
+    const want = shownRun.key;
+    $("run-reason").open = true;
+    const pre = $("run-json");
+    pre.hidden = false;
+    pre.textContent = "loading…";
+    try {
+      const data = await api(shownRun.href);
+      if (shownRun && shownRun.key === want) pre.textContent = JSON.stringify(data, null, 2);
+    } catch (err) {
+      pre.textContent = "Could not load the run record: " + err.message;
+    }
+  }
+
+  function renderRoundStates(run) {
+    const box = $("run-rounds");
+    const states = run && run.round_states ? run.round_states : [];
+    box.replaceChildren(...states.map((r) => {
+      const span = el("span", r.round + " " + (ROUND_TEXT[r.state] || r.state), "rs rs-" + r.state.replace(/[^a-z_]/g, ""));
+      span.dataset.round = String(r.round);
+      span.dataset.state = r.state;
+      span.title = "round " + r.round + ": " + (ROUND_TEXT[r.state] || r.state);
+      return span;
+    }));
   }
 
   function renderCulprit(c) {
@@ -241,6 +319,7 @@
         (rd.bytes_sent ? " · " + fmtBytes(rd.bytes_sent) + " sent" : ""));
       card.append(head);
       if (rd.failure) card.append(el("p", "Failed at " + rd.failure, "error"));
+      if (rd.note) card.append(el("p", "Not finished: " + rd.note, "warn"));
       if (rd.culprit) card.append(el("p", "Likely culprit: " + rd.culprit.org + " — " + rd.culprit.evidence.join("; "), "warn"));
       if (rd.dropped.length) card.append(el("p", "Dropped: " + rd.dropped.join(", ")));
       card.append(stageBar(rd.stages));
@@ -484,6 +563,13 @@
       sessionStorage.setItem(TOKEN_KEY, value);
       $("login-error").textContent = "";
       refresh();
+    });
+    $("run-json-link").addEventListener("click", (ev) => {
+      ev.preventDefault(); // the record needs the token: fetch it and show it as text
+      showRunJson();
+    });
+    $("run-reason-link").addEventListener("click", () => {
+      $("run-reason").open = true;
     });
     $("logout").addEventListener("click", () => {
       sessionStorage.removeItem(TOKEN_KEY);

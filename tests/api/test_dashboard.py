@@ -6,6 +6,7 @@ the culprit, checkpoints and the audit chain's status; the stage metrics reach
 from __future__ import annotations
 
 import re
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +20,10 @@ from api.app import create_app
 from api.dashboard import CSP, STATIC_FILES
 from api.settings import Settings
 from org_node.db.engine import make_engine
-from org_node.db.models import Role, RunMetric
+from org_node.db.models import Role, Run, RunMetric
 from org_node.db.repo import append_audit_event, create_token
 from org_node.observability import Observability
-from tests.api.conftest import ORG, Api, FakeNode, propose_run
+from tests.api.conftest import ORG, RUN_SPEC, Api, FakeNode, peer_consents, propose_run
 
 STATIC = Path(__file__).resolve().parents[2] / "api" / "static"
 
@@ -187,3 +188,113 @@ def test_create_app_attaches_to_the_nodes_round_engine(tmp_path: Path) -> None:
         assert client.get("/v1/dashboard", headers={"Authorization": f"Bearer {token}"}).is_success
     assert len(node.rounds.observers) == 1  # type: ignore[attr-defined]  # attached once
     engine.dispose()
+
+
+def _set_run(api: Api, run_id: str, **values: Any) -> None:
+    """Set columns of a run's row directly (as the node's engine would)."""
+    with Session(api.engine) as session:
+        row = session.get(Run, run_id)
+        assert row is not None
+        for name, value in values.items():
+            setattr(row, name, value)
+        session.add(row)
+        session.commit()
+
+
+def _snapshot_run(api: Api) -> dict[str, Any]:
+    r = api.client.get("/v1/dashboard", headers=api.h(Role.AUDITOR))
+    assert r.status_code == 200, r.text
+    run: dict[str, Any] = r.json()["run"]
+    return run
+
+
+def test_a_failed_run_shows_its_reason_and_no_round_running_after_the_last(api: Api) -> None:
+    run = propose_run(api, rounds=5)
+    reason = "round 3 failed 3 times: org-c sent no share in time"
+    _set_run(api, run["id"], state="failed", state_reason=reason, current_round=2)
+    obs = api.app.state.observability
+    feed(obs, round=2, culprit=None)  # the node saw rounds 2 and 3 begin; 3 never ended
+    obs.observe(RoundObservation("round", run["run_key"], 2, "ready"))
+    obs.observe(RoundObservation("completed", run["run_key"], 2, "done", seconds=1.0))
+    obs.observe(RoundObservation("round", run["run_key"], 3, "ready"))
+    body = api.client.get("/v1/dashboard", headers=api.h(Role.AUDITOR)).json()
+    shown = body["run"]
+    assert (shown["name"], shown["run_key"], shown["id"]) == ("r1", run["run_key"], run["id"])
+    assert shown["state"] == "failed" and shown["state_reason"] == reason
+    assert shown["ended"] is True and shown["tone"] == "bad"
+    assert shown["headline"] == f"failed in round 3 of 5: {reason}"
+    assert shown["href"] == f"/v1/runs/{run['run_key']}"
+    assert [r["state"] for r in shown["round_states"]] == [
+        "completed",
+        "completed",
+        "failed",
+        "not_run",
+        "not_run",
+    ]
+    mine = {line["round"]: line for line in body["timeline"] if line["run"] == run["run_key"]}
+    assert mine[2]["state"] == "completed"
+    assert mine[3]["state"] == "interrupted" and reason in mine[3]["note"]
+    assert all(line["state"] != "running" for line in mine.values())
+    other = next(line for line in body["timeline"] if line["run"] == "run-key")
+    assert other["state"] == "completed"  # a run this node has no row of: as observed
+    # the link leads to the run's record, which carries the same reason
+    record = api.client.get(shown["href"], headers=api.h(Role.AUDITOR)).json()
+    assert record["state"] == "failed" and record["state_reason"] == reason
+
+
+def test_a_running_run_shows_rounds_to_come_and_what_a_resume_waits_for(api: Api) -> None:
+    run = propose_run(api)
+    wait = "waiting for org-c to come back (2 of 3 participants alive)"
+    _set_run(api, run["id"], state="running", current_round=1, state_reason=wait)
+    shown = _snapshot_run(api)
+    assert shown["ended"] is False and shown["tone"] == "wait"
+    assert shown["waiting"]["what"] == "resume" and shown["waiting"]["detail"] == wait
+    assert shown["headline"] == f"running, waiting to resume: {wait}"
+    assert [r["state"] for r in shown["round_states"]] == ["completed", "running", "upcoming"]
+
+
+def test_a_proposed_run_shows_whom_it_waits_for_and_the_deadline(api: Api) -> None:
+    run = propose_run(api, peers_accept=False)
+    shown = _snapshot_run(api)
+    assert (shown["name"], shown["run_key"]) == ("r1", run["run_key"])
+    assert shown["state"] == "proposed" and shown["ended"] is False
+    assert shown["waiting"]["what"] == "consent" and shown["tone"] == "wait"
+    assert shown["waiting"]["orgs"] == [ORG, "org-b", "org-c"]  # this org too, as yet
+    assert shown["participants"] == [ORG, "org-b", "org-c"] and shown["consents"] == []
+    r = api.client.post(f"/v1/runs/{run['run_key']}/accept", headers=api.h())
+    assert r.status_code == 200, r.text
+    shown = _snapshot_run(api)
+    assert shown["state"] == "accepted"
+    assert shown["waiting"]["what"] == "consent"
+    assert shown["waiting"]["orgs"] == ["org-b", "org-c"]
+    assert shown["waiting"]["until"] is not None and shown["consent_by"] is not None
+    assert shown["headline"].startswith("accepted: waiting for the consent of org-b, org-c")
+    assert "(deadline " in shown["headline"]
+    assert [(c["org_id"], c["decision"]) for c in shown["consents"]] == [(ORG, "accept")]
+    assert all(r["state"] == "upcoming" for r in shown["round_states"])
+    peer_consents(api, run["run_key"], "org-b", decision="decline")
+    _set_run(api, run["id"], state="cancelled", state_reason="org-b declined: org-b says no")
+    shown = _snapshot_run(api)
+    assert shown["state"] == "cancelled" and shown["tone"] == "bad"
+    assert shown["headline"] == "cancelled: org-b declined: org-b says no"
+    assert {c["org_id"]: c["decision"] for c in shown["consents"]}["org-b"] == "decline"
+    assert all(r["state"] == "not_run" for r in shown["round_states"])
+
+
+def test_a_newly_proposed_run_replaces_an_ended_one(api: Api) -> None:
+    old = propose_run(api)
+    _set_run(api, old["id"], state="completed", current_round=3)
+    assert _snapshot_run(api)["id"] == old["id"]
+    r = api.client.post("/v1/runs", json={"name": "r2", "spec": RUN_SPEC}, headers=api.h())
+    assert r.status_code == 201, r.text
+    new = r.json()
+    # even when the ended row looks newer (a clock step, a late update), the pending
+    # run is the one followed
+    later = datetime.now(UTC) + timedelta(hours=1)
+    _set_run(api, old["id"], created_at=later, updated_at=later)
+    shown = _snapshot_run(api)
+    assert (shown["id"], shown["name"], shown["run_key"]) == (new["id"], "r2", new["run_key"])
+    assert shown["state"] == "proposed" and shown["waiting"]["what"] == "consent"
+    # and a running run comes before either
+    _set_run(api, old["id"], state="running", current_round=1)
+    assert _snapshot_run(api)["id"] == old["id"]
