@@ -11,7 +11,8 @@ from typing import Any
 from fastapi import HTTPException, status
 from pydantic import BaseModel
 
-from org_node.db.models import Role
+from org_node.db.models import Role, Run
+from org_node.run_store import AmbiguousRun, RunNotFound, resolve_run
 
 __all__ = [
     "ADMIN",
@@ -23,6 +24,7 @@ __all__ = [
     "InvalidRequest",
     "conflict",
     "not_found",
+    "run_or_404",
     "unprocessable",
 ]
 
@@ -67,6 +69,17 @@ def not_found(what: str) -> HTTPException:
 
 def conflict(message: str) -> HTTPException:
     return HTTPException(status_code=status.HTTP_409_CONFLICT, detail=message)
+
+
+def run_or_404(session: Any, ref: str) -> Run:
+    """The run ``ref`` names (run key, name, unique key prefix or local id): 404 if none
+    does, 409 if a prefix starts several."""
+    try:
+        return resolve_run(session, ref)
+    except RunNotFound:
+        raise not_found("run") from None
+    except AmbiguousRun as exc:
+        raise conflict(str(exc)) from None
 
 
 def unprocessable(message: str) -> HTTPException:

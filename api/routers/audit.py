@@ -28,7 +28,7 @@ from sqlalchemy import ColumnClause, literal_column
 from sqlmodel import Session, col, func, select
 
 from api.deps import NodeDep, Page, PageDep, SessionDep, SettingsDep, require_roles
-from api.routers import AUDIT_READERS, ERRORS, conflict, not_found
+from api.routers import AUDIT_READERS, ERRORS, conflict, not_found, run_or_404
 from api.settings import Settings
 from org_node.audit.facts import UnknownRunId
 from org_node.audit.html import render_html
@@ -265,14 +265,7 @@ def report_dir(settings: Settings) -> Path:
     return settings.data_dir / "audit" / "reports"
 
 
-def _known_run(session: Any, ref: str) -> Run:
-    """The run ``ref`` names (run key, name, unique key prefix or local id)."""
-    try:
-        return resolve_run(session, ref)
-    except RunNotFound:
-        raise not_found("run") from None
-    except AmbiguousRun as exc:
-        raise conflict(str(exc)) from None
+_known_run = run_or_404
 
 
 def _file_key(row: Run) -> str:

@@ -42,7 +42,7 @@ from api.deps import (
     require_roles,
 )
 from api.idempotency import remember, replay, scope_of
-from api.routers import ERRORS, READERS, WRITERS, conflict, not_found, unprocessable
+from api.routers import ERRORS, READERS, WRITERS, conflict, run_or_404, unprocessable
 from api.routers.policies import violations
 from org_node.consent import ConsentRefused, bind_run
 from org_node.db.models import (
@@ -63,13 +63,10 @@ from org_node.db.repo import append_audit_event, update_versioned
 from org_node.policy import PolicyError, RunSpec
 from org_node.proposals import Consent, from_ms
 from org_node.run_store import (
-    AmbiguousRun,
-    RunNotFound,
     consents_of,
     now_ms,
     outcome_of,
     proposal_of,
-    resolve_run,
     store_consent,
     waiting_of,
 )
@@ -116,14 +113,7 @@ def _spec_of(row: Run) -> RunSpec:
         raise conflict(f"the run's spec is not valid here: {' '.join(first[:3])}") from None
 
 
-def _get(session: Session, ref: str) -> Run:
-    """The run ``ref`` names (key, name, key prefix or local id); 404 or 409."""
-    try:
-        return resolve_run(session, ref)
-    except RunNotFound:
-        raise not_found("run") from None
-    except AmbiguousRun as exc:
-        raise conflict(str(exc)) from None
+_get = run_or_404
 
 
 @router.post(

@@ -179,17 +179,9 @@ def policies_in_force(session: Session) -> dict[str, Policy]:
     rows = session.exec(
         select(PolicyRecord).where(col(PolicyRecord.enabled)).order_by(col(PolicyRecord.id))
     ).all()
-    return {
-        row.name: Policy(
-            min_participants=row.min_participants,
-            required_backend=row.required_backend,
-            min_threshold=row.min_threshold,
-            max_epsilon=row.max_epsilon,
-            allowed_trainers=None if row.allowed_trainers is None else tuple(row.allowed_trainers),
-            allowed_peers=None if row.allowed_peers is None else tuple(row.allowed_peers),
-        )
-        for row in rows
-    }
+    from org_node.run_store import as_policy
+
+    return {row.name: as_policy(row) for row in rows}
 
 
 def consents_of(row: Any, org_id: str, role: str = "") -> tuple[ConsentRecord, ...]:
