@@ -156,6 +156,7 @@ __all__ = [
     "RoundFailed",
     "RoundObservation",
     "RoundObserver",
+    "RoundProgress",
     "RoundResult",
     "SecAggSession",
     "SessionContext",
@@ -396,6 +397,21 @@ class RoundConfig:
         if k is None:
             return self.threshold_for(n_members)
         return k // 2 + 1
+
+
+@dataclass(frozen=True)
+class RoundProgress:
+    """What a running round of ``run`` is doing now (:meth:`RoundEngine.progress`):
+    its protocol ``round``, its ``stage`` (``ready``, ``share``, ``agree-ready``,
+    ``mask``, ``reduce``, ``agree-reduce``, ``unmask``, ``gather``, ``done``), since
+    when (clock time), and the members whose message of that stage it still waits for
+    (empty while it computes, or where the stage waits on no one in particular)."""
+
+    run: str
+    round: int
+    stage: str
+    since: float
+    waiting_for: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -891,6 +907,15 @@ class _Inbox:
     def __init__(self) -> None:
         self._items: dict[tuple[str, ...], dict[str, bytes]] = {}
         self._events: dict[tuple[str, ...], asyncio.Event] = {}
+        # what the round waits for now: an inbox key and whose message under it
+        self.awaiting: tuple[tuple[str, ...], frozenset[str]] | None = None
+
+    def missing(self) -> tuple[str, ...]:
+        """The senders the current wait still expects (sorted); () when none."""
+        if self.awaiting is None:
+            return ()
+        key, wanted = self.awaiting
+        return tuple(sorted(wanted - self.senders(key)))
 
     def put(self, key: tuple[str, ...], sender: str, payload: bytes) -> bool:
         box = self._items.setdefault(key, {})
@@ -916,9 +941,16 @@ class _Inbox:
         return self._items.get(key, _EMPTY).keys()
 
     async def wait_any(
-        self, keys: Iterable[tuple[str, ...]], done: Callable[[], bool], deadline: float
+        self,
+        keys: Iterable[tuple[str, ...]],
+        done: Callable[[], bool],
+        deadline: float,
+        expect: tuple[tuple[str, ...], Iterable[str]] | None = None,
     ) -> None:
-        """Wait until ``done()`` holds, checked whenever one of ``keys`` gets a message."""
+        """Wait until ``done()`` holds, checked whenever one of ``keys`` gets a message;
+        ``expect`` (an inbox key and its senders) is what :meth:`missing` reports."""
+        if expect is not None:
+            self.awaiting = (expect[0], frozenset(expect[1]))
         events = [self._events.setdefault(k, asyncio.Event()) for k in keys]
         loop = asyncio.get_running_loop()
         while True:
@@ -939,6 +971,7 @@ class _Inbox:
     ) -> dict[str, bytes]:
         """What ``senders`` posted under ``key`` once all did, or at ``deadline`` (loop time)."""
         wanted = set(senders)
+        self.awaiting = (key, frozenset(wanted))
         event = self._events.setdefault(key, asyncio.Event())
         loop = asyncio.get_running_loop()
         while True:
@@ -1038,6 +1071,9 @@ class _RoundState:
     decided: dict[str, tuple[frozenset[str], bool]] = field(default_factory=dict)
     # the loop time this node started running the round (None while only buffering)
     started: float | None = None
+    # the stage this node is in and since when (clock time), for :meth:`progress`
+    stage: str = ""
+    stage_since: float | None = None
 
     def gone(self) -> set[str]:
         """The members that said they left this round (it failed for them)."""
@@ -1232,6 +1268,19 @@ class RoundEngine:
         self._states[key] = state
         self.ring.open(run, round)
         return state
+
+    def progress(self, run: str) -> RoundProgress | None:
+        """The newest round of ``run`` this node is running now, and what it waits for;
+        None when none runs. Call it on the engine's event loop."""
+        running = sorted(r for (rn, r) in self._running if rn == run)
+        if not running:
+            return None
+        state = self._states.get((run, running[-1]))
+        if state is None or state.stage_since is None:
+            return None
+        return RoundProgress(
+            run, state.round, state.stage, state.stage_since, state.inbox.missing()
+        )
 
     def open_rounds(self) -> list[tuple[str, int]]:
         """The ``(run, round)`` pairs this engine holds state for (buffered or running)."""
@@ -1723,7 +1772,10 @@ class RoundEngine:
                 return expected - state.gone() <= state.inbox.senders(key)
 
             await state.inbox.wait_any(
-                [key, ("gone",)], heard, loop.time() + self.config.stage_timeout
+                [key, ("gone",)],
+                heard,
+                loop.time() + self.config.stage_timeout,
+                expect=(key, expected),
             )
             got = {o: p for o, p in state.inbox.get(key).items() if o in expected}
             views = {o: _decode_view(p) for o, p in got.items()}
@@ -2096,6 +2148,10 @@ class RoundEngine:
     # -- the round ----------------------------------------------------------------------
 
     async def _enter(self, run: str, round: int, stage: str) -> None:
+        state = self._states.get((run, round))
+        if state is not None:
+            state.stage, state.stage_since = stage, self.clock()
+            state.inbox.awaiting = None
         if self.hook is not None:
             await self.hook(self.org_id, run, round, stage)
 
@@ -2305,13 +2361,18 @@ class RoundEngine:
         # the holders that send first get a moment; a holder whose share still did not
         # come is then sent this node's (a dead one is unreachable, and no longer awaited)
         await state.inbox.wait_any(
-            [("share",), ("gone",)], shared, min(share_end, loop.time() + _patience(cfg))
+            [("share",), ("gone",)],
+            shared,
+            min(share_end, loop.time() + _patience(cfg)),
+            expect=(("share",), expected_shares),
         )
         late = expected_shares - state.inbox.senders(("share",)) - state.gone() - sent_to
         if late:
             unshared |= await send_shares(late)
             expected_shares = holders - unshared
-        await state.inbox.wait_any([("share",), ("gone",)], shared, share_end)
+        await state.inbox.wait_any(
+            [("share",), ("gone",)], shared, share_end, expect=(("share",), expected_shares)
+        )
         shares = {o: p for o, p in state.inbox.get(("share",)).items() if o in expected_shares}
         for org in sorted(expected_shares - shares.keys()):
             why = "it left the round" if org in state.gone() else "no share by the deadline"
@@ -2606,7 +2667,7 @@ class RoundEngine:
             until = min(unmask_end, loop.time() + quiet)
             if pull_at is not None:
                 until = min(until, pull_at)
-            await state.inbox.wait_any([key3], wake, until)
+            await state.inbox.wait_any([key3], wake, until, expect=(key3, others3))
             lull = not wake()
         if not session.can_finish() or len(accepted) + 1 < t:
             for org in sorted(u3 - accepted - {me}):
@@ -2813,7 +2874,7 @@ class RoundEngine:
             if alive is not None and not alive(sender):
                 return None
             until = deadline if alive is None else min(deadline, now + LIVENESS_POLL_S)
-            await state.inbox.wait_any([key, ("gone",)], arrived, until)
+            await state.inbox.wait_any([key, ("gone",)], arrived, until, expect=(key, {sender}))
 
     def _owner_unmask(self, n: int, masked: np.ndarray) -> bool:
         """Whether a ring of ``n`` members unmasks by chunk owners (see

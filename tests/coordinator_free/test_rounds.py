@@ -855,3 +855,36 @@ def test_a_member_without_a_permit_releases_and_everyone_still_finishes() -> Non
         assert len(out.results) == 8
         for res in out.results.values():
             assert (res.sum == out.expected(res.survivors)).all()
+
+
+def test_progress_names_the_stage_and_the_members_a_round_waits_for() -> None:
+    """A round whose member never turns up says so: its stage is ``ready`` and it waits
+    for that member, the one an admin should call; before and after, no progress."""
+
+    async def scenario() -> tuple[object, object, object]:
+        patient = RoundConfig(ready_timeout=30.0, stage_timeout=4.0, send_timeout=1.0)
+        async with Simulation(SimConfig(peers=3, length=8, seed=2, round_config=patient)) as sim:
+            engine = sim.engines["org-0"]
+            before = engine.progress("sim-run")
+            inputs = sim.inputs(1)
+            tasks = [
+                asyncio.ensure_future(sim.engines[o].run_round("sim-run", 1, inputs[o]))
+                for o in ("org-0", "org-1")
+            ]
+            loop = asyncio.get_running_loop()
+            end = loop.time() + 20.0
+            during = engine.progress("sim-run")
+            while (during is None or during.waiting_for != ("org-2",)) and loop.time() < end:
+                await asyncio.sleep(0.02)
+                during = engine.progress("sim-run")
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            return before, during, engine.progress("sim-run")
+
+    before, during, after = asyncio.run(scenario())
+    assert before is None and after is None
+    assert isinstance(during, rounds_module.RoundProgress)
+    assert (during.run, during.round, during.stage) == ("sim-run", 1, "ready")
+    assert during.waiting_for == ("org-2",)
+    assert during.since > 0
