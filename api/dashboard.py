@@ -177,7 +177,7 @@ def snapshot(session: Session, node: NodeServices, obs: Observability) -> dict[s
             }
         ),
         "peers": peers,
-        **_run(session),
+        **_run(session, node),
         "timeline": _timeline(session, obs),
         "culprit": named,
         "checkpoints": _checkpoints(node, states, ident.org_id),
@@ -222,14 +222,15 @@ def current_run(session: Session) -> Run | None:
     return session.exec(select(Run).order_by(*newest).limit(1)).first()
 
 
-def _run(session: Session) -> dict[str, Any]:
-    """The run to show (see :func:`current_run`), what it waits for, and its metrics."""
+def _run(session: Session, node: object = None) -> dict[str, Any]:
+    """The run to show (see :func:`current_run`), what it waits for (a round under way:
+    what ``node`` says it waits for), and its metrics."""
     row = current_run(session)
     if row is None:
         return {"run": None, "metrics": []}
     spec = dict(row.spec or {})
     consents = consents_of(session, row.run_key) if row.run_key else []
-    waiting = waiting_of(row, consents)
+    waiting = waiting_of(row, consents, node)
     rounds = spec.get("rounds")
     participants = spec.get("participants")
     run = {
@@ -323,6 +324,8 @@ def _headline(row: Run, rounds: Any, waiting: RunWaiting | None) -> str:
     if state == RunState.RUNNING.value:
         if waiting is not None and waiting.what == "resume":
             return f"running, waiting to resume: {waiting.detail}"
+        if waiting is not None and waiting.what == "round":
+            return f"running, {waiting.detail}"
         return f"running round {done + 1}{_of(rounds)}"
     if state == RunState.PAUSED.value:
         return f"paused after round {done}{_of(rounds)}" + (f": {reason}" if reason else "")
@@ -339,7 +342,9 @@ def _tone(state: str, waiting: RunWaiting | None) -> str:
     """How the page colours the run's banner: bad, wait, ok or info."""
     if state in _BAD_STATES:
         return "bad"
-    if state in PENDING_STATES or waiting is not None:
+    if state in PENDING_STATES:
+        return "wait"
+    if waiting is not None and (waiting.what != "round" or waiting.orgs):
         return "wait"
     return "ok" if state == RunState.COMPLETED.value else "info"
 

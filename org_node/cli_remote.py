@@ -86,6 +86,13 @@ def _waiting_line(waiting: dict[str, Any] | None) -> str:
     return str(waiting.get("detail") or what)
 
 
+def _doing_line(waiting: dict[str, Any] | None) -> str:
+    """What a run under way does now (``runs show``'s ``now:`` line)."""
+    if not waiting:
+        return ""
+    return f"{waiting.get('detail') or waiting.get('stage')}, since {_when(waiting.get('since'))}"
+
+
 def _print_run(row: dict[str, Any]) -> None:
     spec = row["spec"]
     typer.echo(f"run {row['name']} (key {row.get('run_key') or '-'})")
@@ -93,7 +100,10 @@ def _print_run(row: dict[str, Any]) -> None:
     if row.get("state_reason"):
         typer.echo(f"why: {row['state_reason']}")
     waiting = row.get("waiting")
-    if waiting:
+    if waiting and waiting.get("what") == "round":
+        label = "waiting for" if waiting.get("orgs") else "now"
+        typer.echo(f"{label}: {_doing_line(waiting)}")
+    elif waiting:
         typer.echo(f"waiting for: {_waiting_line(waiting)}, since {_when(waiting.get('since'))}")
     typer.echo(f"round: {row['current_round']} of {spec['rounds']}")
     pin = f" (pinned {spec['trainer_hash'][:12]}…)" if spec.get("trainer_hash") else ""

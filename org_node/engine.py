@@ -210,6 +210,8 @@ class RunEngine:
         self.catch_up = catch_up
         self.rng = rng if rng is not None else np.random.default_rng()
         self.clock = clock
+        # what the engine does now and since when (clock time): see :attr:`activity`
+        self.activity: tuple[str, float] = ("starting", clock())
         self.strategy: Strategy = make_strategy(config.strategy, config.strategy_options)
         n = len(plan.participants)
         self.dp: DistributedSkellam | None = None
@@ -243,7 +245,7 @@ class RunEngine:
             {k: np.asarray(v, dtype=np.float32) for k, v in (initial_model or {}).items()},
             self.strategy.state_dict(),
             self.budget.accountant.state_dict() if self.budget and self.budget.accountant else None,
-            plan={"name": plan.name, "spec": dict(plan.spec)},
+            plan={"name": plan.name, "spec": dict(plan.spec), "members": list(plan.participants)},
         )
 
     # -- persistence ----------------------------------------------------------------
@@ -293,6 +295,7 @@ class RunEngine:
         """Make the engine ready for its next round: the round-0 model from the trainer
         when there is no saved state (the engine was given none), then the federation's
         statistics when the trainer asks for them (summed once, kept in the state)."""
+        self._doing("starting")
         if not self.state.model:
             source = getattr(self.trainer, "initial_model", None)
             if source is None:
@@ -487,6 +490,12 @@ class RunEngine:
                     raise _CaughtUp from None
         raise RunFailed(f"round {round} failed {self.config.max_attempts} times: {last}")
 
+    def _doing(self, what: str) -> None:
+        """Note what the engine does from now on (``starting``, ``training``,
+        ``aggregating``, ``verifying``, ``paused``), unless it already does it."""
+        if self.activity[0] != what:
+            self.activity = (what, self.clock())
+
     @property
     def org(self) -> str:
         return self.rounds.org_id
@@ -502,6 +511,7 @@ class RunEngine:
             mechanism = _skellam_round_for(self.dp, dim)
             self.budget.check(mechanism)  # BudgetExceeded: hard stop before the round
         t_round = time.monotonic()
+        self._doing("training")
         result = await asyncio.to_thread(self.trainer.train, model, r, self.strategy.local_config())
         t_trained = time.monotonic()
         check_update(result.update, model)
@@ -516,6 +526,7 @@ class RunEngine:
         if self.budget is not None and mechanism is not None:
             epsilon = self.budget.spend(mechanism)  # released from here on
         t_sum = time.monotonic()
+        self._doing("aggregating")
         agg = await self._aggregate(r, vector)
         secure_sum_s = time.monotonic() - t_sum
         attempts = agg.attempts
@@ -525,6 +536,7 @@ class RunEngine:
         new_model = dict(zip(names, (np.asarray(p) for p in new_params), strict=True))
         digest = model_hash(new_model)
         protocol_round = r * ATTEMPTS + attempts - 1
+        self._doing("verifying")
         await self.rounds.check_model_hash(
             self.plan.run_key,
             protocol_round,
@@ -603,6 +615,7 @@ class RunEngine:
         await self.prepare()
         while self.state.round < self.plan.rounds:
             while paused is not None and paused.is_set():
+                self._doing("paused")
                 await asyncio.sleep(0.1)
             await self.try_catch_up()
             if self.state.round >= self.plan.rounds:

@@ -194,7 +194,7 @@ class OrgNode(FederationHost, RunHost, ProposalHost):
         self._settle: asyncio.Task[None] | None = None
         self._starting: set[str] = set()
         """Runs whose agreed start is in progress (not started twice)."""
-        self._waiting: dict[str, tuple[str, Mapping[str, Any]]] = {}
+        self._waiting: dict[str, tuple[str, Mapping[str, Any], tuple[str, ...] | None]] = {}
         """Runs left running that cannot resume yet (run id -> name, spec)."""
         self._reasons: dict[str, str] = {}
         self._history_run = ""

@@ -5,8 +5,10 @@ time the consents agree on (or cancels it, with the reason) — see
 
 * ``propose_run`` / ``announce_run`` (called by the admin API) check and sign this
   org's proposal and spread this org's records of a run over gossip (topics
-  ``run.proposal`` and ``run.consent``); records are re-spread from the database when
-  the node starts, so a restart loses nothing.
+  ``run.proposal`` and ``run.consent``); the records of every run not yet ended are
+  spread again from the database when the node starts and every
+  :data:`RESPREAD_PERIOD_S` (gossip forgets a record an hour after it first saw it),
+  so neither a restart nor a member away for hours loses a proposal or a consent.
 * ``_follow_run_records`` stores each verified proposal naming this org as a
   ``proposed`` run and each participant's consent, by run key.
 * ``_settle_runs`` applies :func:`~org_node.proposals.decide` to every pending run
@@ -52,15 +54,20 @@ from org_node.run_store import (
     proposal_of,
     store_consent,
 )
-from org_node.runs import RunAction, RunState
+from org_node.runs import TERMINAL_STATES, RunAction, RunState
 from org_node.services import ProposalRefused, RunEventBus, ServiceRefused, make_proposal
 
-__all__ = ["SETTLE_PERIOD_S", "ProposalHost"]
+__all__ = ["RESPREAD_PERIOD_S", "SETTLE_PERIOD_S", "ProposalHost"]
 
 logger = logging.getLogger("org_node.node")
 
 SETTLE_PERIOD_S = 0.25
 """How often pending runs are checked against their consents (start, cancel)."""
+
+RESPREAD_PERIOD_S = 600.0
+"""How often this org's records of the runs not yet ended are spread again: well within
+gossip's record lifetime (``GossipConfig.ttl_s``, an hour), so a member back after any
+absence still receives them (a record the others still hold costs nothing to re-send)."""
 
 T = TypeVar("T")
 
@@ -94,7 +101,13 @@ class ProposalHost:
     def _on_loop(self, coro: Awaitable[T], timeout: float = 120.0) -> T:
         raise NotImplementedError
 
-    async def _launch(self, run_id: str, name: str, spec: Mapping[str, Any]) -> None:
+    async def _launch(
+        self,
+        run_id: str,
+        name: str,
+        spec: Mapping[str, Any],
+        members: tuple[str, ...] | None = None,
+    ) -> None:
         raise NotImplementedError
 
     # -- called by the admin API (worker threads) --------------------------------------
@@ -140,7 +153,14 @@ class ProposalHost:
                 row = session.get(Run, run_id)
                 rows = [] if row is None else [row]
             else:
-                rows = list(session.exec(select(Run).where(col(Run.proposal).is_not(None))).all())
+                ended = [s.value for s in TERMINAL_STATES]
+                rows = list(
+                    session.exec(
+                        select(Run).where(
+                            col(Run.proposal).is_not(None), col(Run.state).not_in(ended)
+                        )
+                    ).all()
+                )
             for row in rows:
                 proposal = proposal_of(row)
                 if proposal is None:
@@ -172,9 +192,14 @@ class ProposalHost:
 
     async def _start_proposals(self) -> None:
         """Spread this org's records again and follow everyone's (node start)."""
+        await self._respread()
+        self._settle = asyncio.create_task(self._follow_and_settle(), name="run-proposals")
+
+    async def _respread(self) -> None:
+        """Spread this org's records of every run not yet ended (a no-op for a record
+        gossip still holds; a record it forgot spreads afresh)."""
         with contextlib.suppress(ServiceRefused):
             await self._publish(await asyncio.to_thread(self._own_records))
-        self._settle = asyncio.create_task(self._follow_and_settle(), name="run-proposals")
 
     async def _follow_and_settle(self) -> None:
         assert self.gossip is not None
@@ -182,7 +207,15 @@ class ProposalHost:
         for topic in (PROPOSAL_TOPIC, CONSENT_TOPIC):  # those received before subscribing
             for record in self.gossip.records(topic):
                 await self._take(record)
+        loop = asyncio.get_running_loop()
+        respread_at = loop.time() + RESPREAD_PERIOD_S
         while True:
+            if loop.time() >= respread_at:
+                respread_at = loop.time() + RESPREAD_PERIOD_S
+                try:
+                    await self._respread()
+                except Exception:  # spread again next period
+                    logger.exception("%s: spreading this org's run records failed", self._me)
             for queue in queues:
                 while not queue.empty():
                     await self._take(queue.get_nowait())
@@ -337,7 +370,7 @@ class ProposalHost:
             if started is None:
                 return
             try:
-                await self._launch(due.run_id, due.name, due.spec)
+                await self._launch(due.run_id, due.name, due.spec, due.outcome.accepted)
             except ServiceRefused as exc:
                 reason = f"could not start at {self._me}: {exc}"
                 logger.warning("%s: run %s %s", self._me, due.run_id, reason)

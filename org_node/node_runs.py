@@ -47,6 +47,7 @@ from org_node.consent import ConsentRefused, RunBinding, binding_of
 from org_node.db.models import Run, RunMetric, utcnow
 from org_node.db.repo import append_audit_event, update_versioned
 from org_node.engine import (
+    ATTEMPTS,
     STATE_FILE,
     EngineError,
     EngineState,
@@ -62,7 +63,7 @@ from org_node.engine import (
 from org_node.policy import RunSpec
 from org_node.privacy import PrivacyError
 from org_node.runs import InvalidTransition, RunAction, RunState, next_state
-from org_node.services import RunEventBus, ServiceRefused
+from org_node.services import RunActivity, RunEventBus, ServiceRefused
 from org_node.trainers.base import WorkerSpec
 from org_node.trainers.catalog import TrainerCatalog
 from org_node.trainers.local import TrainerFailed, WorkerLaunch, WorkerTrainer
@@ -118,7 +119,7 @@ class RunHost:
     _participants: tuple[str, ...]
     _history_run: str
     _retry: asyncio.Task[None] | None
-    _waiting: dict[str, tuple[str, Mapping[str, Any]]]
+    _waiting: dict[str, tuple[str, Mapping[str, Any], tuple[str, ...] | None]]
     _reasons: dict[str, str]
 
     def _require_manifest(self) -> Manifest:
@@ -224,6 +225,42 @@ class RunHost:
         if active is not None and active.run_id == run_id and active.task is not None:
             self._call_soon(active.task.cancel)
 
+    def run_activity(self, run_id: str) -> RunActivity | None:
+        """What ``run_id`` does now here (read on the node's loop, never from the API's
+        thread): its round, the stage, and whose messages the stage waits for."""
+        active = self._active
+        if active is None or active.run_id != run_id or self._loop is None:
+            return None
+        with contextlib.suppress(RuntimeError):
+            if asyncio.get_running_loop() is self._loop:  # an async route, on the loop
+                return self._activity(active)
+
+        async def read() -> RunActivity:
+            return self._activity(active)
+
+        try:
+            return self._on_loop(read(), timeout=2.0)
+        except Exception:  # the node is stopping: nothing to say
+            return None
+
+    def _activity(self, active: _ActiveRun) -> RunActivity:
+        engine = active.engine
+        doing, since = engine.activity
+        now = RunActivity(engine.state.round + 1, doing, since)
+        if doing != "aggregating" or self.rounds is None:
+            return now
+        progress = self.rounds.progress(engine.plan.run_key)
+        if progress is None or progress.round // ATTEMPTS != engine.state.round:
+            return now
+        return RunActivity(
+            now.round,
+            doing,
+            progress.since,
+            stage=progress.stage,
+            attempt=progress.round % ATTEMPTS + 1,
+            orgs=progress.waiting_for,
+        )
+
     def _call_soon(self, fn: Callable[[], Any]) -> None:
         if self._loop is None:
             raise ServiceRefused("the node is not running")
@@ -242,12 +279,23 @@ class RunHost:
                 raise ServiceRefused(f"no run {run_id}")
             return row.name
 
-    async def _launch(self, run_id: str, name: str, spec: Mapping[str, Any]) -> None:
+    async def _launch(
+        self,
+        run_id: str,
+        name: str,
+        spec: Mapping[str, Any],
+        members: tuple[str, ...] | None = None,
+    ) -> None:
+        """Start the engine of the run (``members``: those taking part, when the run
+        started at its quorum without every participant)."""
         if self.rounds is None:
             raise ServiceRefused("the node has not joined a federation")
         if self._active is not None and self._active.task and not self._active.task.done():
             raise ServiceRefused(f"run {self._active.run_id} is still active on this node")
-        plan = RunPlan.from_spec(name, spec)
+        try:
+            plan = RunPlan.from_spec(name, spec, members)
+        except EngineError as exc:
+            raise ServiceRefused(str(exc)) from None
         run_dir = self.paths.run_dir(plan.run_key)
         rounds = self.rounds
         if self._history_run != plan.run_key and self.store is not None:
@@ -489,7 +537,12 @@ class RunHost:
             run_id = self._running_row(state)
             if run_id is None:
                 continue
-            self._waiting[run_id] = (state.plan["name"], state.plan["spec"])
+            members = state.plan.get("members")
+            self._waiting[run_id] = (
+                state.plan["name"],
+                state.plan["spec"],
+                None if members is None else tuple(members),
+            )
         await self._resume_waiting()
         self._retry = asyncio.create_task(self._retry_waiting(), name="resume-waiting-runs")
 
@@ -497,9 +550,9 @@ class RunHost:
         """Resume each run left running whose trainer and data are in place; note on the
         run's row why the others wait (e.g. a wiped node's dataset is not registered yet:
         its admin registers it again, and the run resumes)."""
-        for run_id, (name, spec) in list(self._waiting.items()):
+        for run_id, (name, spec, members) in list(self._waiting.items()):
             try:
-                await self._launch(run_id, name, spec)
+                await self._launch(run_id, name, spec, members)
             except ServiceRefused as exc:
                 reason = f"waiting to resume at {self.org_identity.org_id}: {exc}"
                 if self._reasons.get(run_id) != reason:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -223,7 +223,11 @@ class TrainingConfig:
 
 @dataclass(frozen=True)
 class RunPlan:
-    """What this node runs: the federation-wide run key and the accepted run spec."""
+    """What this node runs: the federation-wide run key and the accepted run spec.
+
+    ``participants`` are the orgs that take part in its rounds: the spec's, or those
+    that consented when a spec's ``quorum`` let the run start without the others.
+    """
 
     run_key: str
     trainer: str
@@ -236,17 +240,31 @@ class RunPlan:
     spec: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
     @classmethod
-    def from_spec(cls, name: str, spec: Mapping[str, Any]) -> RunPlan:
-        """The plan of the run ``name`` with the (accepted) run spec ``spec``."""
+    def from_spec(
+        cls, name: str, spec: Mapping[str, Any], members: Sequence[str] | None = None
+    ) -> RunPlan:
+        """The plan of the run ``name`` with the (accepted) run spec ``spec``; ``members``:
+        the participants that consented to a run started at its quorum (default: all)."""
+        everyone = tuple(sorted(spec["participants"]))
+        taking_part = everyone if members is None else tuple(sorted(set(members)))
+        threshold = int(spec.get("threshold", 2))
+        if not set(taking_part) <= set(everyone):
+            strangers = ", ".join(sorted(set(taking_part) - set(everyone)))
+            raise EngineError("participants", f"{strangers} are not among the run's participants")
+        if len(taking_part) < threshold:
+            raise EngineError(
+                "participants",
+                f"{len(taking_part)} members take part, fewer than the threshold {threshold}",
+            )
         return cls(
             name=name,
             spec=dict(spec),
             run_key=run_key(name, spec),
             trainer=str(spec["trainer"]),
             rounds=int(spec["rounds"]),
-            participants=tuple(sorted(spec["participants"])),
+            participants=taking_part,
             backend=str(spec.get("backend", "masked")),
-            threshold=int(spec.get("threshold", 2)),
+            threshold=threshold,
             epsilon=None if spec.get("epsilon") is None else float(spec["epsilon"]),
         )
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Mapping
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy.exc import IntegrityError
@@ -30,6 +30,7 @@ from org_node.db.repo import append_audit_event, update_versioned
 from org_node.policy import Policy, RunSpec, Violation, check_run_against_policy
 from org_node.proposals import Consent, Outcome, Proposal, ProposalError, decide, from_ms
 from org_node.runs import InvalidTransition, RunAction, RunState, next_state
+from org_node.services import RunActivities
 
 __all__ = [
     "AmbiguousRun",
@@ -167,11 +168,16 @@ def outcome_of(row: Run, consents: list[RunConsent], at_ms: int | None = None) -
     return decide(proposal, _as_consents(consents), at_ms or now_ms())
 
 
-def waiting_of(row: Run, consents: list[RunConsent]) -> RunWaiting | None:
-    """What the run waits for at this org now (None when it waits for nothing)."""
+def waiting_of(row: Run, consents: list[RunConsent], node: object = None) -> RunWaiting | None:
+    """What the run waits for at this org now (None when it waits for nothing): the
+    consents or the agreed start of a pending run, the trainer or dataset a run to
+    resume needs, or, from ``node`` (a :class:`~org_node.services.RunActivities`), what
+    the round under way does and whose messages it waits for."""
     state = RunState(row.state)
     if state is RunState.RUNNING and row.state_reason and row.state_reason.startswith("waiting"):
         return RunWaiting(what="resume", since=row.updated_at, detail=row.state_reason)
+    if state in (RunState.RUNNING, RunState.PAUSED):
+        return _activity(row, node)
     if row.state not in PENDING_STATES:
         return None
     outcome = outcome_of(row, consents)
@@ -202,6 +208,22 @@ def waiting_of(row: Run, consents: list[RunConsent]) -> RunWaiting | None:
             detail="every consent is in; the run starts at the agreed time",
         )
     return None
+
+
+def _activity(row: Run, node: object) -> RunWaiting | None:
+    if not isinstance(node, RunActivities):
+        return None
+    now = node.run_activity(row.id)
+    if now is None:
+        return None
+    return RunWaiting(
+        what="round" if now.doing != "paused" else "resume",
+        orgs=list(now.orgs),
+        since=datetime.fromtimestamp(now.since, tz=UTC),
+        detail=now.detail,
+        round=now.round,
+        stage=now.stage or now.doing,
+    )
 
 
 def apply_action(

@@ -34,6 +34,8 @@ __all__ = [
     "NodeIdentityInfo",
     "NodeServices",
     "ProposalRefused",
+    "RunActivities",
+    "RunActivity",
     "RunEvent",
     "RunEventBus",
     "RunReports",
@@ -184,6 +186,48 @@ class RunEventBus:
         """How many queues receive ``run_id``'s events."""
         with self._lock:
             return len(self._subs.get(run_id, ()))
+
+
+@dataclass(frozen=True)
+class RunActivity:
+    """What a running run does at this node now: in round ``round`` (1-based), ``doing``
+    (``starting``, ``training``, ``aggregating``, ``verifying``, ``paused``), in the
+    secure sum's ``stage`` (attempt ``attempt``) when aggregating, since ``since``
+    (seconds since the epoch), waiting for the messages of ``orgs``."""
+
+    round: int
+    doing: str
+    since: float
+    stage: str = ""
+    attempt: int = 0
+    orgs: tuple[str, ...] = ()
+
+    @property
+    def detail(self) -> str:
+        """One line an admin reads: what the round does, and whom it waits for."""
+        if self.doing == "starting":
+            return "the local worker is starting (the round-0 model)"
+        if self.doing == "training":
+            return f"round {self.round}: training on this org's data"
+        if self.doing == "verifying":
+            return f"round {self.round}: the survivors' hashes of the new model"
+        if self.doing == "paused":
+            return f"paused before round {self.round}"
+        line = f"round {self.round}"
+        if self.attempt > 1:
+            line += f" (attempt {self.attempt})"
+        line += f": secure sum, {self.stage or 'starting'}"
+        if self.orgs:
+            line += ", waiting for " + ", ".join(self.orgs)
+        return line
+
+
+@runtime_checkable
+class RunActivities(Protocol):
+    """A node that can say what each of its running runs does now."""
+
+    def run_activity(self, run_id: str) -> RunActivity | None:
+        """What ``run_id`` does now at this node; None when no engine runs it here."""
 
 
 @runtime_checkable

@@ -323,3 +323,29 @@ def test_status_reads_the_runs_with_the_standard_library(client_api: Api, tmp_pa
     assert _local_runs(tmp_path / "none.db") == []
     (tmp_path / "bad.db").write_bytes(b"not a database, at all, no")
     assert _local_runs(tmp_path / "bad.db")[0].startswith("(cannot read the runs from bad.db: ")
+
+
+def test_runs_show_says_whose_message_a_round_under_way_waits_for(
+    client_api: Api, tmp_path: Path
+) -> None:
+    """A run under way: ``runs show`` names the round, its stage and the orgs whose
+    message it waits for, since when; while this org trains, it says that instead."""
+    from org_node.services import RunActivity
+
+    run_id = _propose(client_api, tmp_path)
+    assert invoke(client_api, "runs", "accept", "r1").exit_code == 0
+    assert invoke(client_api, "runs", "start", "r1").exit_code == 0
+    client_api.node.activity = RunActivity(
+        3, "aggregating", 1_800_000_000.0, stage="share", attempt=2, orgs=("org-c",)
+    )
+    r = invoke(client_api, "runs", "show", run_id[:8], role=Role.AUDITOR)
+    assert r.exit_code == 0, r.output
+    assert (
+        "waiting for: round 3 (attempt 2): secure sum, share, waiting for org-c, "
+        "since 2027-01-15 08:00:00 UTC" in r.output
+    )
+    client_api.node.activity = RunActivity(3, "training", 1_800_000_000.0)
+    r = invoke(client_api, "runs", "show", "r1", role=Role.AUDITOR)
+    assert "now: round 3: training on this org's data, since 2027-01-15" in r.output
+    r = invoke(client_api, "runs", "list")
+    assert "round 3: training on this org's data" in r.output

@@ -92,16 +92,17 @@ _HOOKS: dict[RunAction, str] = {
 _POLICY_CHECKED = (RunAction.ACCEPT, RunAction.START, RunAction.RESUME)
 
 
-def _view(row: Run, consents: list[RunConsent]) -> RunPublic:
-    """The run as the API shows it: its row, the consents known and what it waits for."""
+def _view(row: Run, consents: list[RunConsent], node: object = None) -> RunPublic:
+    """The run as the API shows it: its row, the consents known and what it waits for
+    (for a run under way, what ``node`` says its round waits for)."""
     public = RunPublic.model_validate(row, from_attributes=True)
     public.consents = [RunConsentPublic.model_validate(c, from_attributes=True) for c in consents]
-    public.waiting = waiting_of(row, consents)
+    public.waiting = waiting_of(row, consents, node)
     return public
 
 
-def _public(row: Run, session: Session) -> RunPublic:
-    return _view(row, consents_of(session, row.run_key) if row.run_key else [])
+def _public(row: Run, session: Session, node: object = None) -> RunPublic:
+    return _view(row, consents_of(session, row.run_key) if row.run_key else [], node)
 
 
 def _spec_of(row: Run) -> RunSpec:
@@ -172,7 +173,10 @@ def propose(
 
 @router.get("", response_model=RunsPublic, dependencies=[require_roles(*READERS)])
 def list_runs(
-    session: SessionDep, page: PageDep, state: Annotated[RunState | None, Query()] = None
+    session: SessionDep,
+    page: PageDep,
+    node: NodeDep,
+    state: Annotated[RunState | None, Query()] = None,
 ) -> RunsPublic:
     """Runs, newest first, optionally only those in ``state``."""
     count_q = select(func.count()).select_from(Run)
@@ -186,7 +190,7 @@ def list_runs(
         .offset(page.offset)
         .limit(page.limit)
     ).all()
-    return RunsPublic(data=[_public(r, session) for r in rows], count=count)
+    return RunsPublic(data=[_public(r, session, node) for r in rows], count=count)
 
 
 _RUN = Run.__table__  # type: ignore[attr-defined]
@@ -216,9 +220,9 @@ def _exact_run(conn: Connection, ref: str) -> tuple[Run, list[RunConsent]] | Non
     return None
 
 
-def _resolved(engine: Any, ref: str) -> RunPublic:
+def _resolved(engine: Any, ref: str, node: object) -> RunPublic:
     with Session(engine) as session:
-        return _public(_get(session, ref), session)
+        return _public(_get(session, ref), session, node)
 
 
 @router.get("/{run_id}", response_model=RunPublic, dependencies=[require_roles(*READERS)])
@@ -228,10 +232,11 @@ async def read(run_id: str, reads: ReadsDep, request: Request) -> Response:
     # One indexed read by id, key or name (api.reads: on the event loop for SQLite),
     # validated once and encoded once; a key prefix takes the general path.
     found = await reads(partial(_exact_run, ref=run_id))
+    node = request.app.state.node
     if found is None:
-        public = await run_in_threadpool(_resolved, request.app.state.engine, run_id)
+        public = await run_in_threadpool(_resolved, request.app.state.engine, run_id, node)
     else:
-        public = _view(*found)
+        public = _view(*found, node)
     return Response(public.model_dump_json(), media_type="application/json")
 
 
@@ -337,7 +342,7 @@ def _transition(
         raise conflict(f"the node refused to {action.value} the run: {exc}") from None
     session.commit()
     session.expire_all()
-    public = _public(_get(session, row.id), session)
+    public = _public(_get(session, row.id), session, node)
     if deciding:
         node.announce_run(row.id)
     node.events.publish(row.id, "state", {"state": public.state.value, "version": public.version})

@@ -205,7 +205,9 @@
     const waiting = run.waiting;
     const lines = [];
     if (reason) lines.push(reason);
-    if (waiting) {
+    if (waiting && waiting.what === "round") {
+      lines.push(waiting.detail + (waiting.since ? " (since " + new Date(waiting.since).toLocaleString() + ")" : ""));
+    } else if (waiting) {
       lines.push("Waiting for " + waiting.what + (waiting.orgs.length ? " of " + waiting.orgs.join(", ") : "") +
         (waiting.until ? " until " + new Date(waiting.until).toLocaleString() : "") +
         (waiting.detail ? ": " + waiting.detail : ""));

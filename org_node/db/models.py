@@ -538,14 +538,17 @@ class RunConsentPublic(SQLModel):
 
 
 class RunWaiting(SQLModel):
-    """What a run waits for at this org: ``what`` (``consent``, ``start``, ``resume``),
-    from whom (``orgs``), since when, and until when (a deadline or a start time)."""
+    """What a run waits for at this org: ``what`` (``consent``, ``start``, ``resume``,
+    or ``round``: a round under way, its ``round`` and ``stage``), from whom (``orgs``),
+    since when, and until when (a deadline or a start time)."""
 
     what: str
     orgs: list[str] = Field(default_factory=list)
     since: datetime | None = None
     until: datetime | None = None
     detail: str = ""
+    round: int | None = None
+    stage: str | None = None
 
 
 class RunPublic(RunBase):

@@ -31,6 +31,7 @@ from org_node.services import (
     CheckpointInfo,
     NodeHealth,
     NodeIdentityInfo,
+    RunActivity,
     RunEventBus,
     ServiceError,
     ServiceRefused,
@@ -68,6 +69,7 @@ class FakeNode:
     calls: list[tuple[str, str]] = field(default_factory=list)
     refuse_next: ServiceError | None = None
     ready: bool = True
+    activity: RunActivity | None = None  # what every running run does now
     _manifest: Manifest | None = None
     _pending: list[Manifest] = field(default_factory=list)
 
@@ -146,6 +148,9 @@ class FakeNode:
 
     def on_run_aborted(self, run_id: str, spec: Mapping[str, Any]) -> None:
         self._hook("aborted", run_id)
+
+    def run_activity(self, run_id: str) -> RunActivity | None:
+        return self.activity
 
     def checkpoints(self) -> list[CheckpointInfo]:
         return [CheckpointInfo("ck-1", "run-1", 4, 1.5, 3, 2, "ab" * 32)]
