@@ -23,12 +23,12 @@ from coordinator_free.membership import SwimConfig
 from coordinator_free.memory import InMemoryNetwork
 from sqlmodel import Session
 
+import org_node.node_proposals as node_proposals
 from api.app import create_app
 from api.settings import Settings
 from org_node.db.engine import default_database_url, make_engine
 from org_node.db.models import Role
 from org_node.db.repo import create_token
-import org_node.node_proposals as node_proposals
 from org_node.engine import EngineState
 from org_node.node import OrgNode
 from org_node.proposals import PROPOSAL_TOPIC, Proposal
