@@ -8,12 +8,12 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from coordinator_free.checkpoints import CheckpointReplicator, ShardService, ShardStore
 from coordinator_free.endpoint import Endpoint
 from coordinator_free.erasure import CodeParams
 from coordinator_free.identity import OrgIdentity
 from coordinator_free.memory import InMemoryNetwork
 from coordinator_free.sealed import RecoverySecret
-from coordinator_free.shards import CheckpointReplicator, ShardService, ShardStore
 
 from tests.coordinator_free.transport_support import FEDERATION, identity
 

@@ -9,18 +9,7 @@ import stat
 from pathlib import Path
 
 import pytest
-from coordinator_free.endpoint import Endpoint
-from coordinator_free.erasure import (
-    CodeParams,
-    CorruptShard,
-    ShardSetManifest,
-    decode_set,
-    encode_set,
-)
-from coordinator_free.errors import RefusalReason, Refused
-from coordinator_free.membership import EventKind, MembershipEvent
-from coordinator_free.sealed import open_sealed
-from coordinator_free.shards import (
+from coordinator_free.checkpoints import (
     GET,
     GLOBAL_OWNER,
     LIST,
@@ -36,6 +25,17 @@ from coordinator_free.shards import (
     list_shards,
     put_shards,
 )
+from coordinator_free.endpoint import Endpoint
+from coordinator_free.erasure import (
+    CodeParams,
+    CorruptShard,
+    ShardSetManifest,
+    decode_set,
+    encode_set,
+)
+from coordinator_free.errors import RefusalReason, Refused
+from coordinator_free.membership import EventKind, MembershipEvent
+from coordinator_free.sealed import open_sealed
 
 from tests.coordinator_free.shard_support import PARAMS, cluster
 from tests.coordinator_free.transport_support import FEDERATION, identity
