@@ -7,14 +7,20 @@ manifest on the way in; the manifest's signature is checked by the service
 (:class:`~coordinator_free.checkpoints.service.ShardService`).
 
 Quota. Each owner may hold at most ``quota_bytes_per_owner`` bytes (shards and
-manifests), counted by walking its directory.
+manifests). The bytes per owner are counted once when the store opens (a walk of its
+directory) and then kept up to date by every write and removal the store makes: each
+one measures the file or version directory it touches before and after, so a ``put``
+or a ``delete`` costs in proportion to what it touches, never to the whole store, and
+a write that fails half-way is counted as far as it went. The store owns its
+directory: files changed behind its back are counted again at the next open.
 """
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,7 +66,8 @@ class ShardStore:
 
     Layout: ``root/<owner hex>/<set hex>/<version>/{manifest.json, <index>.shard}``.
     Every file is written atomically. Shard bytes are checked against the manifest on
-    the way in; the manifest's signature is checked by the service.
+    the way in; the manifest's signature is checked by the service. Usage per owner
+    is counted at open and kept up to date by every put and delete.
     """
 
     def __init__(self, root: Path, *, quota_bytes_per_owner: int = 1 << 30) -> None:
@@ -88,6 +95,16 @@ class ShardStore:
         """Bytes held for every owner."""
         with self._lock:
             return sum(self._usage.values())
+
+    @contextlib.contextmanager
+    def _counted(self, owner: str, path: Path) -> Iterator[None]:
+        """Add what the block changes under ``path`` (a file or a version directory)
+        to ``owner``'s usage, also when the block fails half-way. Hold the lock."""
+        before = _bytes_under(path)
+        try:
+            yield
+        finally:
+            self._usage[owner] = self._usage.get(owner, 0) + _bytes_under(path) - before
 
     def _dir(self, owner: str, set_id: str, version: int | None = None) -> Path:
         base = self.root / _name(owner) / _name(set_id)
@@ -136,13 +153,16 @@ class ShardStore:
                     f"({usage - freed + added} > {self.quota})"
                 )
             if replace_all:
-                shutil.rmtree(directory)
+                with self._counted(owner, directory):
+                    shutil.rmtree(directory)
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
             for index, data in shards.items():
-                atomic_write(directory / f"{index}.shard", data)
+                path = directory / f"{index}.shard"
+                with self._counted(owner, path):
+                    atomic_write(path, data)
             if held is None or replace_all or manifest.epoch >= held.epoch:
-                atomic_write(directory / _MANIFEST_FILE, body)
-            self._usage[owner] = _bytes_under(self.root / _name(owner))
+                with self._counted(owner, directory / _MANIFEST_FILE):
+                    atomic_write(directory / _MANIFEST_FILE, body)
         return sorted(shards)
 
     def get(
@@ -209,14 +229,16 @@ class ShardStore:
                     continue
                 if indices is None:
                     removed += len(self._indices(directory))
-                    shutil.rmtree(directory)
+                    with self._counted(owner, directory):
+                        shutil.rmtree(directory)
                     continue
                 for index in indices:
                     path = directory / f"{index}.shard"
                     if path.exists():
-                        path.unlink()
+                        with self._counted(owner, path):
+                            path.unlink()
                         removed += 1
                 if not self._indices(directory):
-                    shutil.rmtree(directory)
-            self._usage[owner] = _bytes_under(self.root / _name(owner))
+                    with self._counted(owner, directory):
+                        shutil.rmtree(directory)
         return removed
