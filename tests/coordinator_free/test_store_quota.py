@@ -11,11 +11,12 @@ from typing import Any
 
 import pytest
 from coordinator_free.checkpoints import QuotaExceeded, ShardNotFound, ShardStore
-from coordinator_free.erasure import CodeParams, EncodedSet, ShardSetManifest, encode_set
+from coordinator_free.erasure import EncodedSet, ShardSetManifest
 from coordinator_free.sealed import atomic_write
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.coordinator_free.shard_support import signed_set
 from tests.coordinator_free.transport_support import identity
 
 pytestmark = pytest.mark.timeout(120)
@@ -29,16 +30,7 @@ N = 5  # shards per set: CodeParams(3, 2)
 def _set(owner: str, version: int, variant: int, epoch: int) -> tuple[ShardSetManifest, EncodedSet]:
     """A signed set; ``variant`` changes the bytes (another Merkle root), ``epoch``
     re-signs the same set with other holders (a manifest of another size)."""
-    data = bytes([variant + 1]) * (600 + 150 * variant)
-    manifest, encoded = encode_set(
-        data,
-        params=CodeParams(3, 2),
-        owner=owner,
-        set_id="state",
-        version=version,
-        created_at=0,
-        identity=identity(owner),
-    )
+    manifest, encoded = signed_set(owner, version, bytes([variant + 1]) * (600 + 150 * variant))
     if epoch:
         holders = [f"holder-{epoch}-{i}" for i in range(N)]
         manifest = manifest.with_holders(holders, epoch).sign(identity(owner))
