@@ -44,6 +44,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import zfec
+from coordinator_free.checkpoints import CheckpointReplicator, ShardService, ShardStore, recover
 from coordinator_free.endpoint import Endpoint
 from coordinator_free.erasure import (
     CodeParams,
@@ -55,7 +56,6 @@ from coordinator_free.erasure import (
 from coordinator_free.identity import OrgIdentity
 from coordinator_free.memory import InMemoryNetwork
 from coordinator_free.sealed import RecoverySecret
-from coordinator_free.shards import CheckpointReplicator, ShardService, ShardStore, recover
 
 from bench.common import Report, run_main
 

@@ -418,7 +418,7 @@ class ShardSetManifest:
     """What a shard set is, where its shards are, and who vouches for it.
 
     owner: the org whose set this is (it signs the manifest); for the global model
-        history, :data:`coordinator_free.shards.GLOBAL_OWNER` and no signature.
+        history, :data:`coordinator_free.checkpoints.GLOBAL_OWNER` and no signature.
     set_id: which object of the owner (``state`` for private state, ``global``...).
     version: the object's version, the training round it was taken at.
     epoch: placement revision; raised each time repair moves shards.

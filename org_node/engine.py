@@ -31,7 +31,7 @@ secure sum of its pre-training statistics:
    (:meth:`RoundEngine.check_model_hash`): any difference stops the run;
 8. **persist** — the engine state (round, model, strategy state, DP accountant) is
    written atomically to ``state_dir`` every round, and pushed as erasure-coded shards
-   (the ``checkpoint`` callback, :class:`~coordinator_free.shards.CheckpointReplicator`)
+   (the ``checkpoint`` callback, :class:`~coordinator_free.checkpoints.CheckpointReplicator`)
    every ``checkpoint_every`` rounds. A node that restarts resumes from its last state
    (:meth:`RunEngine.resume`), one that lost its disk from the recovered shards.
 

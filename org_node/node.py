@@ -6,8 +6,8 @@ in-memory transport in tests) with the :class:`~org_node.audit.EgressLog` as its
 hook, SWIM :class:`~coordinator_free.membership.Membership`, signed
 :class:`~coordinator_free.gossip.Gossip`, the leaderless
 :class:`~coordinator_free.rounds.RoundEngine`, the shard store and
-:class:`~coordinator_free.shards.ShardService` it serves to its peers, the
-:class:`~coordinator_free.shards.CheckpointReplicator` of its own private state, the
+:class:`~coordinator_free.checkpoints.ShardService` it serves to its peers, the
+:class:`~coordinator_free.checkpoints.CheckpointReplicator` of its own private state, the
 database, and at most one active :class:`~org_node.engine.RunEngine`.
 
 It implements :class:`~org_node.services.NodeServices`, so the admin API drives it:
@@ -38,6 +38,13 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, TypeVar
 
+from coordinator_free.checkpoints import (
+    CheckpointReplicator,
+    GlobalHistoryStore,
+    ShardService,
+    ShardStore,
+    recover,
+)
 from coordinator_free.endpoint import Endpoint
 from coordinator_free.erasure import CodeParams
 from coordinator_free.errors import CoordinatorFreeError, ManifestError
@@ -52,13 +59,6 @@ from coordinator_free.rounds import (
     secagg_sessions,
 )
 from coordinator_free.sealed import RecoverySecret, atomic_write
-from coordinator_free.shards import (
-    CheckpointReplicator,
-    GlobalHistoryStore,
-    ShardService,
-    ShardStore,
-    recover,
-)
 from coordinator_free.tls import TlsTransport
 from coordinator_free.transport import Transport
 from sqlalchemy import Engine

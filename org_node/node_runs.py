@@ -23,19 +23,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from coordinator_free.endpoint import Endpoint
-from coordinator_free.erasure import CodeParams, ShardError
-from coordinator_free.gossip import Gossip
-from coordinator_free.manifest import Manifest
-from coordinator_free.membership import Membership
-from coordinator_free.rounds import ModelHashMismatch, RoundEngine
-from coordinator_free.shards import (
+from coordinator_free.checkpoints import (
     GLOBAL_OWNER,
     GLOBAL_SET,
     CheckpointReplicator,
     GlobalHistoryStore,
     ShardStore,
 )
+from coordinator_free.endpoint import Endpoint
+from coordinator_free.erasure import CodeParams, ShardError
+from coordinator_free.gossip import Gossip
+from coordinator_free.manifest import Manifest
+from coordinator_free.membership import Membership
+from coordinator_free.rounds import ModelHashMismatch, RoundEngine
 from sqlalchemy import Engine, update
 from sqlmodel import Session
 

@@ -262,7 +262,7 @@ def dp_facts(spec: RunSpec, config: Any, model_size: int, rounds_charged: int) -
 def shards_held_in(shard_root: Path) -> tuple[ShardHeld, ...]:
     """Every checkpoint shard the node's store (``shard_root``) holds for another org,
     by owner, set version and index (none when the store does not exist)."""
-    from coordinator_free.shards import GLOBAL_OWNER, ShardStore
+    from coordinator_free.checkpoints import GLOBAL_OWNER, ShardStore
 
     root = Path(shard_root)
     if not root.is_dir():

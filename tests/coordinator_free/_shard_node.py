@@ -29,12 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import uvicorn
-from coordinator_free.endpoint import Endpoint
-from coordinator_free.erasure import CodeParams
-from coordinator_free.errors import TransportError
-from coordinator_free.identity import OrgIdentity, certificate_fingerprint
-from coordinator_free.sealed import RecoveryBackup, RecoverySecret, atomic_write
-from coordinator_free.shards import (
+from coordinator_free.checkpoints import (
     CheckpointReplicator,
     ShardRequestError,
     ShardService,
@@ -42,6 +37,11 @@ from coordinator_free.shards import (
     list_shards,
     recover,
 )
+from coordinator_free.endpoint import Endpoint
+from coordinator_free.erasure import CodeParams
+from coordinator_free.errors import TransportError
+from coordinator_free.identity import OrgIdentity, certificate_fingerprint
+from coordinator_free.sealed import RecoveryBackup, RecoverySecret, atomic_write
 from coordinator_free.tls import PeerAddress, TlsTransport, uvicorn_ssl_options, write_trust_bundle
 
 STATE_VERSION = 7

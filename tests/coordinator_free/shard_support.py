@@ -1,4 +1,5 @@
-"""An in-memory federation of shard holders, for the shard and recovery tests."""
+"""An in-memory federation of shard holders, and signed test sets, for the shard,
+store and recovery tests."""
 
 from __future__ import annotations
 
@@ -8,12 +9,12 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from coordinator_free.checkpoints import CheckpointReplicator, ShardService, ShardStore
 from coordinator_free.endpoint import Endpoint
-from coordinator_free.erasure import CodeParams
+from coordinator_free.erasure import CodeParams, EncodedSet, ShardSetManifest, encode_set
 from coordinator_free.identity import OrgIdentity
 from coordinator_free.memory import InMemoryNetwork
 from coordinator_free.sealed import RecoverySecret
-from coordinator_free.shards import CheckpointReplicator, ShardService, ShardStore
 
 from tests.coordinator_free.transport_support import FEDERATION, identity
 
@@ -92,3 +93,19 @@ async def cluster(
 
 
 PARAMS = CodeParams(k=3, m=2)
+
+
+def signed_set(
+    owner: str = "a", version: int = 1, data: bytes = b"x" * 3000, **kw: object
+) -> tuple[ShardSetManifest, EncodedSet]:
+    """``data`` coded as set ``state`` with ``CodeParams(3, 2)``, signed by ``owner``."""
+    return encode_set(
+        data,
+        params=CodeParams(3, 2),
+        owner=owner,
+        set_id="state",
+        version=version,
+        created_at=0,
+        identity=identity(owner),
+        **kw,  # type: ignore[arg-type]
+    )

@@ -9,10 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from coordinator_free.endpoint import Endpoint
-from coordinator_free.erasure import CodeParams, ManifestInvalid, NotEnoughShards, encode_set
-from coordinator_free.sealed import RecoveryBackup, RecoverySecret, WrongRecoverySecret
-from coordinator_free.shards import (
+from coordinator_free.checkpoints import (
     GLOBAL_OWNER,
     GLOBAL_SET,
     CheckpointReplicator,
@@ -22,6 +19,9 @@ from coordinator_free.shards import (
     put_shards,
     recover,
 )
+from coordinator_free.endpoint import Endpoint
+from coordinator_free.erasure import CodeParams, ManifestInvalid, NotEnoughShards, encode_set
+from coordinator_free.sealed import RecoveryBackup, RecoverySecret, WrongRecoverySecret
 
 from tests.coordinator_free.shard_support import PARAMS, Cluster, cluster
 from tests.coordinator_free.transport_support import FEDERATION

@@ -9,18 +9,7 @@ import stat
 from pathlib import Path
 
 import pytest
-from coordinator_free.endpoint import Endpoint
-from coordinator_free.erasure import (
-    CodeParams,
-    CorruptShard,
-    ShardSetManifest,
-    decode_set,
-    encode_set,
-)
-from coordinator_free.errors import RefusalReason, Refused
-from coordinator_free.membership import EventKind, MembershipEvent
-from coordinator_free.sealed import open_sealed
-from coordinator_free.shards import (
+from coordinator_free.checkpoints import (
     GET,
     GLOBAL_OWNER,
     LIST,
@@ -36,24 +25,22 @@ from coordinator_free.shards import (
     list_shards,
     put_shards,
 )
+from coordinator_free.endpoint import Endpoint
+from coordinator_free.erasure import (
+    CodeParams,
+    CorruptShard,
+    ShardSetManifest,
+    decode_set,
+    encode_set,
+)
+from coordinator_free.errors import RefusalReason, Refused
+from coordinator_free.membership import EventKind, MembershipEvent
+from coordinator_free.sealed import open_sealed
 
-from tests.coordinator_free.shard_support import PARAMS, cluster
+from tests.coordinator_free.shard_support import PARAMS, cluster, signed_set
 from tests.coordinator_free.transport_support import FEDERATION, identity
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def _set(owner: str = "a", version: int = 1, data: bytes = b"x" * 3000, **kw: object):  # type: ignore[no-untyped-def]
-    return encode_set(
-        data,
-        params=CodeParams(3, 2),
-        owner=owner,
-        set_id="state",
-        version=version,
-        created_at=0,
-        identity=identity(owner),
-        **kw,  # type: ignore[arg-type]
-    )
 
 
 # --------------------------------------------------------------------------- store
@@ -61,7 +48,7 @@ def _set(owner: str = "a", version: int = 1, data: bytes = b"x" * 3000, **kw: ob
 
 def test_store_put_get_list_delete(tmp_path: Path) -> None:
     store = ShardStore(tmp_path / "s")
-    manifest, encoded = _set()
+    manifest, encoded = signed_set()
     assert store.put(manifest, {0: encoded.shards[0], 3: encoded.shards[3]}) == [0, 3]
     got_manifest, shards = store.get("a", "state", 1)
     assert got_manifest == manifest and set(shards) == {0, 3}
@@ -81,7 +68,7 @@ def test_store_put_get_list_delete(tmp_path: Path) -> None:
 
 def test_store_refuses_corrupt_shards_and_writes_nothing(tmp_path: Path) -> None:
     store = ShardStore(tmp_path)
-    manifest, encoded = _set()
+    manifest, encoded = signed_set()
     bad = bytearray(encoded.shards[1])
     bad[5] ^= 0x40
     with pytest.raises(CorruptShard):
@@ -90,7 +77,7 @@ def test_store_refuses_corrupt_shards_and_writes_nothing(tmp_path: Path) -> None
 
 
 def test_store_quota_per_owner(tmp_path: Path) -> None:
-    manifest, encoded = _set()
+    manifest, encoded = signed_set()
     quota = 2 * (manifest.shard_size + len(manifest.to_json()))
     store = ShardStore(tmp_path, quota_bytes_per_owner=quota)
     store.put(manifest, {0: encoded.shards[0], 1: encoded.shards[1]})
@@ -98,7 +85,7 @@ def test_store_quota_per_owner(tmp_path: Path) -> None:
         store.put(manifest, {2: encoded.shards[2]})
     # Re-storing the same shards does not count twice; another owner has its own quota.
     store.put(manifest, {0: encoded.shards[0]})
-    other, other_encoded = _set("b")
+    other, other_encoded = signed_set("b")
     store.put(other, {0: other_encoded.shards[0], 1: other_encoded.shards[1]})
     # Usage survives a restart (rescanned from disk).
     again = ShardStore(tmp_path, quota_bytes_per_owner=store.quota)
@@ -107,8 +94,8 @@ def test_store_quota_per_owner(tmp_path: Path) -> None:
 
 def test_store_replaces_a_version_recoded_and_ignores_older_epochs(tmp_path: Path) -> None:
     store = ShardStore(tmp_path)
-    first, first_shards = _set(data=b"1" * 3000)
-    second, second_shards = _set(data=b"2" * 3000)
+    first, first_shards = signed_set(data=b"1" * 3000)
+    second, second_shards = signed_set(data=b"2" * 3000)
     store.put(first, {0: first_shards.shards[0], 1: first_shards.shards[1]})
     store.put(second, {2: second_shards.shards[2]})
     held, shards = store.get("a", "state", 1)
@@ -119,12 +106,12 @@ def test_store_replaces_a_version_recoded_and_ignores_older_epochs(tmp_path: Pat
     store.put(second, {})  # epoch 0 arrives late: ignored
     assert store.get("a", "state", 1)[0].epoch == 3
     with pytest.raises(ShardNotFound):
-        store.put(_set(version=9)[0], {})
+        store.put(signed_set(version=9)[0], {})
 
 
 def test_store_ids_cannot_escape_the_root(tmp_path: Path) -> None:
     store = ShardStore(tmp_path / "root")
-    manifest, encoded = _set(owner="..")
+    manifest, encoded = signed_set(owner="..")
     store.put(manifest, {0: encoded.shards[0]})
     assert all(p.is_relative_to(tmp_path / "root") for p in tmp_path.rglob("*") if p.is_file())
     assert not (tmp_path / "state").exists()
@@ -386,6 +373,6 @@ def test_store_ignores_foreign_entries_in_its_root(tmp_path: Path) -> None:
     (tmp_path / "lost+found").mkdir()
     (tmp_path / "notes.txt").write_text("operator notes")
     store = ShardStore(tmp_path)
-    manifest, encoded = _set()
+    manifest, encoded = signed_set()
     store.put(manifest, {0: encoded.shards[0]})
     assert ShardStore(tmp_path).usage("a") == store.usage("a") > 0
