@@ -45,6 +45,7 @@ __all__ = [
     "Outcome",
     "Proposal",
     "ProposalError",
+    "consent_signing_bytes",
     "decide",
     "from_ms",
 ]
@@ -242,6 +243,17 @@ class Outcome:
     start_at_ms: int | None = None
     reason: str = ""
     declined: Mapping[str, str] = field(default_factory=dict)
+
+
+def consent_signing_bytes(federation: str, consent: Consent) -> bytes:
+    """What ``consent.org`` signed when it gossiped ``consent`` in ``federation``: the
+    gossip record's signing bytes (topic :data:`CONSENT_TOPIC`, key the run key), which a
+    privacy report carries the signature of and its verifier checks."""
+    from coordinator_free.gossip import record_signing_bytes
+
+    return record_signing_bytes(
+        federation, consent.org, CONSENT_TOPIC, consent.run_key, consent.to_record()
+    )
 
 
 def _when(ms: int) -> str:

@@ -5,8 +5,9 @@ joins the egress log with :class:`~org_node.audit.report.RunFacts`. This module 
 those facts in one place, for the node (``POST /v1/audit/runs/{id}/report``,
 ``fedweave audit report``) and for the test harness alike:
 
-* the run spec, this org's consent and the policies in force — the node's database
-  (``run`` and ``policy`` tables);
+* the run spec, this org's consent, the other participants' signed consents as this
+  org received them, and the policies in force — the node's database (``run``,
+  ``run_consent`` and ``policy`` tables);
 * secure aggregation — the spec (backend, n, t) and the engine config (ring bits, L2 clip);
 * differential privacy — the distributed Skellam mechanism the engine charges each round
   (rebuilt from the engine config and the model size, as the engine builds it), once per
@@ -202,6 +203,47 @@ def consents_of(row: Any, org_id: str, role: str = "") -> tuple[ConsentRecord, .
     )
 
 
+def peer_consents(
+    session: Session, run_key_: str, org_id: str, federation: str
+) -> tuple[ConsentRecord, ...]:
+    """The other participants' decisions on the run as this org received them over
+    gossip, each with its signature (verified on receipt against the manifest)."""
+    from org_node.db.models import RunConsent
+
+    rows = session.exec(
+        select(RunConsent).where(RunConsent.run_key == run_key_, RunConsent.org_id != org_id)
+    ).all()
+    out = []
+    for r in sorted(rows, key=lambda r: r.org_id):
+        if not r.signature:
+            continue
+        at_ms = round(r.decided_at.timestamp() * 1000)
+        out.append(
+            ConsentRecord(
+                org=r.org_id,
+                decision="accepted" if r.decision == "accept" else "declined",
+                decided_at=format_time(at_ms / 1000),
+                decided_by=f"{r.org_id} (its signed consent)",
+                reason=r.reason,
+                federation=federation,
+                at_ms=at_ms,
+                signature=r.signature,
+            )
+        )
+    return tuple(out)
+
+
+def federation_of(data_dir: Path) -> str:
+    """The federation id in the node's config (``[node] federation``; "" if none)."""
+    import tomllib
+
+    try:
+        with (Path(data_dir) / "fedweave.toml").open("rb") as f:
+            return str(tomllib.load(f).get("node", {}).get("federation", ""))
+    except (OSError, tomllib.TOMLDecodeError):
+        return ""
+
+
 def _token_role(session: Session, name: str | None) -> str:
     """The role of the API token named ``name`` ("" when no such token is held)."""
     from org_node.db.models import ApiToken
@@ -213,7 +255,7 @@ def _token_role(session: Session, name: str | None) -> str:
 
 
 def _consents_by_key(
-    session: Session, run_key_: str, org_id: str
+    session: Session, run_key_: str, org_id: str, federation: str = ""
 ) -> tuple[tuple[ConsentRecord, ...], BindingFacts | None]:
     """This org's decision on the run whose federation-wide key is ``run_key_``, and what
     it bound to it (each org stores the run under its own local id, so the key is
@@ -224,7 +266,8 @@ def _consents_by_key(
     for row in session.exec(select(Run).order_by(col(Run.created_at))).all():
         if run_key(row.name, row.spec) == run_key_:
             consents = consents_of(row, org_id, _token_role(session, row.decided_by))
-            return consents, binding_facts(row)
+            peers = peer_consents(session, run_key_, org_id, federation)
+            return consents + peers, binding_facts(row)
     return (), None
 
 
@@ -357,6 +400,7 @@ def node_run_facts(
         key = run_key(row.name, row.spec)
         policies = policies_in_force(session)
         consents = consents_of(row, org_id, _token_role(session, row.decided_by))
+        consents += peer_consents(session, key, org_id, federation_of(data_dir))
         binding = binding_facts(row)
         charged = len(
             session.exec(
@@ -418,7 +462,7 @@ def org_run_facts(
     if engine is not None:
         try:
             with Session(engine) as session:
-                consents, binding = _consents_by_key(session, run_key, org_id)
+                consents, binding = _consents_by_key(session, run_key, org_id, federation_of(root))
                 policies = policies_in_force(session)
         finally:
             if db is None:

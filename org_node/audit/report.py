@@ -4,10 +4,13 @@
 Schema 2020-12, checked by :func:`validate_report`). A report holds, per section:
 
 * ``run`` — the run spec and every policy in force with its violations (none, or each);
-* ``participants`` — the orgs and their consent records; an org whose decision this
-  org does not hold has ``consent: null`` and a ``consent_note`` saying what it holds
-  instead (its update aggregated in a round: a node sends one only for a run its org
-  accepted);
+* ``participants`` — the orgs and their consent records: this org's own (who decided,
+  with which role), and each other participant's decision as this org received it,
+  with its ``signed`` block (federation, time in milliseconds, the participant's
+  Ed25519 signature over its gossiped consent record, which verification checks
+  against the participant's key); an org whose decision this org does not hold has
+  ``consent: null`` and a ``consent_note`` saying what it holds instead (its update
+  aggregated in a round: a node sends one only for a run its org accepted);
 * ``secure_aggregation`` — backend and parameters (n, t, ring bits, clipping);
 * ``differential_privacy`` — mechanism, parameters and ε(δ) per round and in total,
   composed by :class:`org_node.privacy.RdpAccountant` (Mironov 2017; Balle et al. 2020);
@@ -137,7 +140,11 @@ def _finite(value: float | None, what: str) -> float | None:
 @dataclass(frozen=True)
 class ConsentRecord:
     """One org's decision on the run: ``accepted`` or ``declined``, when and by whom
-    (``decided_by``: the API token's name; ``decided_by_role``: its role, "" unknown)."""
+    (``decided_by``: the API token's name; ``decided_by_role``: its role, "" unknown).
+
+    A peer's decision carries its signature (``signature``, hex) over the consent
+    record it gossiped in ``federation`` at ``at_ms``
+    (:func:`org_node.proposals.consent_signing_bytes`)."""
 
     org: str
     decision: str
@@ -145,6 +152,9 @@ class ConsentRecord:
     decided_by: str
     reason: str = ""
     decided_by_role: str = ""
+    federation: str = ""
+    at_ms: int | None = None
+    signature: str = ""
 
     def __post_init__(self) -> None:
         if self.decision not in ("accepted", "declined"):
@@ -414,10 +424,21 @@ def _anomalies(
     return out
 
 
-def _consent(record: ConsentRecord) -> dict[str, str]:
-    body = {k: v for k, v in asdict(record).items() if k != "org"}
-    if not body["decided_by_role"]:
-        del body["decided_by_role"]
+def _consent(record: ConsentRecord) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "decision": record.decision,
+        "decided_at": record.decided_at,
+        "decided_by": record.decided_by,
+        "reason": record.reason,
+    }
+    if record.decided_by_role:
+        body["decided_by_role"] = record.decided_by_role
+    if record.signature and record.at_ms is not None:
+        body["signed"] = {
+            "federation": record.federation,
+            "at_ms": record.at_ms,
+            "signature": record.signature,
+        }
     return body
 
 

@@ -341,6 +341,7 @@ def verify_report(
         signature = bytes.fromhex(doc["signature"]["value"])
         if not verify_signature(key, report_signing_bytes(doc, digests), signature):
             raise _Broken("signature", f"not a valid signature of {org!r} over the report")
+        consents = _check_consents(doc, trusted_keys)
         entries = [v for _, t, v in parsed if t == "entry"]
         actual = traffic_of(entries, doc["run"]["id"])
         if doc["traffic"] != actual:
@@ -360,9 +361,45 @@ def verify_report(
         f"({chain.heads} signed heads), {doc['traffic']['total']['bytes']} bytes sent, "
         "no forbidden class, signature valid"
         + (f", agrees with {checked} head(s) held by peers" if checked else "")
+        + consents
         + ("" if pinned else " (key from the report, not pinned)")
     )
     return VerifyResult(True, summary, "report", org, chain.entries, chain.heads, checked)
+
+
+def _check_consents(doc: Mapping[str, Any], trusted_keys: Mapping[str, bytes] | None) -> str:
+    """Check every signed consent of another participant the report carries against that
+    participant's pinned key; what the summary says of them ("" when there are none)."""
+    from org_node.proposals import Consent, consent_signing_bytes
+
+    checked, unpinned = 0, []
+    for i, part in enumerate(doc["participants"]):
+        signed = (part.get("consent") or {}).get("signed")
+        if signed is None:
+            continue
+        org, c = part["org"], part["consent"]
+        key = (trusted_keys or {}).get(org)
+        if key is None:
+            unpinned.append(org)
+            continue
+        record = Consent(
+            doc["run"]["id"],
+            org,
+            "accept" if c["decision"] == "accepted" else "decline",
+            c["reason"],
+            signed["at_ms"],
+        )
+        message = consent_signing_bytes(signed["federation"], record)
+        if not verify_signature(key, message, bytes.fromhex(signed["signature"])):
+            raise _Broken(
+                f"participants[{i}].consent",
+                f"not a valid signature of {org!r} over its consent to the run",
+            )
+        checked += 1
+    out = f", {checked} signed consent(s) of other participants valid" if checked else ""
+    if unpinned:
+        out += f", consents of {', '.join(unpinned)} not checked (no pinned key)"
+    return out
 
 
 def peer_heads_from_logs(paths: Iterable[Path | str]) -> list[SignedHead]:

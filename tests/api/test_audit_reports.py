@@ -348,8 +348,50 @@ def test_running_nodes_report_their_run(tmp_path: Path, monkeypatch: pytest.Monk
     assert report["traffic"]["total"]["messages"] > 0
     owners = {s["owner"] for s in report["shards_held"]}
     assert owners and owners <= {"org-b", "org-c"}
-    assert verify_report(report, trusted_keys={"org-a": identity_of(dirs["org-a"])}).ok
+    keys = {org: identity_of(dirs[org]) for org in ORGS}
+    assert verify_report(report, trusted_keys={"org-a": keys["org-a"]}).ok
     assert html.status_code == 200 and "<svg" in html.text
+    # the other participants' consents, as org-a received them, each with its signature
+    consents = {p["org"]: p["consent"] for p in report["participants"]}
+    assert "signed" not in consents["org-a"]  # its own: the report's signature covers it
+    for org in ("org-b", "org-c"):
+        assert consents[org]["decision"] == "accepted"
+        assert consents[org]["signed"]["federation"] == "fed-test"
+    checked = verify_report(report, trusted_keys=keys)
+    assert checked.ok, checked.summary
+    assert "2 signed consent(s) of other participants valid" in checked.summary
+    unpinned = verify_report(report, trusted_keys={"org-a": keys["org-a"]})
+    assert "consents of org-b, org-c not checked (no pinned key)" in unpinned.summary
+    # org-a cannot make a participant's decline look like consent, even signing anew
+    forged = _resigned(report, dirs["org-a"], lambda d: _flip(d, "org-c"))
+    result = verify_report(forged, trusted_keys=keys)
+    assert not result.ok
+    assert result.location == "participants[2].consent"
+    assert "not a valid signature of 'org-c'" in result.summary
+
+
+def _flip(doc: dict[str, Any], org: str) -> None:
+    for part in doc["participants"]:
+        if part["org"] == org:
+            part["consent"]["decision"] = "declined"
+            part["consent"]["reason"] = "no ethics approval"
+
+
+def _resigned(report: dict[str, Any], data_dir: Path, change: Any) -> dict[str, Any]:
+    """``report`` changed by ``change`` and signed again by its own org, as a dishonest
+    org could: only the signatures of the others can catch it."""
+    import copy
+
+    from org_node.audit.report import report_signing_bytes, section_digests
+    from org_node.config import NodePaths
+
+    doc = copy.deepcopy(report)
+    change(doc)
+    me = OrgIdentity.load(NodePaths(data_dir).identity_dir)
+    digests = section_digests(doc)
+    doc["signature"]["sections"] = digests
+    doc["signature"]["value"] = me.sign(report_signing_bytes(doc, digests)).hex()
+    return doc
 
 
 def identity_of(data_dir: Path) -> bytes:
