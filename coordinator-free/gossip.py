@@ -57,6 +57,7 @@ from coordinator_free.endpoint import Endpoint
 from coordinator_free.errors import CoordinatorFreeError, RefusalReason, Refused, TransportError
 from coordinator_free.identity import OrgIdentity, verify_signature
 from coordinator_free.membership import EventKind, Membership, MembershipEvent
+from coordinator_free.periodic import run_periodically
 from coordinator_free.wire import Envelope
 
 __all__ = [
@@ -619,24 +620,16 @@ class Gossip:
                 await self._send_all(event.org_id)
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while self._running:
-            started = loop.time()
-            self.periods += 1
-            try:
-                await self._round()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # one failed round must not stop the broadcast
-                logger.exception("%s: gossip round %d failed", self.me, self.periods)
-            await self._sleep(self.config.period_s - (loop.time() - started))
+        """A push round every ``config.period_s`` until :meth:`stop`; a failed round is
+        logged and does not stop the broadcast."""
+        await run_periodically(
+            self._period,
+            lambda: self.config.period_s,
+            self._stopping,
+            logger=logger,
+            describe=lambda: f"{self.me}: gossip round {self.periods}",
+        )
 
-    async def _sleep(self, seconds: float) -> None:
-        """Sleep until the next period, or until :meth:`stop` (a cancellation can be
-        lost in ``asyncio.wait_for`` on Python 3.11; the event cannot)."""
-        if seconds <= 0:
-            await asyncio.sleep(0)
-            return
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(seconds):
-                await self._stopping.wait()
+    async def _period(self, started: float) -> None:
+        self.periods += 1
+        await self._round()

@@ -60,6 +60,7 @@ from typing import Any
 
 from coordinator_free.endpoint import Endpoint
 from coordinator_free.errors import RefusalReason, Refused, TransportError
+from coordinator_free.periodic import run_periodically
 from coordinator_free.wire import Envelope
 
 __all__ = [
@@ -708,31 +709,25 @@ class Membership:
         task.add_done_callback(self._side_tasks.discard)
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while self._running:
-            started = loop.time()
-            self.periods += 1
-            try:
-                self._expire_suspicions()
-                every = self.config.dead_probe_periods
-                if every and self.periods % every == 0:
-                    self._probe_dead()
-                target = self._next_target()
-                if target is not None:
-                    await self._probe(target, started)
-                self._expire_suspicions()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # a bug in one period must not stop failure detection
-                logger.exception("%s: SWIM period %d failed", self.me, self.periods)
-            await self._sleep(self.config.period_s - (loop.time() - started))
+        """A protocol period every ``config.period_s`` until :meth:`stop`; a bug in one
+        period is logged and does not stop failure detection."""
+        await run_periodically(
+            self._period,
+            lambda: self.config.period_s,
+            self._stopping,
+            logger=logger,
+            describe=lambda: f"{self.me}: SWIM period {self.periods}",
+        )
 
-    async def _sleep(self, seconds: float) -> None:
-        """Sleep until the next period, or until :meth:`stop` (a cancellation can be
-        lost in ``asyncio.wait_for`` on Python 3.11; the event cannot)."""
-        if seconds <= 0:
-            await asyncio.sleep(0)
-            return
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(seconds):
-                await self._stopping.wait()
+    async def _period(self, started: float) -> None:
+        """One protocol period begun at loop time ``started``: expire suspicions, now
+        and then ping a DEAD member, probe the next target."""
+        self.periods += 1
+        self._expire_suspicions()
+        every = self.config.dead_probe_periods
+        if every and self.periods % every == 0:
+            self._probe_dead()
+        target = self._next_target()
+        if target is not None:
+            await self._probe(target, started)
+        self._expire_suspicions()
