@@ -53,7 +53,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from enum import StrEnum
 from types import MappingProxyType
 from typing import Any
@@ -61,6 +61,7 @@ from typing import Any
 from coordinator_free.endpoint import Endpoint
 from coordinator_free.errors import RefusalReason, Refused, TransportError
 from coordinator_free.periodic import run_periodically
+from coordinator_free.validate import check_integer, check_keys, check_number, field_error
 from coordinator_free.wire import Envelope
 
 __all__ = [
@@ -157,6 +158,10 @@ class Update:
         return (self.incarnation, _RANK[self.status]) > (incarnation, _RANK[status])
 
 
+_bad = field_error(ValueError)
+_mistyped = field_error(TypeError)
+
+
 @dataclass(frozen=True)
 class SwimConfig:
     """Timing and dissemination parameters of the SWIM protocol.
@@ -183,19 +188,16 @@ class SwimConfig:
 
     def __post_init__(self) -> None:
         for name in ("period_s", "ping_timeout_s", "suspicion_mult"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise TypeError(f"SwimConfig.{name} must be a number")
-            if not math.isfinite(value) or value <= 0:
-                raise ValueError(f"SwimConfig.{name} must be positive and finite, got {value}")
-        for name in ("indirect_k", "retransmit_mult", "piggyback_max", "dead_probe_periods"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"SwimConfig.{name} must be an int")
-            if value < 0:
-                raise ValueError(f"SwimConfig.{name} must be non-negative, got {value}")
-        if self.retransmit_mult < 1 or self.piggyback_max < 1:
-            raise ValueError("SwimConfig.retransmit_mult and piggyback_max must be at least 1")
+            check_number(f"SwimConfig.{name}", getattr(self, name), _bad, type_error=_mistyped)
+        for name, low in (
+            ("indirect_k", 0),
+            ("retransmit_mult", 1),
+            ("piggyback_max", 1),
+            ("dead_probe_periods", 0),
+        ):
+            check_integer(
+                f"SwimConfig.{name}", getattr(self, name), _bad, low=low, type_error=_mistyped
+            )
         if self.ping_timeout_s * 2 > self.period_s:
             raise ValueError(
                 f"SwimConfig.ping_timeout_s ({self.ping_timeout_s}) must be at most half of "
@@ -205,11 +207,7 @@ class SwimConfig:
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> SwimConfig:
         """Build a config from a mapping, refusing unknown keys."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown SwimConfig keys: {', '.join(unknown)}")
-        return cls(**dict(values))
+        return cls(**check_keys(cls, values, "SwimConfig", _bad))
 
     def suspicion_timeout(self, n: int) -> float:
         """Seconds a suspicion lasts before the member is declared DEAD, for n members."""
