@@ -41,6 +41,7 @@ __all__ = [
     "NodePaths",
     "NodeSection",
     "TrainerSection",
+    "is_loopback",
     "load_node_network",
 ]
 
