@@ -19,6 +19,10 @@ audit                           admin, auditor             (written by the node 
 
 Authentication failures are one opaque 401; a token of another role gets 403; an
 action a run's state does not allow gets 409 naming that state.
+
+The top layer: it may import every other (``org_node``, ``coordinator_free``,
+``secure_agg``), and nothing imports it but the console script. :mod:`api.serve` is
+the composition root that serves the admin API and the peer port in one process.
 """
 
 __all__: list[str] = []

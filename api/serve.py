@@ -7,7 +7,7 @@ gossip, the run engine):
   ``network.admin_host:admin_port``, loopback unless the config allows otherwise;
 * the **peer API** (the mutual-TLS route of :class:`coordinator_free.tls.TlsTransport`)
   on ``network.peer_host:peer_port``, requiring a client certificate among the
-  federation members' (:func:`coordinator_free.tls.uvicorn_ssl_options`).
+  federation members' (:func:`coordinator_free.tls.serve_peer_app`).
 
 This module is the composition root, the only place that knows every layer
 (``docs/ARCHITECTURE.md``, "Layers"), which is why it lives in ``api``, the top
@@ -27,11 +27,16 @@ import logging
 import os
 import signal
 import socket
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from pathlib import Path
 
-import uvicorn
-from coordinator_free.tls import uvicorn_ssl_options, write_trust_bundle
+from coordinator_free.tls import (
+    RunningServer,
+    ServerStartError,
+    serve_app,
+    serve_peer_app,
+    write_trust_bundle,
+)
 
 from api.app import create_app
 from api.settings import Settings
@@ -44,14 +49,6 @@ __all__ = ["bind", "dataset_roots", "serve_node"]
 logger = logging.getLogger(__name__)
 
 _GRACE_S = 5
-
-
-class _Server(uvicorn.Server):
-    """A uvicorn server that leaves signal handling to :func:`serve_node`."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:
-        yield
 
 
 def dataset_roots(configured: tuple[str, ...]) -> tuple[Path, ...]:
@@ -134,54 +131,46 @@ async def serve_node(
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
-    servers: list[tuple[_Server, socket.socket]] = []
-    tasks: list[asyncio.Task[None]] = []
     try:
-        await node.start()
-        app = create_app(settings, node, engine=node.db)
-        admin = _Server(
-            uvicorn.Config(
-                app,
-                log_level="warning",
-                access_log=False,
-                timeout_graceful_shutdown=_GRACE_S,
-            )
-        )
-        servers.append((admin, admin_sock))
-        if peer_sock is not None and node.tls is not None and manifest is not None:
-            write_trust_bundle(node.paths.trust_bundle, manifest.certificates())
-            peer = _Server(
-                uvicorn.Config(
-                    node.tls.asgi_app(),
-                    lifespan="off",
-                    log_level="warning",
-                    access_log=False,
-                    timeout_graceful_shutdown=_GRACE_S,
-                    **uvicorn_ssl_options(node.paths.identity_dir, node.paths.trust_bundle),
+        async with contextlib.AsyncExitStack() as stack:
+            servers: list[RunningServer] = []
+            try:
+                await node.start()
+                app = create_app(settings, node, engine=node.db)
+                admin = serve_app(
+                    app, admin_sock, handle_signals=False, timeout_graceful_shutdown=_GRACE_S
                 )
-            )
-            servers.append((peer, peer_sock))
-        tasks = [asyncio.create_task(s.serve(sockets=[sock])) for s, sock in servers]
-        while not all(s.started for s, _ in servers):
-            if any(t.done() for t in tasks):
-                raise NodeError("a server stopped while starting")
-            await asyncio.sleep(0.02)
-        where = f"admin http://{net.admin_host}:{net.admin_port}"
-        if peer_sock is not None:
-            where += f", peer {net.peer_url}"
-        message = f"fedweave node {node.org_identity.org_id} ready: {where}"
-        logger.info(message)
-        if on_ready is not None:
-            on_ready(message)
-        stopped = asyncio.create_task(stop.wait())
-        await asyncio.wait([stopped, *tasks], return_when=asyncio.FIRST_COMPLETED)
-        stopped.cancel()
+                servers.append(await stack.enter_async_context(admin))
+                if peer_sock is not None and node.tls is not None and manifest is not None:
+                    write_trust_bundle(node.paths.trust_bundle, manifest.certificates())
+                    peer = serve_peer_app(
+                        node.tls.asgi_app(),
+                        peer_sock,
+                        node.paths.identity_dir,
+                        node.paths.trust_bundle,
+                        graceful_shutdown_s=_GRACE_S,
+                        handle_signals=False,
+                    )
+                    servers.append(await stack.enter_async_context(peer))
+                where = f"admin http://{net.admin_host}:{net.admin_port}"
+                if peer_sock is not None:
+                    where += f", peer {net.peer_url}"
+                message = f"fedweave node {node.org_identity.org_id} ready: {where}"
+                logger.info(message)
+                if on_ready is not None:
+                    on_ready(message)
+                stopped = asyncio.create_task(stop.wait())
+                serving = [s.task for s in servers]
+                await asyncio.wait([stopped, *serving], return_when=asyncio.FIRST_COMPLETED)
+                stopped.cancel()
+            except ServerStartError as exc:
+                raise NodeError(str(exc)) from exc
+            finally:
+                # the node first, then both servers together (leaving the stack waits)
+                await node.stop()
+                for server in servers:
+                    server.stop()
     finally:
-        await node.stop()
-        for server, _ in servers:
-            server.should_exit = True
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
         admin_sock.close()
         if peer_sock is not None:
             peer_sock.close()

@@ -8,13 +8,13 @@ paths must lie under one of ``FEDWEAVE_DATASET_ROOTS`` (a JSON list).
 
 from __future__ import annotations
 
-import ipaddress
 from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from org_node.config import is_loopback
 from org_node.db.engine import default_database_url
 
 __all__ = ["Settings"]
@@ -50,7 +50,7 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _check(self) -> Settings:
-        if not self.allow_remote_admin and not _is_loopback(self.admin_host):
+        if not self.allow_remote_admin and not is_loopback(self.admin_host):
             raise ValueError(
                 f"admin_host {self.admin_host!r} is not loopback; "
                 "set allow_remote_admin to expose the admin API"
@@ -67,12 +67,3 @@ class Settings(BaseSettings):
     def resolved_database_url(self) -> str:
         """The database URL in use."""
         return self.database_url or default_database_url(self.data_dir)
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

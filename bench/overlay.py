@@ -202,8 +202,7 @@ def _node_input(org: str, params: int) -> np.ndarray:
 async def _node(workdir: Path, me: str, orgs: list[str], params: int, repeats: int) -> None:
     """One org process: plain rings and secure ring rounds, interleaved ``repeats``
     times after a warm-up of each, then a secure star round; write the figures."""
-    import uvicorn
-    from coordinator_free.tls import PeerAddress, TlsTransport, uvicorn_ssl_options
+    from coordinator_free.tls import PeerAddress, TlsTransport, serve_peer_app
 
     identity = OrgIdentity.load(workdir / me)
     members = json.loads((workdir / "members.json").read_text())
@@ -226,94 +225,80 @@ async def _node(workdir: Path, me: str, orgs: list[str], params: int, repeats: i
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     tls_app = transport.inner.asgi_app()  # type: ignore[attr-defined]
-    server = uvicorn.Server(
-        uvicorn.Config(
-            tls_app,
-            lifespan="off",
-            ws="none",
-            log_level="warning",
-            timeout_graceful_shutdown=1,
-            **uvicorn_ssl_options(workdir / me, workdir / "trust.pem"),
-        )
-    )
-    serving = asyncio.ensure_future(server.serve(sockets=[sock]))
-    while not server.started:
-        if serving.done():
-            serving.result()
-        await asyncio.sleep(0.02)
-    (workdir / f"{me}.port.tmp").write_text(str(sock.getsockname()[1]))
-    (workdir / f"{me}.port.tmp").replace(workdir / f"{me}.port")
-    while len(addresses) < n:
-        for org in orgs:
-            path = workdir / f"{org}.port"
-            if org not in addresses and path.exists():
-                addresses[org] = PeerAddress(
-                    f"https://127.0.0.1:{int(path.read_text())}", members[org]["fingerprint"]
-                )
-        await asyncio.sleep(0.05)
+    async with serve_peer_app(
+        tls_app, sock, workdir / me, workdir / "trust.pem", graceful_shutdown_s=1
+    ):
+        (workdir / f"{me}.port.tmp").write_text(str(sock.getsockname()[1]))
+        (workdir / f"{me}.port.tmp").replace(workdir / f"{me}.port")
+        while len(addresses) < n:
+            for org in orgs:
+                path = workdir / f"{org}.port"
+                if org not in addresses and path.exists():
+                    addresses[org] = PeerAddress(
+                        f"https://127.0.0.1:{int(path.read_text())}", members[org]["fingerprint"]
+                    )
+            await asyncio.sleep(0.05)
 
-    x = _node_input(me, params)
-    figures: dict[str, float] = {}
-    order = ring_order(orgs, 0)
-    syncs = iter(range(2 * repeats + 3))
+        x = _node_input(me, params)
+        figures: dict[str, float] = {}
+        order = ring_order(orgs, 0)
+        syncs = iter(range(2 * repeats + 3))
 
-    async def barrier() -> float:
-        """Every process's clock time on arrival, summed along the ring; all start
-        together a little after the last arrival (the processes share one clock)."""
-        arrivals = np.zeros(n, dtype=np.uint64)
-        arrivals[orgs.index(me)] = time.time_ns() // 1000
-        rnd = next(syncs)
-        total = await ring_engine.ring.allreduce(order, arrivals, run="sync", round=rnd)
-        ring_engine.ring.close("sync", rnd)
-        start = float(total.max()) / 1e6 + 0.05
-        await asyncio.sleep(max(0.0, start - time.time()))
-        return start
+        async def barrier() -> float:
+            """Every process's clock time on arrival, summed along the ring; all start
+            together a little after the last arrival (the processes share one clock)."""
+            arrivals = np.zeros(n, dtype=np.uint64)
+            arrivals[orgs.index(me)] = time.time_ns() // 1000
+            rnd = next(syncs)
+            total = await ring_engine.ring.allreduce(order, arrivals, run="sync", round=rnd)
+            ring_engine.ring.close("sync", rnd)
+            start = float(total.max()) / 1e6 + 0.05
+            await asyncio.sleep(max(0.0, start - time.time()))
+            return start
 
-    async def measure(name: str, work: Callable[[], Awaitable[object]]) -> None:
-        b0 = transport.bytes_sent
-        t0 = await barrier()
-        await work()
-        figures[f"{name}_start"] = t0
-        figures[f"{name}_end"] = time.time()
-        figures[f"{name}_bytes"] = transport.bytes_sent - b0
+        async def measure(name: str, work: Callable[[], Awaitable[object]]) -> None:
+            b0 = transport.bytes_sent
+            t0 = await barrier()
+            await work()
+            figures[f"{name}_start"] = t0
+            figures[f"{name}_end"] = time.time()
+            figures[f"{name}_bytes"] = transport.bytes_sent - b0
 
-    # warm up: every TLS connection either reduction uses is opened before anything is
-    # timed (a deployment's connections outlive its rounds), the plain ring's and the
-    # star's by one reduction each, the secure round's by one round
-    warm = np.zeros(4096 * n, dtype=np.uint32)
-    await ring_engine.ring.allreduce(order, warm, run="warmup", round=0, timeout=120.0)
-    ring_engine.ring.close("warmup", 0)
-    await ring_engine.ring.star_allreduce(order, warm, run="warmup", round=1, timeout=120.0)
-    ring_engine.ring.close("warmup", 1)
-    results: list[Any] = []
+        # warm up: every TLS connection either reduction uses is opened before anything is
+        # timed (a deployment's connections outlive its rounds), the plain ring's and the
+        # star's by one reduction each, the secure round's by one round
+        warm = np.zeros(4096 * n, dtype=np.uint32)
+        await ring_engine.ring.allreduce(order, warm, run="warmup", round=0, timeout=120.0)
+        ring_engine.ring.close("warmup", 0)
+        await ring_engine.ring.star_allreduce(order, warm, run="warmup", round=1, timeout=120.0)
+        ring_engine.ring.close("warmup", 1)
+        results: list[Any] = []
 
-    async def secure_round(round_: int) -> None:
-        results.append(await ring_engine.run_round("bench", round_, x))
+        async def secure_round(round_: int) -> None:
+            results.append(await ring_engine.run_round("bench", round_, x))
 
-    async def plain(round_: int) -> None:
-        await ring_engine.ring.allreduce(order, x, run="plain", round=round_, timeout=120.0)
-        ring_engine.ring.close("plain", round_)
+        async def plain(round_: int) -> None:
+            await ring_engine.ring.allreduce(order, x, run="plain", round=round_, timeout=120.0)
+            ring_engine.ring.close("plain", round_)
 
-    # the baseline and the secure round alternate, so that a load that comes and goes
-    # on the machine weighs on both alike; the reports take the median of each
-    for r in range(repeats + 1):
-        await measure(f"plain{r}", functools.partial(plain, r))
-        await measure(f"ring{r}", functools.partial(secure_round, r + 1))
-    # the star round: the same engine's messages, star topology for the masked vectors
-    ring_engine.config = _round_config(n, "star")
-    await measure("star", lambda: secure_round(repeats + 2))
-    for name, res in (("ring", results[-2]), ("star", results[-1])):
-        for stage, seconds in res.stage_times.items():
-            figures[f"{name}_stage_{stage}"] = seconds
-    out = workdir / f"{me}.json"
-    (workdir / f"{me}.json.tmp").write_text(json.dumps(figures))
-    (workdir / f"{me}.json.tmp").replace(out)
-    until = time.monotonic() + 120
-    while not (workdir / "done").exists() and time.monotonic() < until:
-        await asyncio.sleep(0.05)
-    await endpoint.close()
-    server.should_exit = True
-    await serving
+        # the baseline and the secure round alternate, so that a load that comes and goes
+        # on the machine weighs on both alike; the reports take the median of each
+        for r in range(repeats + 1):
+            await measure(f"plain{r}", functools.partial(plain, r))
+            await measure(f"ring{r}", functools.partial(secure_round, r + 1))
+        # the star round: the same engine's messages, star topology for the masked vectors
+        ring_engine.config = _round_config(n, "star")
+        await measure("star", lambda: secure_round(repeats + 2))
+        for name, res in (("ring", results[-2]), ("star", results[-1])):
+            for stage, seconds in res.stage_times.items():
+                figures[f"{name}_stage_{stage}"] = seconds
+        out = workdir / f"{me}.json"
+        (workdir / f"{me}.json.tmp").write_text(json.dumps(figures))
+        (workdir / f"{me}.json.tmp").replace(out)
+        until = time.monotonic() + 120
+        while not (workdir / "done").exists() and time.monotonic() < until:
+            await asyncio.sleep(0.05)
+        await endpoint.close()
 
 
 def _tls_figures(params: int, n: int = 4, repeats: int = 5) -> dict[str, float]:

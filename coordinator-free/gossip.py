@@ -50,13 +50,15 @@ import struct
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 from coordinator_free.endpoint import Endpoint
 from coordinator_free.errors import CoordinatorFreeError, RefusalReason, Refused, TransportError
 from coordinator_free.identity import OrgIdentity, verify_signature
 from coordinator_free.membership import EventKind, Membership, MembershipEvent
+from coordinator_free.periodic import run_periodically
+from coordinator_free.validate import check_integer, check_keys, check_number, field_error
 from coordinator_free.wire import Envelope
 
 __all__ = [
@@ -220,6 +222,10 @@ def decode_records(payload: bytes, *, max_record_bytes: int) -> list[SignedRecor
     return out
 
 
+_bad = field_error(ValueError)
+_mistyped = field_error(TypeError)
+
+
 @dataclass(frozen=True)
 class GossipConfig:
     """Parameters of the epidemic broadcast.
@@ -251,11 +257,7 @@ class GossipConfig:
 
     def __post_init__(self) -> None:
         for name in ("period_s", "retransmit_mult", "ttl_s", "push_timeout_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise TypeError(f"GossipConfig.{name} must be a number")
-            if not math.isfinite(value) or value <= 0:
-                raise ValueError(f"GossipConfig.{name} must be positive and finite, got {value}")
+            check_number(f"GossipConfig.{name}", getattr(self, name), _bad, type_error=_mistyped)
         for name in (
             "fanout",
             "max_records_per_message",
@@ -264,11 +266,9 @@ class GossipConfig:
             "max_topics",
             "max_conflicts",
         ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"GossipConfig.{name} must be an int")
-            if value < 1:
-                raise ValueError(f"GossipConfig.{name} must be at least 1, got {value}")
+            check_integer(
+                f"GossipConfig.{name}", getattr(self, name), _bad, low=1, type_error=_mistyped
+            )
         if self.max_conflicts < 2:
             raise ValueError("GossipConfig.max_conflicts must be at least 2 (one conflict)")
         if self.max_records_per_message > 0xFFFF:
@@ -277,11 +277,7 @@ class GossipConfig:
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> GossipConfig:
         """Build a config from a mapping, refusing unknown keys."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown GossipConfig keys: {', '.join(unknown)}")
-        return cls(**dict(values))
+        return cls(**check_keys(cls, values, "GossipConfig", _bad))
 
     def retransmit_limit(self, n: int) -> int:
         """Rounds in which each member pushes one record, for n members."""
@@ -619,24 +615,16 @@ class Gossip:
                 await self._send_all(event.org_id)
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while self._running:
-            started = loop.time()
-            self.periods += 1
-            try:
-                await self._round()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # one failed round must not stop the broadcast
-                logger.exception("%s: gossip round %d failed", self.me, self.periods)
-            await self._sleep(self.config.period_s - (loop.time() - started))
+        """A push round every ``config.period_s`` until :meth:`stop`; a failed round is
+        logged and does not stop the broadcast."""
+        await run_periodically(
+            self._period,
+            lambda: self.config.period_s,
+            self._stopping,
+            logger=logger,
+            describe=lambda: f"{self.me}: gossip round {self.periods}",
+        )
 
-    async def _sleep(self, seconds: float) -> None:
-        """Sleep until the next period, or until :meth:`stop` (a cancellation can be
-        lost in ``asyncio.wait_for`` on Python 3.11; the event cannot)."""
-        if seconds <= 0:
-            await asyncio.sleep(0)
-            return
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(seconds):
-                await self._stopping.wait()
+    async def _period(self, started: float) -> None:
+        self.periods += 1
+        await self._round()

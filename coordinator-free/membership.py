@@ -53,13 +53,15 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from enum import StrEnum
 from types import MappingProxyType
 from typing import Any
 
 from coordinator_free.endpoint import Endpoint
 from coordinator_free.errors import RefusalReason, Refused, TransportError
+from coordinator_free.periodic import run_periodically
+from coordinator_free.validate import check_integer, check_keys, check_number, field_error
 from coordinator_free.wire import Envelope
 
 __all__ = [
@@ -156,6 +158,10 @@ class Update:
         return (self.incarnation, _RANK[self.status]) > (incarnation, _RANK[status])
 
 
+_bad = field_error(ValueError)
+_mistyped = field_error(TypeError)
+
+
 @dataclass(frozen=True)
 class SwimConfig:
     """Timing and dissemination parameters of the SWIM protocol.
@@ -182,19 +188,16 @@ class SwimConfig:
 
     def __post_init__(self) -> None:
         for name in ("period_s", "ping_timeout_s", "suspicion_mult"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise TypeError(f"SwimConfig.{name} must be a number")
-            if not math.isfinite(value) or value <= 0:
-                raise ValueError(f"SwimConfig.{name} must be positive and finite, got {value}")
-        for name in ("indirect_k", "retransmit_mult", "piggyback_max", "dead_probe_periods"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"SwimConfig.{name} must be an int")
-            if value < 0:
-                raise ValueError(f"SwimConfig.{name} must be non-negative, got {value}")
-        if self.retransmit_mult < 1 or self.piggyback_max < 1:
-            raise ValueError("SwimConfig.retransmit_mult and piggyback_max must be at least 1")
+            check_number(f"SwimConfig.{name}", getattr(self, name), _bad, type_error=_mistyped)
+        for name, low in (
+            ("indirect_k", 0),
+            ("retransmit_mult", 1),
+            ("piggyback_max", 1),
+            ("dead_probe_periods", 0),
+        ):
+            check_integer(
+                f"SwimConfig.{name}", getattr(self, name), _bad, low=low, type_error=_mistyped
+            )
         if self.ping_timeout_s * 2 > self.period_s:
             raise ValueError(
                 f"SwimConfig.ping_timeout_s ({self.ping_timeout_s}) must be at most half of "
@@ -204,11 +207,7 @@ class SwimConfig:
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> SwimConfig:
         """Build a config from a mapping, refusing unknown keys."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown SwimConfig keys: {', '.join(unknown)}")
-        return cls(**dict(values))
+        return cls(**check_keys(cls, values, "SwimConfig", _bad))
 
     def suspicion_timeout(self, n: int) -> float:
         """Seconds a suspicion lasts before the member is declared DEAD, for n members."""
@@ -708,31 +707,25 @@ class Membership:
         task.add_done_callback(self._side_tasks.discard)
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while self._running:
-            started = loop.time()
-            self.periods += 1
-            try:
-                self._expire_suspicions()
-                every = self.config.dead_probe_periods
-                if every and self.periods % every == 0:
-                    self._probe_dead()
-                target = self._next_target()
-                if target is not None:
-                    await self._probe(target, started)
-                self._expire_suspicions()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # a bug in one period must not stop failure detection
-                logger.exception("%s: SWIM period %d failed", self.me, self.periods)
-            await self._sleep(self.config.period_s - (loop.time() - started))
+        """A protocol period every ``config.period_s`` until :meth:`stop`; a bug in one
+        period is logged and does not stop failure detection."""
+        await run_periodically(
+            self._period,
+            lambda: self.config.period_s,
+            self._stopping,
+            logger=logger,
+            describe=lambda: f"{self.me}: SWIM period {self.periods}",
+        )
 
-    async def _sleep(self, seconds: float) -> None:
-        """Sleep until the next period, or until :meth:`stop` (a cancellation can be
-        lost in ``asyncio.wait_for`` on Python 3.11; the event cannot)."""
-        if seconds <= 0:
-            await asyncio.sleep(0)
-            return
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(seconds):
-                await self._stopping.wait()
+    async def _period(self, started: float) -> None:
+        """One protocol period begun at loop time ``started``: expire suspicions, now
+        and then ping a DEAD member, probe the next target."""
+        self.periods += 1
+        self._expire_suspicions()
+        every = self.config.dead_probe_periods
+        if every and self.periods % every == 0:
+            self._probe_dead()
+        target = self._next_target()
+        if target is not None:
+            await self._probe(target, started)
+        self._expire_suspicions()

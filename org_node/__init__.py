@@ -1,4 +1,8 @@
-"""The org's runtime: local trainer, strategies, run engine, audit, persistence, CLI."""
+"""The org's runtime: local trainer, strategies, run engine, audit, persistence, CLI.
+
+It may import ``coordinator_free`` and ``secure_agg`` (the layers below it) and any
+third-party library (torch included); never ``api``, the layer above it.
+"""
 
 from __future__ import annotations
 

@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from coordinator_free.validate import check_integer, check_keys
+
 from org_node.run_config import EngineConfig, EngineError, TrainingConfig
 
 __all__ = [
@@ -39,6 +41,7 @@ __all__ = [
     "NodePaths",
     "NodeSection",
     "TrainerSection",
+    "is_loopback",
     "load_node_network",
 ]
 
@@ -59,11 +62,7 @@ class ConfigError(ValueError):
 def _keys(cls: type[Any], values: Any, table: str) -> dict[str, Any]:
     if not isinstance(values, Mapping):
         raise ConfigError(table, "must be a table")
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ConfigError(f"{table}.{unknown[0]}", "unknown key")
-    return dict(values)
+    return check_keys(cls, values, table, ConfigError)
 
 
 def _port(table: str, name: str, value: Any) -> None:
@@ -175,9 +174,7 @@ class CheckpointSection:
 
     def __post_init__(self) -> None:
         for name, low in (("k", 1), ("m", 0), ("retention", 1), ("quota_mb", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(f"checkpoint.{name}", f"expected an integer >= {low}")
+            check_integer(f"checkpoint.{name}", getattr(self, name), ConfigError, low=low)
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,11 @@ Every value is checked when the dataclass is built; an error is an
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from coordinator_free.validate import check_integer, check_keys, check_number
 
 __all__ = [
     "ATTEMPTS",
@@ -40,25 +41,6 @@ class EngineError(Exception):
 
 class UpdateRejected(EngineError):
     """A local update that must not enter the secure sum (shape, names, NaN/Inf)."""
-
-
-def _check_keys(cls: type[Any], values: Mapping[str, Any], section: str) -> None:
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise EngineError(f"{section}.{unknown[0]}", "unknown key")
-
-
-def _number(section: str, name: str, value: Any, *, low: float, open_low: bool) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise EngineError(f"{section}.{name}", f"expected a finite number, got {value!r}")
-    if value < low or (open_low and value == low):
-        raise EngineError(f"{section}.{name}", f"must be {'>' if open_low else '>='} {low}")
-
-
-def _integer(section: str, name: str, value: Any, *, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise EngineError(f"{section}.{name}", f"expected an integer >= {low}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -119,30 +101,31 @@ class EngineConfig:
             raise EngineError(f"{s}.fednova", "expected true or false")
         if self.ring_bits not in (32, 64):
             raise EngineError(f"{s}.ring_bits", "expected 32 or 64")
-        _number(s, "clip", self.clip, low=0, open_low=True)
+        check_number(f"{s}.clip", self.clip, EngineError)
         if self.frac_bits is not None:
-            _integer(s, "frac_bits", self.frac_bits, low=0)
-        _integer(s, "model_seed", self.model_seed, low=0)
-        _integer(s, "checkpoint_every", self.checkpoint_every, low=0)
-        _number(s, "ready_timeout_s", self.ready_timeout_s, low=0, open_low=True)
-        _integer(s, "owner_unmask_from", self.owner_unmask_from, low=0)
+            check_integer(f"{s}.frac_bits", self.frac_bits, EngineError)
+        check_integer(f"{s}.model_seed", self.model_seed, EngineError)
+        check_integer(f"{s}.checkpoint_every", self.checkpoint_every, EngineError)
+        check_number(f"{s}.ready_timeout_s", self.ready_timeout_s, EngineError)
+        check_integer(f"{s}.owner_unmask_from", self.owner_unmask_from, EngineError)
         if 0 < self.owner_unmask_from < 3:
             raise EngineError(f"{s}.owner_unmask_from", "expected 0 (off) or at least 3")
-        _number(s, "model_hash_timeout_s", self.model_hash_timeout_s, low=0, open_low=True)
-        _integer(s, "max_attempts", self.max_attempts, low=1)
+        check_number(f"{s}.model_hash_timeout_s", self.model_hash_timeout_s, EngineError)
+        check_integer(f"{s}.max_attempts", self.max_attempts, EngineError, low=1)
         if self.max_attempts > ATTEMPTS:
             raise EngineError(f"{s}.max_attempts", f"at most {ATTEMPTS}")
-        _number(s, "l2_clip", self.l2_clip, low=0, open_low=True)
-        _number(s, "noise_multiplier", self.noise_multiplier, low=0, open_low=False)
-        _number(s, "delta", self.delta, low=0, open_low=True)
+        check_number(f"{s}.l2_clip", self.l2_clip, EngineError)
+        check_number(
+            f"{s}.noise_multiplier", self.noise_multiplier, EngineError, low=0, open_low=False
+        )
+        check_number(f"{s}.delta", self.delta, EngineError)
         if self.delta >= 1:
             raise EngineError(f"{s}.delta", "must be < 1")
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> EngineConfig:
         """Build from a TOML table; unknown keys are an error naming the key."""
-        _check_keys(cls, values, "engine")
-        return cls(**dict(values))
+        return cls(**check_keys(cls, values, "engine", EngineError))
 
 
 WORKER_MODES = ("persistent", "per-round")
@@ -198,8 +181,8 @@ class TrainingConfig:
             raise EngineError(f"training.{exc.field}", str(exc)) from None
         if self.worker not in WORKER_MODES:
             raise EngineError("training.worker", f"expected one of {', '.join(WORKER_MODES)}")
-        _number("training", "round_timeout_s", self.round_timeout_s, low=0, open_low=True)
-        _number("training", "start_timeout_s", self.start_timeout_s, low=0, open_low=True)
+        check_number("training.round_timeout_s", self.round_timeout_s, EngineError)
+        check_number("training.start_timeout_s", self.start_timeout_s, EngineError)
         if not isinstance(self.node_config, Mapping):
             raise EngineError("training.node_config", "must be a table of names to values")
         for key, value in self.node_config.items():
@@ -217,8 +200,7 @@ class TrainingConfig:
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> TrainingConfig:
-        _check_keys(cls, values, "training")
-        return cls(**dict(values))
+        return cls(**check_keys(cls, values, "training", EngineError))
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ from typing import Any
 from sqlalchemy import JSON, BigInteger, Column, UniqueConstraint
 from sqlmodel import Field, SQLModel
 
-from org_node.db.models import UTCDateTime, _ts
+from org_node.db.columns import UTCDateTime
+from org_node.db.columns import timestamp as _ts
 
 __all__ = [
     "AuditEvent",

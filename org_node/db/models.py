@@ -17,16 +17,17 @@ from __future__ import annotations
 
 import math
 import re
-from datetime import UTC, datetime
+from datetime import datetime
 from enum import StrEnum
 from typing import Any, Literal
 
 from pydantic import field_validator, model_validator
-from sqlalchemy import JSON, BigInteger, DateTime, Dialect
-from sqlalchemy.types import TypeDecorator
+from sqlalchemy import JSON, BigInteger
 from sqlmodel import Field, SQLModel
 
 from org_node.datasets import SPEC_TYPES
+from org_node.db.columns import UTCDateTime, utcnow
+from org_node.db.columns import timestamp as _ts
 from org_node.policy import PolicyError, RunSpec
 from org_node.runs import RunState
 
@@ -80,41 +81,6 @@ Backend = Literal["masked", "ckks"]
 InstallableKind = Literal["task", "flower-clientapp", "flower-app"]
 DatasetKind = Literal["table", "image-folder", "files"]
 ConfigValue = bool | int | float | str
-
-
-def utcnow() -> datetime:
-    """The current time, timezone-aware UTC."""
-    return datetime.now(UTC)
-
-
-class UTCDateTime(TypeDecorator[datetime]):
-    """A timestamp stored in UTC and always read back timezone-aware.
-
-    PostgreSQL keeps ``timestamptz``; SQLite has no time zones, so the UTC wall time is
-    stored and UTC is attached again on reading. Naive datetimes are refused on writing.
-    """
-
-    impl = DateTime(timezone=True)
-    cache_ok = True
-
-    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
-        if value is None:
-            return None
-        if value.tzinfo is None:
-            raise ValueError("timestamps must be timezone-aware")
-        value = value.astimezone(UTC)
-        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
-
-    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
-        if value is None:
-            return None
-        if value.tzinfo is None:
-            return value.replace(tzinfo=UTC)
-        return value.astimezone(UTC)
-
-
-def _ts() -> Any:
-    return Field(default_factory=utcnow, sa_type=UTCDateTime)
 
 
 class Role(StrEnum):

@@ -9,6 +9,9 @@ localization, all fed by the round engine's observations
   culprit of a slow or failed round with its evidence;
 * :class:`Observability` — the three together, plus the round timeline the dashboard
   draws.
+
+It imports ``coordinator_free`` (the round engine's observations, the config checks)
+and nothing else of ``org_node``.
 """
 
 from __future__ import annotations

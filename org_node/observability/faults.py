@@ -33,6 +33,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from coordinator_free.rounds import RoundObservation
+from coordinator_free.validate import check_integer, check_number, field_error
 
 __all__ = ["FaultConfig", "PeerScorer", "Suspect"]
 
@@ -51,6 +52,9 @@ _WEIGHTS: dict[str, float] = {
     "dropped": 2.0,
     "left": 0.5,
 }
+
+
+_bad = field_error(ValueError)
 
 
 @dataclass(frozen=True)
@@ -79,18 +83,14 @@ class FaultConfig:
     rounds: int = 64
 
     def __post_init__(self) -> None:
+        # an infinite bound is one that never binds (e.g. min_score: never name a culprit)
         for name in ("min_score", "late_s", "late_weight", "drift_factor", "drift_weight"):
-            value = getattr(self, name)
-            if not isinstance(value, int | float) or not value > 0:
-                raise ValueError(f"FaultConfig.{name} must be a positive number, got {value!r}")
-        if not isinstance(self.lead, int | float) or self.lead < 0:
-            raise ValueError(f"FaultConfig.lead must be >= 0, got {self.lead!r}")
+            check_number(f"FaultConfig.{name}", getattr(self, name), _bad, allow_inf=True)
+        check_number("FaultConfig.lead", self.lead, _bad, open_low=False, allow_inf=True)
         if self.drift_factor <= 1:
             raise ValueError("FaultConfig.drift_factor must exceed 1")
         for name in ("history", "rounds"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 2:
-                raise ValueError(f"FaultConfig.{name} must be an integer >= 2, got {value!r}")
+            check_integer(f"FaultConfig.{name}", getattr(self, name), _bad, low=2)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,9 @@ spec with unknown keys or inconsistent degrees (:class:`SpecError`), an unknown 
 a global model whose names or shapes disagree with the task's model
 (:class:`ShapeMismatchError`), NaN/Inf in the global model or the update
 (:class:`NonFiniteUpdateError`).
+
+It imports torch, the bundled tasks (:mod:`org_node.tasks`) and, for its spec's
+checks, :mod:`coordinator_free.validate`; never the node, the run engine or ``api``.
 """
 
 from __future__ import annotations

@@ -7,9 +7,10 @@ The world size is ``dp_replicate * dp_shard * tp * pp``; 1 runs in the node's pr
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
+
+from coordinator_free.validate import check_integer, check_number
 
 from org_node.training.errors import SpecError
 
@@ -81,22 +82,18 @@ class LocalJobSpec:
                 "task", f"expected 'module:callable' or a bundled name, got {self.task!r}"
             )
         for name in ("dp_replicate", "dp_shard", "tp", "pp", "batch_size", "num_partitions"):
-            _positive_int(name, getattr(self, name))
+            check_integer(name, getattr(self, name), SpecError, low=1)
         for name in ("seed", "partition_index", "partition_seed", "checkpoint_every"):
-            value = getattr(self, name)
-            if not _is_int(value) or value < 0:
-                raise SpecError(name, f"expected an integer >= 0, got {value!r}")
+            check_integer(name, getattr(self, name), SpecError)
         if self.local_steps is not None:
-            _positive_int("local_steps", self.local_steps)
+            check_integer("local_steps", self.local_steps, SpecError, low=1)
         if self.time_budget_s is not None:
-            _positive_float("time_budget_s", self.time_budget_s)
+            check_number("time_budget_s", self.time_budget_s, SpecError)
         if self.local_steps is None and self.time_budget_s is None:
             raise SpecError("local_steps", "set local_steps, time_budget_s or both")
-        _positive_float("lr", self.lr)
+        check_number("lr", self.lr, SpecError)
         for name in ("momentum", "weight_decay", "prox_mu"):
-            value = getattr(self, name)
-            if not _is_number(value) or not math.isfinite(value) or value < 0:
-                raise SpecError(name, f"expected a finite number >= 0, got {value!r}")
+            check_number(name, getattr(self, name), SpecError, open_low=False)
         if self.momentum >= 1:
             raise SpecError("momentum", f"must be < 1, got {self.momentum}")
         if self.optimizer not in OPTIMIZERS:
@@ -111,9 +108,9 @@ class LocalJobSpec:
                 f"{self.partition_index} is outside 0..{self.num_partitions - 1}",
             )
         if self.dirichlet_alpha is not None:
-            _positive_float("dirichlet_alpha", self.dirichlet_alpha)
+            check_number("dirichlet_alpha", self.dirichlet_alpha, SpecError)
         if self.microbatches is not None:
-            _positive_int("microbatches", self.microbatches)
+            check_integer("microbatches", self.microbatches, SpecError, low=1)
             if self.pp == 1 and self.microbatches != 1:
                 raise SpecError("microbatches", "only meaningful with pp > 1; leave it unset")
             if self.microbatches < self.pp:
@@ -169,21 +166,3 @@ class LocalJobSpec:
 
 
 TrainSpec = LocalJobSpec
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _positive_int(name: str, value: object) -> None:
-    if not _is_int(value) or value < 1:  # type: ignore[operator]
-        raise SpecError(name, f"expected an integer >= 1, got {value!r}")
-
-
-def _positive_float(name: str, value: object) -> None:
-    if not _is_number(value) or not math.isfinite(value) or value <= 0:  # type: ignore[arg-type,operator]
-        raise SpecError(name, f"expected a finite number > 0, got {value!r}")

@@ -22,13 +22,11 @@ import argparse
 import asyncio
 import json
 import logging
-import socket
 import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import uvicorn
 from coordinator_free.checkpoints import (
     CheckpointReplicator,
     ShardRequestError,
@@ -42,7 +40,9 @@ from coordinator_free.erasure import CodeParams
 from coordinator_free.errors import TransportError
 from coordinator_free.identity import OrgIdentity, certificate_fingerprint
 from coordinator_free.sealed import RecoveryBackup, RecoverySecret, atomic_write
-from coordinator_free.tls import PeerAddress, TlsTransport, uvicorn_ssl_options, write_trust_bundle
+from coordinator_free.tls import PeerAddress, TlsTransport, serve_peer_app, write_trust_bundle
+
+from tests.coordinator_free.transport_support import bound_socket
 
 STATE_VERSION = 7
 
@@ -101,8 +101,6 @@ async def main(argv: list[str] | None = None) -> int:
         identity = OrgIdentity.load(data / "identity")
         secret = RecoverySecret.from_hex((data / "recovery.secret").read_text().strip())
     keys = _keys(config)
-    members = sorted(keys)
-    others = [o for o in members if o != me]
     certificates = [m["certificate_pem"].encode() for m in config["members"].values()]
     write_trust_bundle(data / "trust.pem", certificates)
 
@@ -111,28 +109,34 @@ async def main(argv: list[str] | None = None) -> int:
     ShardService(endpoint, ShardStore(data / "shards"), lambda: keys)
     await endpoint.start()
 
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(
-        uvicorn.Config(
-            transport.asgi_app(),
-            lifespan="off",
-            ws="none",
-            log_level="warning",
-            # Idle keep-alive TLS connections from peers would hold a graceful
-            # shutdown for asyncio's 30 s SSL shutdown timeout; bound it.
-            timeout_graceful_shutdown=2,
-            **uvicorn_ssl_options(data / "identity", data / "trust.pem"),
-        )
-    )
-    serving = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started:
-        if serving.done():
-            serving.result()
-            return 1
-        await asyncio.sleep(0.01)
+    sock = bound_socket()
+    peer_app = transport.asgi_app()
+    # a graceful shutdown bounded: idle keep-alive TLS connections from peers would
+    # hold it for asyncio's 30 s SSL shutdown timeout
+    async with serve_peer_app(
+        peer_app, sock, data / "identity", data / "trust.pem", graceful_shutdown_s=2
+    ) as server:
+        await _take_part(args, config, endpoint, secret, sock.getsockname()[1])
+        await server.task  # uvicorn stops it on SIGTERM
+    await endpoint.close()
+    return 0
+
+
+async def _take_part(
+    args: argparse.Namespace,
+    config: Mapping[str, Any],
+    endpoint: Endpoint,
+    secret: RecoverySecret,
+    port: int,
+) -> None:
+    """Publish the port, then checkpoint the state (normal mode) or recover it and
+    rejoin (recover mode), and write the marker the test waits for."""
+    me: str = args.org
+    data: Path = args.data
+    members = sorted(config["members"])
+    others = [o for o in members if o != me]
     ports = Path(config["ports_dir"])
-    atomic_write(ports / f"{me}.port", str(sock.getsockname()[1]).encode(), mode=0o644)
+    atomic_write(ports / f"{me}.port", str(port).encode(), mode=0o644)
 
     params = CodeParams(config["k"], config["m"])
     replicator = CheckpointReplicator(endpoint, secret, lambda: members, params=params)
@@ -149,9 +153,6 @@ async def main(argv: list[str] | None = None) -> int:
         again = await replicator.checkpoint(recovered.state, recovered.version + 1)
         marker = {"version": recovered.version, "rejoined_version": again.version}
         atomic_write(ports / f"{me}.recovered", json.dumps(marker).encode(), mode=0o644)
-    await serving
-    await endpoint.close()
-    return 0
 
 
 if __name__ == "__main__":

@@ -18,12 +18,10 @@ import asyncio
 import dataclasses
 import json
 import os
-import socket
 import time
 from pathlib import Path
 
 import numpy as np
-import uvicorn
 from coordinator_free.endpoint import Endpoint
 from coordinator_free.identity import OrgIdentity
 from coordinator_free.rounds import (
@@ -33,7 +31,9 @@ from coordinator_free.rounds import (
     endpoint_signer,
     secagg_sessions,
 )
-from coordinator_free.tls import PeerAddress, TlsTransport, uvicorn_ssl_options
+from coordinator_free.tls import PeerAddress, TlsTransport, serve_peer_app
+
+from tests.coordinator_free.transport_support import bound_socket
 
 FEDERATION = "fed-tls-rounds"
 RUN = "tls-run"
@@ -81,66 +81,51 @@ async def run_node(
     engine.add_observer(watch)
     await endpoint.start()
 
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(
-        uvicorn.Config(
-            transport.asgi_app(),
-            lifespan="off",
-            ws="none",
-            log_level="warning",
-            timeout_graceful_shutdown=1,
-            **uvicorn_ssl_options(workdir / me, workdir / "trust.pem"),
-        )
-    )
-    serving = asyncio.ensure_future(server.serve(sockets=[sock]))
-    while not server.started:
-        if serving.done():
-            serving.result()
-        await asyncio.sleep(0.02)
-    port_file = workdir / f"{me}.port"
-    port_file.with_suffix(".tmp").write_text(str(sock.getsockname()[1]))
-    port_file.with_suffix(".tmp").replace(port_file)
+    sock = bound_socket()
+    peer_app = transport.asgi_app()
+    async with serve_peer_app(
+        peer_app, sock, workdir / me, workdir / "trust.pem", graceful_shutdown_s=1
+    ):
+        port_file = workdir / f"{me}.port"
+        port_file.with_suffix(".tmp").write_text(str(sock.getsockname()[1]))
+        port_file.with_suffix(".tmp").replace(port_file)
 
-    deadline = time.monotonic() + 60
-    while len(addresses) < len(orgs):
-        for org in orgs:
-            path = workdir / f"{org}.port"
-            if org not in addresses and path.exists():
-                addresses[org] = PeerAddress(
-                    f"https://127.0.0.1:{int(path.read_text())}", members[org]["fingerprint"]
-                )
-        if time.monotonic() > deadline:
-            raise SystemExit(f"{me}: peers did not come up")
-        await asyncio.sleep(0.05)
+        deadline = time.monotonic() + 60
+        while len(addresses) < len(orgs):
+            for org in orgs:
+                path = workdir / f"{org}.port"
+                if org not in addresses and path.exists():
+                    addresses[org] = PeerAddress(
+                        f"https://127.0.0.1:{int(path.read_text())}", members[org]["fingerprint"]
+                    )
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{me}: peers did not come up")
+            await asyncio.sleep(0.05)
 
-    started = time.monotonic()
-    result = await engine.run_round(RUN, 1, node_input(me))
-    print(f"{me}: round took {time.monotonic() - started:.2f}s", flush=True)
-    np.save(workdir / f"{me}.sum.npy", result.sum)
-    summary = {
-        "org": me,
-        "participants": list(result.participants),
-        "survivors": list(result.survivors),
-        "dropped": list(result.dropped),
-        "ring_attempts": result.ring_attempts,
-        "took_sum_from": took_sum,
-        "took_chunks_from": took_chunks,
-        "bytes_sent": result.bytes_sent,
-        "stage_times": result.stage_times,
-    }
-    out = workdir / f"{me}.json"
-    out.with_suffix(".tmp").write_text(json.dumps(summary))
-    out.with_suffix(".tmp").replace(out)
+        started = time.monotonic()
+        result = await engine.run_round(RUN, 1, node_input(me))
+        print(f"{me}: round took {time.monotonic() - started:.2f}s", flush=True)
+        np.save(workdir / f"{me}.sum.npy", result.sum)
+        summary = {
+            "org": me,
+            "participants": list(result.participants),
+            "survivors": list(result.survivors),
+            "dropped": list(result.dropped),
+            "ring_attempts": result.ring_attempts,
+            "took_sum_from": took_sum,
+            "took_chunks_from": took_chunks,
+            "bytes_sent": result.bytes_sent,
+            "stage_times": result.stage_times,
+        }
+        out = workdir / f"{me}.json"
+        out.with_suffix(".tmp").write_text(json.dumps(summary))
+        out.with_suffix(".tmp").replace(out)
 
-    # keep answering the others (a late view, a release) until the test is done
-    until = time.monotonic() + 60
-    while not (workdir / "done").exists() and time.monotonic() < until:
-        await asyncio.sleep(0.05)
-    await endpoint.close()
-    server.should_exit = True
-    await serving
+        # keep answering the others (a late view, a release) until the test is done
+        until = time.monotonic() + 60
+        while not (workdir / "done").exists() and time.monotonic() < until:
+            await asyncio.sleep(0.05)
+        await endpoint.close()
 
 
 def main() -> None:

@@ -25,7 +25,6 @@ from coordinator_free.tls import (
     TlsTransport,
     client_ssl_context,
     server_ssl_context,
-    uvicorn_ssl_options,
     write_trust_bundle,
 )
 from coordinator_free.transport import PROCESS_SEQUENCE
@@ -70,7 +69,11 @@ class Cluster:
         return Endpoint(self.a, FEDERATION, transport, self.members)
 
 
-def _setup_server(tmp: Path, sock: socket.socket) -> tuple[Cluster, TlsTransport, dict[str, Any]]:
+def _setup_server(
+    tmp: Path, sock: socket.socket
+) -> tuple[Cluster, TlsTransport, tuple[Path, Path, bytes]]:
+    """Org ``b``'s endpoint on ``sock``'s port; also the identity directory, trust bundle
+    and key passphrase its server is started with."""
     a, b, m = identity("a"), identity("b"), identity("m")
     b.save(tmp / "b", b"pass")
     write_trust_bundle(tmp / "trust.pem", [a.certificate_pem, b.certificate_pem])
@@ -93,14 +96,14 @@ def _setup_server(tmp: Path, sock: socket.socket) -> tuple[Cluster, TlsTransport
     port = sock.getsockname()[1]
     address = PeerAddress(f"https://127.0.0.1:{port}", b.fingerprint)
     cluster = Cluster(a, b, m, server, address, port, calls)
-    return cluster, transport, uvicorn_ssl_options(tmp / "b", tmp / "trust.pem", b"pass")
+    return cluster, transport, (tmp / "b", tmp / "trust.pem", b"pass")
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     sock = bound_socket()
-    found, transport, options = _setup_server(tmp_path_factory.mktemp("tls"), sock)
-    with serve_tls(transport.asgi_app(), sock, options):
+    found, transport, tls = _setup_server(tmp_path_factory.mktemp("tls"), sock)
+    with serve_tls(transport.asgi_app(), sock, *tls):
         yield found
 
 
@@ -248,7 +251,7 @@ def test_refusals_over_mtls(cluster: Cluster, reason: RefusalReason) -> None:
 
 def test_retries_with_backoff_until_the_server_appears(tmp_path: Path) -> None:
     sock = bound_socket()
-    cluster, server_transport, options = _setup_server(tmp_path, sock)
+    cluster, server_transport, tls = _setup_server(tmp_path, sock)
 
     async def main() -> bytes:
         transport = cluster.client(connect_retries=30, backoff_base_s=0.02, backoff_max_s=0.2)
@@ -257,7 +260,7 @@ def test_retries_with_backoff_until_the_server_appears(tmp_path: Path) -> None:
         while transport.retries < 2:
             assert not sending.done(), "the request should wait for the server"
             await asyncio.sleep(0.01)
-        server = serve_tls(server_transport.asgi_app(), sock, options)
+        server = serve_tls(server_transport.asgi_app(), sock, *tls)
         await asyncio.to_thread(server.__enter__)
         try:
             return await sending

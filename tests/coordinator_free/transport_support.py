@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import socket
@@ -9,10 +10,11 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
-import uvicorn
 from coordinator_free.identity import OrgIdentity
+from coordinator_free.tls import serve_peer_app
 from coordinator_free.wire import Envelope
 
 FEDERATION = "fed-test"
@@ -56,20 +58,43 @@ def bound_socket() -> socket.socket:
 
 
 @contextlib.contextmanager
-def serve_tls(app: Any, sock: socket.socket, ssl_options: dict[str, Any]) -> Iterator[None]:
-    """Serve ``app`` with uvicorn over TLS on ``sock`` in a thread; always shut down."""
-    config = uvicorn.Config(app, lifespan="off", ws="none", log_level="warning", **ssl_options)
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+def serve_tls(
+    app: Any,
+    sock: socket.socket,
+    identity_dir: Path,
+    trust_bundle: Path,
+    passphrase: bytes | None = None,
+) -> Iterator[None]:
+    """Serve ``app`` over mutual TLS on ``sock`` (:func:`serve_peer_app`) in a thread
+    with its own event loop; always shut down."""
+    listening = threading.Event()
+    failures: list[BaseException] = []
+    loops: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+
+    async def serve() -> None:
+        stop = asyncio.Event()
+        loops.append((asyncio.get_running_loop(), stop))
+        try:
+            async with serve_peer_app(
+                app, sock, identity_dir, trust_bundle, passphrase=passphrase, start_timeout_s=20
+            ):
+                listening.set()
+                await stop.wait()
+        except BaseException as exc:
+            failures.append(exc)
+        finally:
+            listening.set()
+
+    thread = threading.Thread(target=asyncio.run, args=(serve(),), daemon=True)
     thread.start()
     try:
-        deadline = time.monotonic() + 20
-        while not server.started:
-            if not thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the TLS test server did not start")
-            time.sleep(0.01)
+        if not listening.wait(timeout=30) or failures:
+            raise RuntimeError("the TLS test server did not start") from next(iter(failures), None)
         yield
     finally:
-        server.should_exit = True
+        if loops:
+            loop, stop = loops[0]
+            with contextlib.suppress(RuntimeError):  # the loop has already ended
+                loop.call_soon_threadsafe(stop.set)
         thread.join(timeout=20)
         sock.close()
