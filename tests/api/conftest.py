@@ -25,7 +25,7 @@ from api.settings import Settings
 from org_node.db.engine import DB_FILENAME, make_engine, migrate
 from org_node.db.models import Role
 from org_node.db.repo import create_token
-from org_node.proposals import Consent, Proposal
+from org_node.proposals import Consent, Proposal, consent_signing_bytes
 from org_node.run_store import store_consent
 from org_node.services import (
     CheckpointInfo,
@@ -253,11 +253,17 @@ def propose_run(api: Api, *, peers_accept: bool = True, **spec: Any) -> dict[str
     return body
 
 
+FEDERATION = "fed"
+"""The fake node's federation (its manifest's id)."""
+
+
 def peer_consents(api: Api, run_key: str, *orgs: str, decision: str = "accept") -> None:
-    """Record ``orgs``' consent (or decline) of ``run_key`` as the node does on receipt."""
+    """Record ``orgs``' consent (or decline) of ``run_key`` as the node does on receipt:
+    signed by each org in the fake federation."""
     with Session(api.engine) as s:
         for org in orgs:
             reason = "" if decision == "accept" else f"{org} says no"
             consent = Consent(run_key, org, decision, reason, int(time.time() * 1000))  # type: ignore[arg-type]
-            assert store_consent(s, consent, "00")
+            signed = identity(org).sign(consent_signing_bytes(FEDERATION, consent))
+            assert store_consent(s, consent, signed.hex())
         s.commit()

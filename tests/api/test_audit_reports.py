@@ -30,11 +30,11 @@ from org_node.audit.facts import (
 from org_node.audit.log import EgressLog
 from org_node.audit.report import build_report
 from org_node.audit.verify import verify_report
-from org_node.db.models import Role, RunMetric
+from org_node.db.models import Role, RunConsent, RunMetric
 from org_node.engine import ATTEMPTS, STATE_FILE, EngineConfig, EngineState, RoundReport, run_key
 from org_node.policy import RunSpec
 from org_node.services import NodeIdentityInfo, StaticNode
-from tests.api.conftest import ORG, Api, identity, propose_run
+from tests.api.conftest import FEDERATION, ORG, Api, identity, propose_run
 from tests.run_flow import apropose_once, await_states
 
 PEERS = ("org-b", "org-c")
@@ -65,11 +65,19 @@ def _round_report(key: str, rnd: int, survivors: tuple[str, ...]) -> RoundReport
 
 
 class Run:
-    """A run proposed and accepted at the API, with two reported rounds at the node."""
+    """A run proposed and accepted at the API, with two reported rounds at the node; the
+    node holds org-c's signed consent, and org-b's never reached it."""
 
     def __init__(self, api: Api, data_dir: Path, *, heads: bool = True) -> None:
         row = propose_run(api)
         self.id: str = row["id"]
+        with Session(api.engine) as session:
+            lost = session.get(RunConsent, (row["run_key"], "org-b"))
+            assert lost is not None
+            session.delete(lost)
+            session.commit()
+        data_dir.mkdir(parents=True, exist_ok=True)
+        (data_dir / "fedweave.toml").write_text(f'[node]\nfederation = "{FEDERATION}"\n')
         r = api.client.post(f"/v1/runs/{self.id}/accept", json={"reason": "ok"}, headers=api.h())
         assert r.status_code == 200, r.text
         self.key = run_key(
@@ -123,6 +131,11 @@ def test_auditor_generates_and_reads_the_report(api: Api, run: Run) -> None:
     consent = {p["org"]: p["consent"] for p in report["participants"]}
     assert consent[ORG] is not None and consent[ORG]["decision"] == "accepted"
     assert consent[ORG]["reason"] == "ok" and consent["org-b"] is None
+    assert consent["org-c"]["decision"] == "accepted"
+    assert consent["org-c"]["signed"]["federation"] == FEDERATION
+    keys = {org: identity(org).public_key for org in (ORG, *PEERS)}
+    checked = verify_report(report, trusted_keys=keys)
+    assert checked.ok and "1 signed consent(s) of other participants valid" in checked.summary
     dp = report["differential_privacy"]
     assert dp is not None and len(dp["rounds"]) == 2 and dp["epsilon_budget"] == 4.0
     assert report["secure_aggregation"]["n"] == 3
@@ -427,8 +440,9 @@ def test_org_run_facts_reads_the_consent_by_run_key_and_the_round_log(
     facts = org_run_facts(
         tmp_path / "node", run.key, spec, org_id=ORG, observed=observed, db=api.engine
     )
-    assert [c.org for c in facts.consents] == [ORG]
+    assert [c.org for c in facts.consents] == [ORG, "org-c"]
     assert facts.consents[0].decision == "accepted" and facts.consents[0].reason == "ok"
+    assert facts.consents[1].signature and facts.consents[1].federation == FEDERATION
     assert facts.consents[0].decided_by_role == "admin"
     # the node's round log wins: its model hash and its own loss
     assert [r.round for r in facts.rounds] == [1, 2]
