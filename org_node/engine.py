@@ -492,7 +492,8 @@ class RunEngine:
 
     def _doing(self, what: str) -> None:
         """Note what the engine does from now on (``starting``, ``training``,
-        ``aggregating``, ``verifying``, ``paused``), unless it already does it."""
+        ``aggregating``, ``verifying``, ``checkpointing``, ``paused``), unless it
+        already does it."""
         if self.activity[0] != what:
             self.activity = (what, self.clock())
 
@@ -549,6 +550,7 @@ class RunEngine:
         data = self.save_state()
         every = self.config.checkpoint_every
         if self.checkpoint is not None and every and (r + 1) % every == 0:
+            self._doing("checkpointing")
             try:
                 await self.checkpoint(data, r + 1)
             except Exception as exc:  # a lost checkpoint never stops training

@@ -246,7 +246,9 @@ class RunHost:
     def _activity(self, active: _ActiveRun) -> RunActivity:
         engine = active.engine
         doing, since = engine.activity
-        now = RunActivity(engine.state.round + 1, doing, since)
+        # the round counter moves on once a round's model is agreed, before its checkpoint
+        done = engine.state.round - (doing == "checkpointing")
+        now = RunActivity(done + 1, doing, since)
         if doing != "aggregating" or self.rounds is None:
             return now
         progress = self.rounds.progress(engine.plan.run_key)

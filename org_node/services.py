@@ -191,7 +191,8 @@ class RunEventBus:
 @dataclass(frozen=True)
 class RunActivity:
     """What a running run does at this node now: in round ``round`` (1-based), ``doing``
-    (``starting``, ``training``, ``aggregating``, ``verifying``, ``paused``), in the
+    (``starting``, ``training``, ``aggregating``, ``verifying``, ``checkpointing``,
+    ``paused``), in the
     secure sum's ``stage`` (attempt ``attempt``) when aggregating, since ``since``
     (seconds since the epoch), waiting for the messages of ``orgs``."""
 
@@ -211,6 +212,8 @@ class RunActivity:
             return f"round {self.round}: training on this org's data"
         if self.doing == "verifying":
             return f"round {self.round}: the survivors' hashes of the new model"
+        if self.doing == "checkpointing":
+            return f"round {self.round}: erasure-coded checkpoint to the peers"
         if self.doing == "paused":
             return f"paused before round {self.round}"
         line = f"round {self.round}"
