@@ -11,6 +11,7 @@ and each hospital's privacy report verifies with its manifest's keys.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -76,11 +77,8 @@ def test_three_organizations_by_hand_runs_verbatim(tmp_path: Path) -> None:
     try:
         out, _ = proc.communicate(timeout=840)
     finally:
-        with_nodes = proc.pid
-        try:
-            os.killpg(with_nodes, signal.SIGKILL)  # any node left by a failed step
-        except ProcessLookupError:
-            pass
+        with contextlib.suppress(ProcessLookupError):  # any node left by a failed step
+            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, out[-6000:]
     # every hospital's report verifies, its key pinned and its peers' consents checked
     for org in ("hosp1", "hosp2", "hosp3"):
