@@ -207,15 +207,11 @@ def propose_and_accept(obs: Observation) -> None:
     sees it, and accept it at each (binding its dataset); the run then starts by itself
     at the time the consents agree on.
 
-    First, for each ``reduce`` kill, the hold file that stops the org once its update of
-    that round is made and exported, before any of it is sent: the kill then always
-    finds it there (watching the export alone, the round could end first)."""
+    Once the run key is known (the proposal's), and before any org accepts, for each
+    ``reduce`` kill the hold file that stops the org once its update of that round is
+    made and exported, before any of it is sent: the kill then always finds it there
+    (watching the export alone, the round could end first)."""
     s = obs.scenario
-    for kill in s.kills:
-        if kill.stage == "reduce":
-            hold = hold_file(obs, kill)
-            hold.parent.mkdir(parents=True, exist_ok=True)
-            hold.touch()
     for org in s.names:
         bring_trainer(obs.nodes[org], s)
         bring_data(obs.nodes[org], s)
@@ -226,6 +222,11 @@ def propose_and_accept(obs: Observation) -> None:
         body = {"name": RUN_NAME, "spec": spec, "start_delay_s": START_DELAY_S}
         proposal = check(c.post("/v1/runs", json=body), f"propose at {first.org}")
     obs.run_key = str(proposal["run_key"])
+    for kill in s.kills:  # its path names the run: before any org accepts, so in time
+        if kill.stage == "reduce":
+            hold = hold_file(obs, kill)
+            hold.parent.mkdir(parents=True, exist_ok=True)
+            hold.touch()
     for org in s.names:
         obs.nodes[org].run_id = _proposed_at(obs.nodes[org], obs.run_key)
     for org in s.names:

@@ -144,6 +144,9 @@ def _handle(executor: Executor, request: channel.Request, root: Path, env: DistE
     stats_file = directory / "statistics-in.npy"
     statistics = channel.read_vector(stats_file) if stats_file.exists() else None
     work_dir = root / f"round-{request.round:06d}"
+    # never its parents: a worker whose node's data directory was wiped (it outlives a
+    # killed node until it notices) must not bring the directory back
+    work_dir.mkdir(exist_ok=True)
     train = TrainRequest(request.round, dict(request.options), statistics, work_dir)
     started = time.monotonic()
     result = executor.train(model, train)

@@ -94,8 +94,11 @@ class LocalResult:
 
 
 def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` by temp file + fsync + rename (+ directory fsync)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write ``data`` to ``path`` by temp file + fsync + rename (+ directory fsync).
+
+    The directory is made if missing, never its parents: a job whose work tree was
+    removed under it (its node's data directory wiped) fails instead of rebuilding it."""
+    path.parent.mkdir(exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as fh:

@@ -303,7 +303,7 @@ def train_round(
         time.process_time() - cpu_warm if t_warm is not None else 0.0, device, env
     )
 
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir.mkdir(exist_ok=True)  # never its parents (see exchange.atomic_write)
     new_state = _full_state(pm, dims, env, run_dir)
     if new_state is None:
         return None

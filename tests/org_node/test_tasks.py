@@ -272,3 +272,22 @@ def test_tasks_build_models_on_cpu(name: str, tmp_path: Path) -> None:
     model = load_task(name, _context(name, tmp_path)).build_model(0)
     assert isinstance(model, nn.Module)
     assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+def test_a_job_whose_work_tree_was_wiped_does_not_bring_it_back(tmp_path: Path) -> None:
+    """A worker outlives its killed node until it notices; if the node's data directory
+    is wiped meanwhile, the round it was training fails rather than recreating the
+    directory (which would then block ``fedweave recover``: "not empty")."""
+    from org_node.training import LocalJobSpec
+    from org_node.training.exchange import atomic_write
+    from org_node.training.job import DistEnv, train_round
+
+    node_dir = tmp_path / "hosp2"
+    run_dir = node_dir / "runs" / "key" / "worker" / "round-000008"
+    with pytest.raises(FileNotFoundError):
+        atomic_write(run_dir / "update.npz", b"x")
+    task = load_task("breast_cancer")
+    spec = LocalJobSpec(task="breast_cancer", local_steps=1, batch_size=8)
+    with pytest.raises(FileNotFoundError):
+        train_round(spec, initial_state(task, seed=0), run_dir, DistEnv(), task=task)
+    assert not node_dir.exists()
