@@ -1,9 +1,13 @@
 """The round engine: leaderless secure-aggregation rounds among the federation's orgs.
 
 What the package owns: one org's side of a round, from the ``ready`` exchange to the
-unmasked sum (``docs/ARCHITECTURE.md``, "A round").
+unmasked sum (``docs/ARCHITECTURE.md``, "A round", and the map of this package in
+"The rounds package"), and the one interface through which the run engine sums a
+round whatever the backend (:class:`SecureSum`: the masked sum over
+:class:`RoundEngine`, or the CKKS sum of :mod:`coordinator_free.rounds.ckks`, which
+is imported on demand: it loads TenSEAL).
 
-What it may import: :mod:`secure_agg` (the cryptography: sessions, codecs) and
+What it may import: :mod:`secure_agg` (the cryptography: sessions, codecs, CKKS) and
 the modules of :mod:`coordinator_free` below it (endpoint, wire, ring, errors,
 identity); never ``org_node``, ``api`` or torch.
 
@@ -22,6 +26,7 @@ Its modules, in the order of a round:
   :mod:`.sums` — the sums the reduce serves and fetches when a ring breaks.
 - :mod:`.model_hash` — the next model's hash, compared after each round.
 - :mod:`.engine` — :class:`RoundEngine`, the pipeline of the stages.
+- :mod:`.secure_sum`, :mod:`.ckks` — :class:`SecureSum` and its two implementations.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from coordinator_free.rounds.results import (
     RoundProgress,
     RoundResult,
 )
+from coordinator_free.rounds.secure_sum import MaskedSecureSum, SecureSum, SumResult
 from coordinator_free.rounds.session import (
     MaskedSum,
     SecAggSession,
@@ -83,6 +89,7 @@ __all__ = [
     "KIND_UNMASK",
     "KIND_VIEW",
     "OBSERVATION_KINDS",
+    "MaskedSecureSum",
     "MaskedSum",
     "ModelHashMismatch",
     "ModelHashes",
@@ -94,9 +101,11 @@ __all__ = [
     "RoundProgress",
     "RoundResult",
     "SecAggSession",
+    "SecureSum",
     "SessionContext",
     "SessionFactory",
     "StageHook",
+    "SumResult",
     "View",
     "endpoint_signer",
     "secagg_sessions",
