@@ -279,7 +279,8 @@ class Agreement:
         flag: bool,
     ) -> Settled | None:
         """Agree on ``(members, flag)`` by one token passed along a ring (see
-        :class:`~coordinator_free.rounds.token.TokenAgreement`); ``None`` when the token stalls (fall back to views)."""
+        :class:`~coordinator_free.rounds.token.TokenAgreement`); ``None`` when the
+        token stalls (fall back to views)."""
         order = ring_order(frozenset(base), state.round)
         if self.me not in order or len(order) < 2:
             return None

@@ -32,9 +32,10 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TypedDict
 
 import numpy as np
-from coordinator_free.ring import RingBroken, RingReducer, Scattered, ring_order
+from coordinator_free.ring import RingBroken, RingReducer, RingStats, Scattered, ring_order
 from coordinator_free.rounds.agreement import Agreement
 from coordinator_free.rounds.config import RoundConfig
 from coordinator_free.rounds.context import StageContext
@@ -46,6 +47,17 @@ from secure_agg.errors import SecAggError
 __all__ = ["ReduceStage", "owner_unmask"]
 
 logger = logging.getLogger(__name__)
+
+
+class _RingAttempt(TypedDict):
+    """What every ring variant is told about the attempt it runs."""
+
+    run: str
+    round: int
+    attempt: int
+    timeout: float
+    stats: RingStats
+    start_grace: float
 
 
 class ReduceStage:
@@ -120,43 +132,24 @@ class ReduceStage:
     async def _reduce(self, ctx: StageContext, owners: bool) -> np.ndarray | Scattered:
         """The ring itself: the reduce-scatter (owner unmasking), the star, or the
         all-reduce."""
-        cfg, masked = ctx.config, ctx.masked_input()
-        if owners:
-            return await self.ring.reduce_scatter(
-                ctx.order,
-                masked,
-                run=ctx.run,
-                round=ctx.round,
-                attempt=ctx.attempt,
-                timeout=cfg.step_timeout,
-                stats=ctx.counters.ring,
-                on_step=ctx.step_hook(),
-                start_grace=cfg.stage_timeout,
-                alive=ctx.believed_alive(),
-            )
-        if cfg.topology == "star":
-            return await self.ring.star_allreduce(
-                ctx.order,
-                masked,
-                run=ctx.run,
-                round=ctx.round,
-                attempt=ctx.attempt,
-                timeout=cfg.step_timeout,
-                stats=ctx.counters.ring,
-                start_grace=cfg.stage_timeout,
-            )
-        return await self.ring.allreduce(
-            ctx.order,
-            masked,
+        cfg, masked, order = ctx.config, ctx.masked_input(), ctx.order
+        attempt = _RingAttempt(
             run=ctx.run,
             round=ctx.round,
             attempt=ctx.attempt,
             timeout=cfg.step_timeout,
             stats=ctx.counters.ring,
-            on_step=ctx.step_hook(),
-            min_chunk=cfg.ring_min_chunk,
             start_grace=cfg.stage_timeout,
-            alive=ctx.believed_alive(),
+        )
+        if cfg.topology == "star" and not owners:
+            return await self.ring.star_allreduce(order, masked, **attempt)
+        on_step, alive = ctx.step_hook(), ctx.believed_alive()
+        if owners:
+            return await self.ring.reduce_scatter(
+                order, masked, **attempt, on_step=on_step, alive=alive
+            )
+        return await self.ring.allreduce(
+            order, masked, **attempt, on_step=on_step, min_chunk=cfg.ring_min_chunk, alive=alive
         )
 
     async def _settle_scatter(
