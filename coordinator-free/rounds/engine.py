@@ -40,6 +40,7 @@ import numpy as np
 from coordinator_free.endpoint import Endpoint, Handler
 from coordinator_free.errors import Refused
 from coordinator_free.ring import RingReducer, ring_order
+from coordinator_free.rounds import wire
 from coordinator_free.rounds.agreement import Agreement
 from coordinator_free.rounds.config import RoundConfig, StageHook
 from coordinator_free.rounds.context import StageContext
@@ -58,19 +59,6 @@ from coordinator_free.rounds.share import ShareStage
 from coordinator_free.rounds.state import Counters, RoundTable
 from coordinator_free.rounds.sums import SumServer
 from coordinator_free.rounds.unmask import UnmaskStage
-from coordinator_free.rounds.wire import (
-    KIND_LEAVE,
-    KIND_MODEL,
-    KIND_PART,
-    KIND_PERMIT,
-    KIND_READY,
-    KIND_SEED,
-    KIND_SHARE,
-    KIND_TOKEN,
-    KIND_TOTAL,
-    KIND_UNMASK,
-    KIND_VIEW,
-)
 from coordinator_free.wire import Envelope
 
 from secure_agg.codec import FixedPointCodec
@@ -123,17 +111,17 @@ class RoundEngine:
         self._unmask = UnmaskStage(self._table, self.config, self.ring, self._sums)
         self.model_hashes = ModelHashes(self._net, self.config, self._table.last_done)
         for kind, handler in (
-            (KIND_READY, self._ready.on_ready),
-            (KIND_VIEW, self._agreement.on_view),
-            (KIND_SHARE, self._share.on_share),
-            (KIND_UNMASK, self._unmask.on_unmask),
-            (KIND_TOKEN, self._agreement.on_token),
-            (KIND_LEAVE, self._on_leave),
-            (KIND_MODEL, self.model_hashes.on_model),
-            (KIND_TOTAL, self._sums.on_total),
-            (KIND_PART, self._sums.on_part),
-            (KIND_SEED, self._unmask.on_seed),
-            (KIND_PERMIT, self._unmask.on_permit),
+            (wire.KIND_READY, self._ready.on_ready),
+            (wire.KIND_VIEW, self._agreement.on_view),
+            (wire.KIND_SHARE, self._share.on_share),
+            (wire.KIND_UNMASK, self._unmask.on_unmask),
+            (wire.KIND_TOKEN, self._agreement.on_token),
+            (wire.KIND_LEAVE, self._on_leave),
+            (wire.KIND_MODEL, self.model_hashes.on_model),
+            (wire.KIND_TOTAL, self._sums.on_total),
+            (wire.KIND_PART, self._sums.on_part),
+            (wire.KIND_SEED, self._unmask.on_seed),
+            (wire.KIND_PERMIT, self._unmask.on_permit),
         ):
             endpoint.on(kind, self._observed(kind, handler))
 
@@ -218,7 +206,7 @@ class RoundEngine:
             await self._net.broadcast(
                 Counters(),
                 sorted(set(self.peers()) - {self.org_id}),
-                KIND_LEAVE,
+                wire.KIND_LEAVE,
                 b"",
                 run=run,
                 round=round,
@@ -291,7 +279,7 @@ class RoundEngine:
                 )
                 raise
             if net.observers:
-                if kind == KIND_LEAVE:
+                if kind == wire.KIND_LEAVE:
                     net.observe("left", env.run, env.round, stage, peer=env.sender)
                 else:
                     state = table.get(env.run, env.round)
