@@ -22,24 +22,28 @@ secure sum of its pre-training statistics:
    stop, :class:`~org_node.privacy.BudgetExceeded`) and
    :func:`~org_node.privacy.protect_update` clips it and adds this org's Skellam
    noise share;
-5. **aggregate** — the ring vector goes to the leaderless
-   :class:`~coordinator_free.rounds.RoundEngine` (masked backend) and every survivor
-   gets the same sum; a failed attempt is retried under the next protocol round
-   number (``r * ATTEMPTS + attempt``), up to ``max_attempts``;
+5. **aggregate** — the vector goes to the run's
+   :class:`~coordinator_free.rounds.SecureSum` (masked backend: the leaderless
+   :class:`~coordinator_free.rounds.RoundEngine`) and every survivor gets the same
+   sum; a failed attempt is retried under the next protocol round number
+   (``r * ATTEMPTS + attempt``), up to ``max_attempts``;
 6. **step** — the strategy runs on the decoded sum, identically on every node;
 7. **verify** — the new model's SHA-256 is exchanged with the survivors
-   (:meth:`RoundEngine.check_model_hash`): any difference stops the run;
+   (:meth:`SecureSum.check_model_hash`): any difference stops the run;
 8. **persist** — the engine state (round, model, strategy state, DP accountant) is
    written atomically to ``state_dir`` every round, and pushed as erasure-coded shards
    (the ``checkpoint`` callback, :class:`~coordinator_free.checkpoints.CheckpointReplicator`)
    every ``checkpoint_every`` rounds. A node that restarts resumes from its last state
    (:meth:`RunEngine.resume`), one that lost its disk from the recovered shards.
 
-Backends. The masked backend runs through the round engine. The round engine's ring
-adds ring arrays only, so the CKKS backend (:mod:`secure_agg.ckks`) runs through
-:class:`~org_node.ckks_rounds.CkksAggregator` instead: a chain of ciphertext additions that ends at a
-per-round key holder, which returns the sum to each participant encrypted under that
-participant's own key. Steps 6-8 are the same for both.
+Backends. The engine sums through one :class:`~coordinator_free.rounds.SecureSum`,
+chosen when it is built: the masked backend runs through the round engine
+(:class:`~coordinator_free.rounds.MaskedSecureSum`, which encodes with the run's codec
+and DP noise). The round engine's ring adds ring arrays only, so the CKKS backend
+(:mod:`secure_agg.ckks`) runs through :class:`~coordinator_free.rounds.ckks.CkksAggregator`
+instead: a chain of ciphertext additions that ends at a per-round key holder, which
+returns the sum to each participant encrypted under that participant's own key.
+Steps 6-8 are the same for both.
 
 Harness-only debug export: with ``debug_export`` set (the node allows it only when its
 config says ``harness = true``), each round's *plaintext* packed vector is written to
@@ -62,10 +66,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
-from coordinator_free.rounds import RoundEngine, RoundFailed
+from coordinator_free.rounds import MaskedSecureSum, RoundEngine, RoundFailed, SecureSum
 from coordinator_free.sealed import atomic_write
 
-from org_node.ckks_rounds import CkksAggregator
 from org_node.privacy import BudgetExceeded, PrivacyBudget, RdpAccountant, protect_update
 from org_node.privacy import skellam_round_for as _skellam_round_for
 from org_node.run_config import (
@@ -182,7 +185,7 @@ class RunEngine:
         on_round: Callable[[RoundReport], None] | None = None,
         debug_export: Path | None = None,
         catch_up: CatchUp | None = None,
-        ckks: CkksAggregator | None = None,
+        ckks: SecureSum | None = None,
         initial_model: Model | None = None,
         rng: np.random.Generator | None = None,
         clock: Callable[[], float] = time.time,
@@ -196,7 +199,6 @@ class RunEngine:
                 )
         elif plan.backend != "masked":
             raise EngineError("backend", f"unknown backend {plan.backend!r}")
-        self.ckks = ckks if plan.backend == "ckks" else None
         if rounds.org_id not in plan.participants:
             raise EngineError("participants", f"{rounds.org_id!r} is not a participant")
         self.plan = plan
@@ -239,6 +241,17 @@ class RunEngine:
             self.codec = FixedPointCodec(
                 bits=config.ring_bits, clip=config.clip, max_summands=n, frac_bits=config.frac_bits
             )
+        # the backend, chosen once: the round's sums and the statistics' go through it
+        self.secure_sum: SecureSum
+        self.stats_sum: SecureSum
+        if ckks is not None and plan.backend == "ckks":
+            self.secure_sum = self.stats_sum = ckks
+        else:
+            self.secure_sum = MaskedSecureSum(
+                rounds, clip=self.codec.clip, encode=self._protect, decode=self.codec.decode
+            )
+            stats = FixedPointCodec(bits=64, clip=STATS_CLIP, max_summands=n)
+            self.stats_sum = MaskedSecureSum.with_codec(rounds, stats, self.rng)
         self.state = EngineState(
             plan.run_key,
             0,
@@ -333,31 +346,27 @@ class RunEngine:
         if local.ndim != 1 or not local.size or not np.isfinite(local).all():
             raise UpdateRejected("statistics", "expected a non-empty finite float vector")
         run = f"{self.plan.run_key}:stats"
-        if self.ckks is not None:
-            bound = self.ckks.params.max_abs_sum / len(self.plan.participants)
-            if float(np.max(np.abs(local))) > bound:
-                raise UpdateRejected(
-                    "statistics",
-                    f"a statistic exceeds {bound:g}, the CKKS sum's range per participant: "
-                    "use the masked backend (the tabular trainer: or standardize=false)",
-                )
-            return await self._retry(
-                "statistics",
-                lambda a: self.ckks.run_round(  # type: ignore[union-attr]
-                    run, a, local, self.plan.participants, self.plan.threshold
-                ),
-            )
-        codec = FixedPointCodec(bits=64, clip=STATS_CLIP, max_summands=len(self.plan.participants))
-        if float(np.max(np.abs(local))) > STATS_CLIP:
+        bound = self.stats_sum.bound_per_participant(len(self.plan.participants))
+        if float(np.max(np.abs(local))) > bound:
+            way_out = ", or use the masked backend" if bound < STATS_CLIP else ""
             raise UpdateRejected(
-                "statistics", f"a statistic exceeds {STATS_CLIP:g}; scale the data down"
+                "statistics",
+                f"a statistic exceeds {bound:g}, the {self.stats_sum.name} sum's range per "
+                f"participant: scale the data down{way_out} (the tabular trainer: or "
+                "standardize=false)",
             )
-        ring = codec.encode(local, self.rng)
+        vector = self.stats_sum.encode(local)
 
         async def attempt(a: int) -> np.ndarray:
-            deadline = self.clock() + self.config.ready_timeout_s
-            result = await self.rounds.run_round(run, a, ring, deadline=deadline)
-            return codec.decode(np.asarray(result.sum))
+            summed = await self.stats_sum.run_round(
+                run,
+                a,
+                vector,
+                participants=self.plan.participants,
+                threshold=self.plan.threshold,
+                deadline=self.clock() + self.config.ready_timeout_s,
+            )
+            return summed.total
 
         return await self._retry("statistics", attempt)
 
@@ -392,18 +401,13 @@ class RunEngine:
             packed = pack_weighted(update, weight)
         if not np.isfinite(packed).all():
             raise UpdateRejected("update", "the packed update holds NaN or Inf")
-        if self.ckks is not None:
-            bound = self.ckks.params.max_abs_sum / len(self.plan.participants)
-            if float(np.max(np.abs(packed))) > bound:
-                raise UpdateRejected(
-                    "update",
-                    f"a packed coordinate exceeds {bound:g}, the CKKS sum's range per "
-                    "participant; use uniform weighting or fewer local steps",
-                )
-        elif float(np.max(np.abs(packed))) > self.codec.clip:
+        bound = self.secure_sum.bound_per_participant(len(self.plan.participants))
+        if float(np.max(np.abs(packed))) > bound:
             raise UpdateRejected(
                 "update",
-                f"a packed coordinate exceeds engine.clip={self.codec.clip:g}; raise it",
+                f"a packed coordinate exceeds {bound:g}, the {self.secure_sum.name} sum's range "
+                "per participant: use uniform weighting or fewer local steps (the masked "
+                "backend: or raise engine.clip)",
             )
         return packed
 
@@ -466,22 +470,16 @@ class RunEngine:
         for attempt in range(self.config.max_attempts):
             protocol_round = round * ATTEMPTS + attempt
             try:
-                if self.ckks is not None:
-                    total = await self.ckks.run_round(
-                        self.plan.run_key,
-                        protocol_round,
-                        vector,
-                        self.plan.participants,
-                        self.plan.threshold,
-                    )
-                    return _Aggregate(total, self.plan.participants, (), attempt + 1, 0)
-                deadline = self.clock() + self.config.ready_timeout_s
-                result = await self.rounds.run_round(
-                    self.plan.run_key, protocol_round, vector, deadline=deadline
+                summed = await self.secure_sum.run_round(
+                    self.plan.run_key,
+                    protocol_round,
+                    vector,
+                    participants=self.plan.participants,
+                    threshold=self.plan.threshold,
+                    deadline=self.clock() + self.config.ready_timeout_s,
                 )
-                total = self.codec.decode(np.asarray(result.sum))
                 return _Aggregate(
-                    total, result.survivors, result.dropped, attempt + 1, result.bytes_sent
+                    summed.total, summed.survivors, summed.dropped, attempt + 1, summed.bytes_sent
                 )
             except RoundFailed as exc:
                 logger.warning("%s: round %d attempt %d failed: %s", self.org, round, attempt, exc)
@@ -520,7 +518,7 @@ class RunEngine:
         self._export(r, packed)
         await self._held(r)
         try:
-            vector = packed if self.ckks is not None else self._protect(packed)
+            vector = self.secure_sum.encode(packed)
         except SecAggError as exc:
             raise UpdateRejected("update", str(exc)) from None
         epsilon = None
@@ -538,7 +536,7 @@ class RunEngine:
         digest = model_hash(new_model)
         protocol_round = r * ATTEMPTS + attempts - 1
         self._doing("verifying")
-        await self.rounds.check_model_hash(
+        await self.secure_sum.check_model_hash(
             self.plan.run_key,
             protocol_round,
             digest,

@@ -58,6 +58,7 @@ from coordinator_free.rounds import (
     endpoint_signer,
     secagg_sessions,
 )
+from coordinator_free.rounds.ckks import CkksAggregator
 from coordinator_free.sealed import RecoverySecret, atomic_write
 from coordinator_free.tls import TlsTransport
 from coordinator_free.transport import Transport
@@ -66,7 +67,6 @@ from sqlalchemy import Engine
 from org_node import __version__
 from org_node.audit import EgressLog, RunFacts
 from org_node.audit.facts import node_report, node_run_facts
-from org_node.ckks_rounds import CkksAggregator
 from org_node.config import NodeConfig, NodePaths
 from org_node.db.engine import default_database_url, make_engine, migrate
 from org_node.engine import (
@@ -281,7 +281,11 @@ class OrgNode(FederationHost, RunHost, ProposalHost):
             live=self._live,
         )
         self.observability.attach(self.rounds)
-        self.ckks = CkksAggregator(endpoint, timeout=self.round_config.stage_timeout * 3)
+        self.ckks = CkksAggregator(
+            endpoint,
+            model_hashes=self.rounds.model_hashes,
+            timeout=self.round_config.stage_timeout * 3,
+        )
         await endpoint.start()
         self.membership = await Membership.create(endpoint, manifest.member_ids, self.swim)
         self.gossip = await Gossip.create(

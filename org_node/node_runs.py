@@ -36,12 +36,12 @@ from coordinator_free.gossip import Gossip
 from coordinator_free.manifest import Manifest
 from coordinator_free.membership import Membership
 from coordinator_free.rounds import ModelHashMismatch, RoundEngine
+from coordinator_free.rounds.ckks import CkksAggregator
 from sqlalchemy import Engine, update
 from sqlmodel import Session
 
 from org_node.audit import AuditError, EgressLog
 from org_node.audit.facts import record_round
-from org_node.ckks_rounds import CkksAggregator
 from org_node.config import NodeConfig, NodePaths
 from org_node.consent import ConsentRefused, RunBinding, binding_of
 from org_node.db.models import Run, RunMetric, utcnow

@@ -88,6 +88,9 @@ _RULES: dict[str, PrivacyClass] = {
     "round.seed": PrivacyClass.RELEASED_SHARE,
     "round.permit": PrivacyClass.CONTROL,  # the hash of the survivors: seeds may go
     "round.view": PrivacyClass.CONTROL,
+    "round.token": PrivacyClass.CONTROL,  # the agreement token
+    # the agreement token's kind before it was named round.token: older logs hold it,
+    # and verifying them classifies every entry again
     "round.commit": PrivacyClass.CONTROL,
     "round.leave": PrivacyClass.CONTROL,
     "round.total": PrivacyClass.CONTROL,  # (attempt, lo, hi): its reply is the sum piece

@@ -36,8 +36,9 @@ succeed, with :class:`ScenarioError` carrying one line that says why: fewer than
 orgs, ``R < 1``, an unknown org name, task, backend or strategy, a fault outside the
 run, more orgs down than the secure sum's threshold allows, or a fault the chosen
 backend or strategy cannot survive (a CKKS round needs every participant,
-``org_node.engine.CkksAggregator``; a wiped org rejoins by adopting the federation's
-model, ``RunEngine.try_catch_up``, which a strategy with server state cannot do).
+``coordinator_free.rounds.ckks.CkksAggregator``; a wiped org rejoins by adopting the
+federation's model, ``RunEngine.try_catch_up``, which a strategy with server state
+cannot do).
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ from coordinator_free.validate import check_integer, check_number, field_error
 __all__ = ["FaultConfig", "PeerScorer", "Suspect"]
 
 # stages every participant broadcasts at the same point of its round: arrival times
-# are comparable across peers (ring, commit and model messages arrive in ring order or
+# are comparable across peers (ring, token and model messages arrive in ring order or
 # after local work, so they are not)
 _SIMULTANEOUS = frozenset({"ready", "share", "unmask"})
 

@@ -8,6 +8,7 @@ import struct
 from collections.abc import Callable
 
 import coordinator_free.rounds as rounds_module
+import coordinator_free.rounds.sums as sums_module
 import numpy as np
 import pytest
 from coordinator_free.endpoint import Endpoint
@@ -16,11 +17,11 @@ from coordinator_free.identity import OrgIdentity
 from coordinator_free.memory import InMemoryNetwork
 from coordinator_free.ring import ring_order
 from coordinator_free.rounds import (
-    KIND_COMMIT,
     KIND_PART,
     KIND_PERMIT,
     KIND_READY,
     KIND_SEED,
+    KIND_TOKEN,
     KIND_TOTAL,
     KIND_UNMASK,
     ModelHashMismatch,
@@ -32,11 +33,11 @@ from coordinator_free.rounds import (
     SecAggSession,
     SessionContext,
     View,
-    _Counters,
-    _initiator,
-    _Token,
     view_hash,
 )
+from coordinator_free.rounds.exchange import initiator
+from coordinator_free.rounds.state import Counters
+from coordinator_free.rounds.wire import Token
 from coordinator_free.sim import Fault, FaultSpec, RoundOutcome, SimConfig, Simulation
 from coordinator_free.wire import Envelope
 from hypothesis import given, settings
@@ -105,24 +106,24 @@ def test_the_agreement_token_round_trips_and_decides_the_intersection() -> None:
         ("c", frozenset("abc"), False),
         ("a", frozenset("abcd"), False),
     )
-    token = _Token(1, "reduce:0", base, "b", entries)
+    token = Token(1, "reduce:0", base, "b", entries)
     data = token.to_bytes()
-    assert _Token.from_bytes(data) == token
+    assert Token.from_bytes(data) == token
     # no ring completed: the intersection, and the ring runs again over it
     assert token.decision() == (frozenset("abc"), False)
     # d made no proposal (dead, or not running the round): it is out whatever others said
-    no_d = _Token(1, "reduce:0", base, "b", (("a", frozenset("abcd"), False),))
+    no_d = Token(1, "reduce:0", base, "b", (("a", frozenset("abcd"), False),))
     assert no_d.decision() == (frozenset("a"), False)
     # one member whose ring completed decides the attempt: it holds every member's sum
-    held = _Token(1, "reduce:0", base, "b", (*entries, ("d", frozenset("abcd"), True)))
-    assert _Token.from_bytes(held.to_bytes()).decision() == (frozenset("abcd"), True)
-    assert _Token(2, "ready", base, "a", (("a", frozenset("ab"), True),)).decision() == (
+    held = Token(1, "reduce:0", base, "b", (*entries, ("d", frozenset("abcd"), True)))
+    assert Token.from_bytes(held.to_bytes()).decision() == (frozenset("abcd"), True)
+    assert Token(2, "ready", base, "a", (("a", frozenset("ab"), True),)).decision() == (
         frozenset("a"),
         True,
     )
     for bad in (data[:-1], data + b"\x00", b"\x07" + data[1:], b""):
         with pytest.raises(ValueError):
-            _Token.from_bytes(bad)
+            Token.from_bytes(bad)
 
 
 def test_view_decoding_refuses_tampering() -> None:
@@ -389,7 +390,7 @@ def test_a_member_asked_for_a_part_it_does_not_hold_refuses() -> None:
             assert len(piece) == 8
             stranger = from_a_stranger(KIND_PART, "gather", struct.pack(">IIQQ", 0, 0, 0, 1))
             with pytest.raises(Refused) as info:
-                await sim.engines["org-1"]._on_part(stranger)
+                await sim.engines["org-1"]._sums.on_part(stranger)
             reasons.append(info.value.reason)
             return reasons
 
@@ -441,23 +442,25 @@ def test_a_view_flagged_completed_decides_a_broken_attempt_and_the_sum_comes_in_
     """When the token stalls, the view agreement decides like the token: the view of a
     member whose ring completed settles the attempt as completed over every member, and
     the member whose ring broke takes the masked sum from it, piece by piece."""
-    monkeypatch.setattr(rounds_module, "_TOTAL_PIECE_BYTES", 16)  # 4 elements a piece
+    monkeypatch.setattr(sums_module, "PIECE_BYTES", 16)  # 4 elements a piece
 
     async def scenario() -> tuple[tuple[frozenset[str], bool], set[str], np.ndarray]:
         async with Simulation(sim_config(3)) as sim:
             holder, broken = sim.engines["org-0"], sim.engines["org-1"]
             members = frozenset(sim.orgs)
             for engine in (holder, broken):
-                engine._state("probe", 1).started = 0.0
-            held, mine = holder._states[("probe", 1)], broken._states[("probe", 1)]
-            holder._settled(held, "reduce:0", members, True)
-            holder._keep_total("probe", 1, 0, members, np.arange(10, dtype=np.uint32))
+                engine._table.state("probe", 1).started = 0.0
+            held, mine = holder._table.state("probe", 1), broken._table.state("probe", 1)
+            holder._agreement.settled(held, "reduce:0", members, True)
+            holder._sums.keep_total("probe", 1, 0, members, np.arange(10, dtype=np.uint32))
             sim.network.kill("org-2")  # blamed by org-1, so no view goes to it
-            counters = _Counters()
-            settled = await broken._agree(mine, counters, "reduce:0", members - {"org-2"}, False)
+            counters = Counters()
+            settled = await broken._agreement.agree(
+                mine, counters, "reduce:0", members - {"org-2"}, False
+            )
             like = np.zeros(10, dtype=np.uint32)
-            total = await broken._fetch_total(mine, counters, "reduce:0", 0, like)
-            return settled, mine.completers["reduce:0"], total
+            total = await broken._sums.fetch_total(mine, counters, "reduce:0", 0, like)
+            return settled, mine.agreement.completers["reduce:0"], total
 
     settled, completers, total = asyncio.run(scenario())
     assert settled == (frozenset({"org-0", "org-1", "org-2"}), True)
@@ -483,7 +486,7 @@ def test_a_member_asked_for_a_sum_it_does_not_hold_refuses() -> None:
             # and nobody outside the attempt
             stranger = from_a_stranger(KIND_TOTAL, "reduce:0", struct.pack(">IQQ", 0, 0, 4))
             with pytest.raises(Refused) as info:
-                await sim.engines["org-1"]._on_total(stranger)
+                await sim.engines["org-1"]._sums.on_total(stranger)
             reasons.append(info.value.reason)
             return reasons
 
@@ -689,8 +692,8 @@ def test_each_pair_agrees_on_who_sends_first_and_each_org_sends_to_about_half(
     for a in orgs:
         for b in orgs:
             if a < b:
-                who = _initiator(run, round_, a, b)
-                assert who in (a, b) and who == _initiator(run, round_, b, a)
+                who = initiator(run, round_, a, b)
+                assert who in (a, b) and who == initiator(run, round_, b, a)
                 first[who] += 1
     assert sum(first.values()) == n * (n - 1) // 2
 
@@ -773,7 +776,7 @@ def test_a_finished_member_still_answers_a_survivor_that_needs_its_release() -> 
             reasons.append(info.value.reason)
             stranger = from_a_stranger(KIND_UNMASK, "unmask", h3 + b"x")
             with pytest.raises(Refused) as info:
-                await sim.engines["org-1"]._on_unmask(stranger)
+                await sim.engines["org-1"]._unmask.on_unmask(stranger)
             reasons.append(info.value.reason)
             return reply, reasons, h3
 
@@ -812,17 +815,17 @@ def test_a_member_tells_the_token_starter_whether_it_settles_on_the_decision() -
     async def scenario() -> tuple[bytes, bytes, RefusalReason]:
         async with Simulation(sim_config(4)) as sim:
             engine = sim.engines["org-1"]
-            state = engine._state("sim-run", 1)
+            state = engine._table.state("sim-run", 1)
             state.started = asyncio.get_running_loop().time()
             entries = tuple((o, frozenset(sim.orgs), True) for o in sim.orgs)
             replies = []
             for tag in ("scatter:0", "scatter:1"):
-                state.joined[tag] = "org-0"
-                decide = _Token(2, tag, bytes(32), "org-0", entries).to_bytes()
-                env = to_org1(KIND_COMMIT, tag, decide, "org-0")
+                state.agreement.joined[tag] = "org-0"
+                decide = Token(2, tag, bytes(32), "org-0", entries).to_bytes()
+                env = to_org1(KIND_TOKEN, tag, decide, "org-0")
                 if tag == "scatter:1":
-                    state.stalled.add(tag)
-                replies.append(await engine._on_commit(env))
+                    state.agreement.stalled.add(tag)
+                replies.append(await engine._agreement.on_token(env))
             with pytest.raises(Refused) as info:
                 await sim.endpoints["org-0"].send(
                     "org-1", KIND_PERMIT, b"short", run="sim-run", round=1
@@ -846,7 +849,7 @@ def test_a_member_without_a_permit_releases_and_everyone_still_finishes() -> Non
 
     async def scenario() -> tuple[RoundOutcome, RoundOutcome]:
         async with Simulation(sim_config(8)) as sim:
-            sim.engines[outsider]._permitted = never  # type: ignore[method-assign]
+            sim.engines[outsider]._unmask.permitted = never  # type: ignore[method-assign]
             return await sim.round(1), await sim.round(2)
 
     first, second = asyncio.run(scenario())

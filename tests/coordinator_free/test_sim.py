@@ -369,7 +369,7 @@ def test_a_fault_free_secagg_plus_round_settles_by_one_token_and_no_view() -> No
     assert out.problems() == [] and len(out.results) == n
     assert all(r.neighbours is not None for r in out.results.values())
     assert kinds["round.view"] == 0 and kinds["round.total"] == 0
-    assert n <= kinds["round.commit"] <= 2 * n - 1
+    assert n <= kinds["round.token"] <= 2 * n - 1
 
 
 def test_a_split_under_secagg_plus_is_detected_by_the_token_never_summed() -> None:

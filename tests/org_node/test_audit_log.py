@@ -89,7 +89,7 @@ def _kinds_used_in_coordinator_free() -> set[str]:
     """Every message kind the coordinator-free layer names: its dotted string constants
     (file names aside) and every string literal passed to ``.on(`` or ``.send(``."""
     kinds: set[str] = set()
-    for path in (REPO / "coordinator-free").glob("*.py"):
+    for path in (REPO / "coordinator-free").rglob("*.py"):
         text = path.read_text(encoding="utf-8")
         for value in re.findall(r'^[A-Z_]+\s*=\s*"([a-z_]+\.[a-z_.]+)"', text, re.M):
             if not value.endswith(_FILE_SUFFIXES):
@@ -147,6 +147,8 @@ def test_every_kind_used_in_coordinator_free_is_classified_and_allowed() -> None
         ("round.seed", PrivacyClass.RELEASED_SHARE),
         ("round.seed.reply", PrivacyClass.CONTROL),
         ("round.permit", PrivacyClass.CONTROL),
+        ("round.token", PrivacyClass.CONTROL),
+        ("round.commit", PrivacyClass.CONTROL),  # the token's kind in older logs
         ("agg.ping", PrivacyClass.CONTROL),
         ("shard.get.reply", PrivacyClass.CHECKPOINT_SHARD),
         ("shard.put", PrivacyClass.CHECKPOINT_SHARD),

@@ -13,8 +13,8 @@ from coordinator_free.endpoint import Endpoint
 from coordinator_free.identity import OrgIdentity
 from coordinator_free.memory import InMemoryNetwork
 from coordinator_free.rounds import RoundConfig, RoundEngine, endpoint_signer, secagg_sessions
+from coordinator_free.rounds.ckks import CkksAggregator
 
-from org_node.ckks_rounds import CkksAggregator
 from org_node.engine import (
     ATTEMPTS,
     EngineConfig,
@@ -348,7 +348,10 @@ def test_a_harness_hold_file_stops_the_org_after_its_export_until_removed(
 def test_ckks_backend_gives_every_org_the_same_model(tmp_path: Path) -> None:
     async def scenario() -> tuple[list[Any], dict[str, RunEngine], int]:
         fed = Federation()
-        aggregators = {o: CkksAggregator(e, timeout=10) for o, e in fed.endpoints.items()}
+        aggregators = {
+            o: CkksAggregator(e, model_hashes=fed.rounds[o].model_hashes, timeout=10)
+            for o, e in fed.endpoints.items()
+        }
         await fed.start()
         trainers = {
             o: FixedTrainer(v, examples=n)
@@ -391,7 +394,7 @@ def test_ckks_needs_its_aggregator_and_takes_no_epsilon(tmp_path: Path) -> None:
             state_dir=tmp_path,
             initial_model=MODEL,
         )
-    agg = CkksAggregator(fed.endpoints["org-a"])
+    agg = CkksAggregator(fed.endpoints["org-a"], model_hashes=fed.rounds["org-a"].model_hashes)
     with pytest.raises(EngineError, match=r"^epsilon:"):
         RunEngine(
             plan(backend="ckks", epsilon=1.0),
@@ -544,7 +547,9 @@ def test_an_engine_without_a_model_and_a_trainer_that_builds_none_is_refused(
 
 def test_statistics_beyond_the_ckks_range_are_refused_with_the_way_out(tmp_path: Path) -> None:
     fed = Federation()
-    ckks = CkksAggregator(fed.endpoints["org-a"], timeout=5)
+    ckks = CkksAggregator(
+        fed.endpoints["org-a"], model_hashes=fed.rounds["org-a"].model_hashes, timeout=5
+    )
     engine = RunEngine(
         plan(rounds=1, backend="ckks"),
         fast(),

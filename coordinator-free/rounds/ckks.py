@@ -1,7 +1,8 @@
-"""CKKS sums over the endpoint: the run engine's path for ``backend = "ckks"``.
+"""CKKS sums over the endpoint: the :class:`~coordinator_free.rounds.SecureSum` of
+``backend = "ckks"``.
 
-The round engine (:mod:`coordinator_free.rounds`) adds masked ring arrays along its
-ring; CKKS ciphertexts need another path. :class:`CkksAggregator` runs the chain of
+The round engine (:class:`~coordinator_free.rounds.RoundEngine`) adds masked ring
+arrays along its ring; CKKS ciphertexts need another path. :class:`CkksAggregator` runs the chain of
 :mod:`secure_agg.ckks` (``docs/SECURITY.md``, "CKKS backend (TenSEAL)") over the org's
 signed :class:`~coordinator_free.endpoint.Endpoint`, with three message kinds, all of
 privacy class ``ciphertext`` in the audit log: ``ckks.context`` (public CKKS
@@ -12,11 +13,14 @@ contexts), ``ckks.partial`` (running sums along the chain, the aggregate last) a
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 
 import numpy as np
 from coordinator_free.endpoint import Endpoint
 from coordinator_free.errors import RefusalReason, Refused, TransportError
-from coordinator_free.rounds import RoundFailed
+from coordinator_free.rounds.model_hash import ModelHashes
+from coordinator_free.rounds.results import RoundFailed
+from coordinator_free.rounds.secure_sum import SumResult
 from coordinator_free.wire import Envelope
 
 from secure_agg.ckks import (
@@ -64,17 +68,23 @@ class CkksAggregator:
     public key or a ciphertext, and every participant ends with the same sum.
 
     Every participant must take part: a missing one fails the round
-    (:class:`~coordinator_free.rounds.RoundFailed`), and the engine retries it.
+    (:class:`~coordinator_free.rounds.RoundFailed`), and the engine retries it. The
+    next model's hash is compared through ``model_hashes``, the round engine's
+    (:attr:`~coordinator_free.rounds.RoundEngine.model_hashes`), as after a masked sum.
     """
+
+    name = "CKKS"
 
     def __init__(
         self,
         endpoint: Endpoint,
         *,
+        model_hashes: ModelHashes,
         params: CkksParams | None = None,
         timeout: float = 30.0,
     ) -> None:
         self.endpoint = endpoint
+        self.model_hashes = model_hashes
         self.params = params or CkksParams()
         self.timeout = timeout
         self._inbox: dict[tuple[str, int, str], dict[str, bytes]] = {}
@@ -126,23 +136,49 @@ class CkksAggregator:
             del self._inbox[key]
             self._events.pop(key, None)
 
+    # -- SecureSum ----------------------------------------------------------------------
+
+    @property
+    def org_id(self) -> str:
+        return self.endpoint.org_id
+
+    def bound_per_participant(self, participants: int) -> float:
+        """The CKKS sum's range (``params.max_abs_sum``) shared among ``participants``."""
+        return self.params.max_abs_sum / participants
+
+    def encode(self, vector: np.ndarray) -> np.ndarray:
+        """The vector as it is (float64): CKKS encodes it per round, under the key
+        holder's context."""
+        return np.asarray(vector, np.float64)
+
     async def run_round(
         self,
         run: str,
         round: int,
-        vector: np.ndarray,
+        contribution: np.ndarray,
+        *,
         participants: tuple[str, ...],
         threshold: int,
-    ) -> np.ndarray:
-        """This org's part of one CKKS sum; returns the (grid-rounded) float64 sum."""
+        deadline: float | None = None,
+    ) -> SumResult:
+        """This org's part of one CKKS sum: the (grid-rounded) float64 sum, with every
+        participant a survivor. ``deadline`` is not used: each message waits up to
+        ``timeout``."""
         try:
-            return await self._run(
-                run, round, np.asarray(vector, np.float64), participants, threshold
+            total = await self._run(
+                run, round, np.asarray(contribution, np.float64), participants, threshold
             )
         except SecAggError as exc:
             raise RoundFailed("ckks", str(exc)) from None
         finally:
             self._forget(run, round)
+        return SumResult(total, participants, (), 0)
+
+    async def check_model_hash(
+        self, run: str, round: int, digest: bytes, peers: Iterable[str], *, timeout: float
+    ) -> frozenset[str]:
+        """Compare the next model's hash with ``peers``' (``round.model``)."""
+        return await self.model_hashes.check(run, round, digest, peers, timeout=timeout)
 
     async def _run(
         self, run: str, round: int, x: np.ndarray, participants: tuple[str, ...], t: int

@@ -1,0 +1,286 @@
+"""The masked-sum session the engine drives, and its adapter over :mod:`secure_agg`.
+
+The engine moves bytes; a :class:`MaskedSum` does the cryptography of one org's side
+of one round (Bonawitz et al., CCS'17, §4). :class:`SecAggSession` adapts
+:class:`secure_agg.protocol.SecAggPeer` to it; :func:`secagg_sessions` builds one per
+round, signed by :func:`endpoint_signer`'s pair.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+from coordinator_free.endpoint import Endpoint
+from coordinator_free.identity import verify_signature
+
+from secure_agg.codec import FixedPointCodec
+from secure_agg.keys import RoundContext
+from secure_agg.messages import AdvertiseKeys, Message, ShareKeys, UnmaskShares
+from secure_agg.protocol import ProtocolConfig, SecAggPeer
+
+__all__ = [
+    "MaskedSum",
+    "RandomBytes",
+    "SecAggSession",
+    "SessionContext",
+    "SessionFactory",
+    "SignFn",
+    "VerifyFn",
+    "endpoint_signer",
+    "secagg_sessions",
+]
+
+
+@dataclass(frozen=True)
+class SessionContext:
+    """What a masked-sum session is built from.
+
+    participants: ``U0``, every org invited to the round, sorted (the same on every
+    node: the federation's members); threshold: ``t`` of each org's Shamir sharing;
+    vector: this org's input; neighbours: SecAgg+'s ``k`` (``None``: complete graph).
+    """
+
+    federation: str
+    run: str
+    round: int
+    org_id: str
+    participants: tuple[str, ...]
+    threshold: int
+    vector: np.ndarray
+    neighbours: int | None = None
+
+
+class MaskedSum(Protocol):
+    """One org's side of a masked-sum protocol for one round.
+
+    The engine calls the methods in this order and moves their bytes over the
+    network; ``receive_*`` raise :class:`~secure_agg.errors.SecAggError` or
+    ``ValueError`` on a message they refuse and leave the session as it was, so the
+    engine leaves that sender out of its view. The engine hands ``receive_*`` only
+    the payload of an envelope whose Ed25519 signature the transport verified, with
+    the envelope's sender as ``sender``. :class:`SecAggSession` adapts
+    :class:`secure_agg.protocol.SecAggPeer` to it.
+    """
+
+    def advertise(self) -> bytes:
+        """This org's public keys for the round (carried by ``round.ready``)."""
+        ...
+
+    def receive_advert(self, sender: str, data: bytes) -> None:
+        """Take another participant's advertisement."""
+        ...
+
+    def share_keys(self, participants: frozenset[str]) -> Mapping[str, bytes]:
+        """Given this node's view of the ready orgs, the share message for each one that
+        holds this org's shares (every other one, or only its SecAgg+ neighbours)."""
+        ...
+
+    def receive_share(self, sender: str, data: bytes) -> None:
+        """Take the share message another participant sent this org."""
+        ...
+
+    def masked_input(self) -> np.ndarray:
+        """This org's masked input (a ring array)."""
+        ...
+
+    def unmask(self, survivors: frozenset[str]) -> bytes:
+        """The shares this org releases, given the agreed survivors ``U3``."""
+        ...
+
+    def receive_release(self, sender: str, data: bytes) -> None:
+        """Take the shares another survivor released."""
+        ...
+
+    def self_seed(self) -> bytes:
+        """After :meth:`unmask` with a survivor set that holds this org: its own
+        self-mask seed, which it reveals to the other survivors instead of having its
+        holders release shares of it (see :meth:`secure_agg.protocol.SecAggPeer.self_seed`)."""
+        ...
+
+    def receive_seed(self, owner: str, seed: bytes) -> bool:
+        """Take a survivor's revealed self-mask seed, from whoever relayed it (it is
+        checked against the owner's commitment); ``False`` when already held."""
+        ...
+
+    def can_finish(self) -> bool:
+        """Whether the seeds and releases taken so far suffice for :meth:`unmasked_sum`."""
+        ...
+
+    def unmasked_sum(self, masked_sum: np.ndarray) -> np.ndarray:
+        """The sum of the survivors' inputs, in a new array, from the ring's sum of
+        masked inputs, which it leaves as it is (the engine keeps it, see
+        :meth:`~coordinator_free.rounds.reduce.SumServer.keep_total`)."""
+        ...
+
+    def unmask_part(self, masked_part: np.ndarray, offset: int) -> np.ndarray:
+        """Elements ``[offset, offset + len(masked_part))`` of the sum, still a ring
+        array (see :meth:`decode`), from that part of the masked sum; once
+        :meth:`can_finish`, as often as the engine needs (one call per chunk it holds)."""
+        ...
+
+    def decode(self, total: np.ndarray) -> np.ndarray:
+        """The sum as :meth:`unmasked_sum` returns it, from the ring array that the
+        parts of :meth:`unmask_part` make up."""
+        ...
+
+
+SessionFactory = Callable[[SessionContext], MaskedSum]
+SignFn = Callable[[bytes], bytes]
+VerifyFn = Callable[[str, bytes, bytes], bool]
+RandomBytes = Callable[[int], bytes]
+
+
+class SecAggSession:
+    """:class:`MaskedSum` over :class:`secure_agg.protocol.SecAggPeer` (Bonawitz §4).
+
+    The peer's stage machine does the cryptography and refuses anything out of order
+    or malformed; this adapter only decodes messages and closes each stage when the
+    engine has agreed on it. A float input is encoded with ``codec`` (clip, scale,
+    stochastic rounding; ``codec.max_summands`` must cover the participants) and the
+    sum decoded back; a ring input (``uint32`` / ``uint64``) is summed as it is.
+
+    A message whose signer (``msg.sender``) is not the envelope's sender is refused;
+    one that is has been authenticated by the envelope's signature over these very
+    bytes, so the peer does not verify the message's own signature a second time
+    (``authenticated=True``): one Ed25519 verification per message instead of two.
+    """
+
+    def __init__(
+        self,
+        ctx: SessionContext,
+        sign: SignFn,
+        verify: VerifyFn,
+        *,
+        codec: FixedPointCodec | None = None,
+        rng: RandomBytes | None = None,
+        encode_rng: np.random.Generator | None = None,
+    ) -> None:
+        x = np.asarray(ctx.vector)
+        self.codec: FixedPointCodec | None = None
+        if np.issubdtype(x.dtype, np.floating):
+            if codec is None:
+                raise ValueError("a float input needs a FixedPointCodec to enter the ring")
+            if codec.max_summands < len(ctx.participants):
+                raise ValueError(
+                    f"codec.max_summands={codec.max_summands} is below the "
+                    f"{len(ctx.participants)} participants: the sum could wrap"
+                )
+            self.codec = codec
+            x = codec.encode(x, encode_rng if encode_rng is not None else np.random.default_rng())
+            bits = codec.bits
+        elif x.dtype == np.dtype(np.uint32) or x.dtype == np.dtype(np.uint64):
+            bits = x.dtype.itemsize * 8
+        else:
+            raise ValueError(f"inputs are float arrays or ring arrays, not {x.dtype}")
+        config = ProtocolConfig(
+            ctx=RoundContext(ctx.federation, ctx.run, ctx.round),
+            participants=ctx.participants,
+            threshold=ctx.threshold,
+            vector_length=int(x.shape[0]),
+            bits=bits,
+            neighbours=ctx.neighbours,
+        )
+        self._x = x
+        self.peer = SecAggPeer(config, ctx.org_id, sign, verify, rng=rng)
+
+    @staticmethod
+    def _decode(kind: type[Message], sender: str, data: bytes) -> Message:
+        msg = kind.from_bytes(data)
+        if msg.sender != sender:
+            raise ValueError(f"a {kind.__name__} signed as {msg.sender!r} came from {sender!r}")
+        return msg
+
+    def advertise(self) -> bytes:
+        return self.peer.advertise_keys().to_bytes()
+
+    def receive_advert(self, sender: str, data: bytes) -> None:
+        msg = self._decode(AdvertiseKeys, sender, data)
+        assert isinstance(msg, AdvertiseKeys)
+        self.peer.receive_advertise(msg, authenticated=True)
+
+    def share_keys(self, participants: frozenset[str]) -> Mapping[str, bytes]:
+        self.peer.close_advertise()
+        return {o: m.to_bytes() for o, m in self.peer.share_keys().items() if o in participants}
+
+    def receive_share(self, sender: str, data: bytes) -> None:
+        msg = self._decode(ShareKeys, sender, data)
+        assert isinstance(msg, ShareKeys)
+        self.peer.receive_shares(msg, authenticated=True)
+
+    def masked_input(self) -> np.ndarray:
+        self.peer.close_shares()
+        if self.codec is not None:  # the encoded vector is this session's own: mask in place
+            return self.peer.masked_input(self._x, out=self._x)
+        return self.peer.masked_input(self._x)
+
+    def unmask(self, survivors: frozenset[str]) -> bytes:
+        return self.peer.unmask(survivors).to_bytes()
+
+    def receive_release(self, sender: str, data: bytes) -> None:
+        msg = self._decode(UnmaskShares, sender, data)
+        assert isinstance(msg, UnmaskShares)
+        self.peer.receive_unmask(msg, authenticated=True)
+
+    def self_seed(self) -> bytes:
+        return self.peer.self_seed()
+
+    def receive_seed(self, owner: str, seed: bytes) -> bool:
+        return self.peer.receive_seed(owner, seed)
+
+    def can_finish(self) -> bool:
+        return not self.peer.missing_shares()
+
+    def unmasked_sum(self, masked_sum: np.ndarray) -> np.ndarray:
+        return self.decode(self.peer.finalize(masked_sum))
+
+    def unmask_part(self, masked_part: np.ndarray, offset: int) -> np.ndarray:
+        return self.peer.finalize_part(masked_part, offset)
+
+    def decode(self, total: np.ndarray) -> np.ndarray:
+        return self.codec.decode(total) if self.codec is not None else total
+
+
+def endpoint_signer(endpoint: Endpoint) -> tuple[SignFn, VerifyFn]:
+    """Sign with the endpoint's org identity; verify against the federation's member keys."""
+
+    def verify(sender: str, data: bytes, signature: bytes) -> bool:
+        key = endpoint.guard.members().get(sender)
+        return key is not None and verify_signature(key, data, signature)
+
+    return endpoint.identity.sign, verify
+
+
+def secagg_sessions(
+    sign: SignFn,
+    verify: VerifyFn,
+    *,
+    codec: FixedPointCodec | None = None,
+    seed: int | None = None,
+) -> SessionFactory:
+    """A :data:`SessionFactory` of :class:`SecAggSession`.
+
+    ``seed`` makes every key, mask seed, Shamir coefficient and rounding draw a
+    deterministic function of ``(seed, org, round)``; for test vectors and the
+    simulator only, never in a deployment.
+    """
+
+    def factory(ctx: SessionContext) -> MaskedSum:
+        rng: RandomBytes | None = None
+        encode_rng: np.random.Generator | None = None
+        if seed is not None:
+            material = hashlib.sha256(
+                f"{seed}\x00{ctx.run}\x00{ctx.round}\x00{ctx.org_id}".encode()
+            ).digest()
+            gen = np.random.default_rng(list(material))
+            encode_rng = np.random.default_rng(list(material[::-1]))
+
+            def rng(k: int) -> bytes:
+                return gen.bytes(k)
+
+        return SecAggSession(ctx, sign, verify, codec=codec, rng=rng, encode_rng=encode_rng)
+
+    return factory

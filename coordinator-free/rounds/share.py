@@ -1,0 +1,183 @@
+"""Stage 2, share keys, then the agreement on the participants ``U1``.
+
+``docs/ARCHITECTURE.md``, "A round", step 1; Bonawitz et al., CCS'17, §4 round 1. To
+every org it saw ready, the node sends the Shamir shares of its self-mask seed and
+mask key, encrypted to the holder, each message prefixed by the hash of its ready
+view (``round.share``), one request per pair of holders
+(:class:`~coordinator_free.rounds.exchange.PairwiseExchange`); the holders that send
+first get a moment, then a holder whose share still did not come is sent this
+node's. With SecAgg+ (Bell et al., CCS'20, §3) the holders are the graph neighbours
+only.
+
+**agree** — when every share arrives with this node's own view hash, the participants
+``U1`` are settled at no extra message; otherwise the node runs the view agreement on
+``U1``. With SecAgg+ the shares come from the neighbours only, so matching hashes
+prove nothing about the rest: the agreement always runs, by the token (every node
+runs it), and a node proposes no holder of its shares whose own shares did not reach
+it (their masks would not cancel). The orgs of ``U1`` whose shares the session takes
+are the ring's members.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Iterable
+
+from coordinator_free.errors import RefusalReason, Refused
+from coordinator_free.rounds.agreement import Agreement
+from coordinator_free.rounds.config import RoundConfig, patience
+from coordinator_free.rounds.context import StageContext
+from coordinator_free.rounds.exchange import PairwiseExchange
+from coordinator_free.rounds.results import RoundFailed
+from coordinator_free.rounds.state import RoundTable
+from coordinator_free.rounds.wire import HASH_BYTES, KIND_SHARE, view_hash
+from coordinator_free.wire import Envelope
+
+from secure_agg.errors import SecAggError
+
+__all__ = ["SHARES", "ShareStage"]
+
+SHARES = ("share",)
+"""The inbox key of the share exchange."""
+_GONE = ("gone",)
+
+
+def _hashed(data: bytes) -> bytes | None:
+    """A share message carries the sender's view hash first: shorter, nothing to file."""
+    return data if len(data) >= HASH_BYTES else None
+
+
+class ShareStage:
+    """The share stage and the agreement on ``U1``, and the handler of ``round.share``."""
+
+    def __init__(self, table: RoundTable, config: RoundConfig, agreement: Agreement) -> None:
+        self.table = table
+        self.config = config
+        self.agreement = agreement
+
+    async def on_share(self, env: Envelope) -> bytes:
+        """A peer's shares for this org: filed, and answered with this org's for it
+        (held a little while this node still makes its own)."""
+        state = self.table.state(env.run, env.round)
+        if len(env.payload) < HASH_BYTES:
+            raise Refused(RefusalReason.MALFORMED, "share without a view hash")
+        return await state.exchange(SHARES).serve(
+            env.sender, env.payload, "share", defer_s=self.config.send_timeout / 4
+        )
+
+    async def run(self, ctx: StageContext) -> None:
+        """Share keys with the holders, carrying this node's view of the participants."""
+        await ctx.enter("share")
+        t, me = ctx.t, ctx.me
+        view1 = ctx.ready_set
+        least = max(t, ctx.config.min_participants)
+        if len(view1) < least:
+            raise RoundFailed(
+                "ready",
+                f"{len(view1)} participants are ready, fewer than {least} (threshold t={t})",
+            )
+        ctx.h1 = view_hash("ready", view1)
+        try:
+            outgoing = ctx.session.share_keys(view1)
+        except (SecAggError, ValueError) as exc:
+            raise RoundFailed("share", f"cannot share keys: {exc}") from exc
+        # the holders of this org's shares, who also send theirs here (the graph is
+        # undirected): every other ready org, or only the SecAgg+ neighbours
+        ctx.holders = frozenset(outgoing) & (view1 - {me})
+        ctx.sparse = ctx.holders != view1 - {me}
+        exchange = ctx.state.exchange(SHARES)
+        exchange.offer({o: ctx.h1 + outgoing[o] for o in ctx.holders})
+        await self._exchange(ctx, exchange)
+        ctx.shares = {
+            o: p for o, p in ctx.state.inbox.get(SHARES).items() if o in ctx.expected_shares
+        }
+        for org in sorted(ctx.expected_shares - ctx.shares.keys()):
+            why = "it left the round" if org in ctx.state.gone() else "no share by the deadline"
+            ctx.observe("missing", "share", peer=org, detail=why)
+        ctx.lap("share")
+
+    async def _exchange(self, ctx: StageContext, exchange: PairwiseExchange) -> None:
+        """One request and its reply per pair of holders, as for the readies: the holders
+        that send first get a moment; a holder whose share still did not come is then
+        sent this node's (a dead one is unreachable, and no longer awaited)."""
+        loop = asyncio.get_running_loop()
+        inbox, state = ctx.state.inbox, ctx.state
+        share_end = loop.time() + ctx.config.stage_timeout
+        sent_to = set(exchange.targets(ctx.holders))
+        ctx.unshared = await self._send(ctx, exchange, sent_to)
+        ctx.expected_shares = ctx.holders - ctx.unshared
+        shared = functools.partial(self._shared, ctx)
+        await inbox.wait_any(
+            [SHARES, _GONE],
+            shared,
+            min(share_end, loop.time() + patience(ctx.config)),
+            expect=(SHARES, ctx.expected_shares),
+        )
+        late = ctx.expected_shares - inbox.senders(SHARES) - state.gone() - sent_to
+        if late:
+            ctx.unshared |= await self._send(ctx, exchange, late)
+            ctx.expected_shares = ctx.holders - ctx.unshared
+        await inbox.wait_any(
+            [SHARES, _GONE], shared, share_end, expect=(SHARES, ctx.expected_shares)
+        )
+
+    @staticmethod
+    async def _send(
+        ctx: StageContext, exchange: PairwiseExchange, peers: Iterable[str]
+    ) -> set[str]:
+        return await exchange.send(
+            ctx.net, ctx.counters, peers, KIND_SHARE, "share", unwrap=_hashed
+        )
+
+    @staticmethod
+    def _shared(ctx: StageContext) -> bool:
+        """Whether every holder still awaited (not gone) sent its shares."""
+        return ctx.expected_shares - ctx.state.gone() <= ctx.state.inbox.senders(SHARES)
+
+    async def agree(self, ctx: StageContext) -> None:
+        """Settle the participants ``U1`` and take their shares: the ring's members."""
+        await ctx.enter("agree-ready")
+        state, me, t = ctx.state, ctx.me, ctx.t
+        view1, shares = ctx.ready_set, ctx.shares
+        if (
+            not ctx.sparse
+            and not state.equivocal & view1
+            and shares.keys() == view1 - {me}
+            and all(p[:HASH_BYTES] == ctx.h1 for p in shares.values())
+        ):
+            ctx.u1 = view1
+            state.agreement.decided["ready"] = (ctx.u1, True)
+        else:
+            ctx.u1 = await self._agree_participants(ctx)
+            if len(ctx.u1) < t:
+                raise RoundFailed("ready", f"{len(ctx.u1)} participants agreed, fewer than t={t}")
+            shares = state.inbox.get(SHARES)
+        share_set = {me}
+        for org, payload in sorted(shares.items()):
+            if org in ctx.u1 and ctx.net.accept(
+                ctx.session.receive_share, org, payload[HASH_BYTES:], "share", ctx.run, ctx.round
+            ):
+                share_set.add(org)
+        # the ring sums the masked inputs of U1 less the holders whose shares this node
+        # refused (with the complete graph: exactly the orgs whose shares it holds)
+        ctx.members = ctx.u1 - ((ctx.holders & ctx.u1) - share_set)
+        if len(ctx.members) < t:
+            raise RoundFailed(
+                "share", f"{len(ctx.members)} orgs shared their keys, fewer than t={t}"
+            )
+        ctx.lap("agree-ready")
+
+    async def _agree_participants(self, ctx: StageContext) -> frozenset[str]:
+        """``U1`` by agreement: an org that sent this node two different readies or
+        shares is left out of its proposal."""
+        state = ctx.state
+        proposal = ctx.ready_set - ctx.unshared - state.equivocal
+        if ctx.sparse:
+            # every node runs this agreement: the token (O(n) messages) suffices
+            proposal -= ctx.expected_shares - ctx.shares.keys()
+            u1, _ = await self.agreement.settle(state, ctx.counters, "ready", ctx.u0, proposal)
+        else:
+            # others may have settled at no message: they answer views, not tokens
+            u1, _ = await self.agreement.agree(state, ctx.counters, "ready", proposal)
+        return u1
