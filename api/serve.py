@@ -7,7 +7,9 @@ gossip, the run engine):
   ``network.admin_host:admin_port``, loopback unless the config allows otherwise;
 * the **peer API** (the mutual-TLS route of :class:`coordinator_free.tls.TlsTransport`)
   on ``network.peer_host:peer_port``, requiring a client certificate among the
-  federation members' (:func:`coordinator_free.tls.serve_peer_app`).
+  federation members' (:func:`coordinator_free.tls.serve_peer_app`): the members of the
+  manifest installed *now* (:class:`coordinator_free.trust.TrustFollower`), so a member
+  removed while the node runs is refused at the next handshake.
 
 This module is the composition root, the only place that knows every layer
 (``docs/ARCHITECTURE.md``, "Layers"), which is why it lives in ``api``, the top
@@ -37,6 +39,7 @@ from coordinator_free.tls import (
     serve_peer_app,
     write_trust_bundle,
 )
+from coordinator_free.trust import TrustFollower
 
 from api.app import create_app
 from api.settings import Settings
@@ -105,22 +108,13 @@ async def serve_node(
     if not paths.config.exists():
         raise NodeError(f"{data_dir} is not a node data directory: run `fedweave init`")
     config = NodeConfig.load(paths.config)
-    net = config.network
-    settings = Settings(
-        data_dir=paths.root,
-        admin_host=net.admin_host,
-        admin_port=net.admin_port,
-        allow_remote_admin=net.allow_remote_admin,
-        peer_host=net.peer_host,
-        peer_port=net.peer_port,
-        dataset_roots=dataset_roots(config.datasets.roots),
-    )
+    settings = _settings(paths, config)
     # the database the settings name (FEDWEAVE_DATABASE_URL: PostgreSQL), else SQLite
     node = OrgNode.open(paths.root, db=make_engine(settings.resolved_database_url))
+    net = config.network
     admin_sock = bind(net.admin_host, net.admin_port)
     peer_sock: socket.socket | None = None
-    manifest = node.current_manifest
-    if manifest is not None:
+    if node.current_manifest is not None:
         try:
             peer_sock = bind(net.peer_host, net.peer_port)
         except NodeError:
@@ -132,44 +126,7 @@ async def serve_node(
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
     try:
-        async with contextlib.AsyncExitStack() as stack:
-            servers: list[RunningServer] = []
-            try:
-                await node.start()
-                app = create_app(settings, node, engine=node.db)
-                admin = serve_app(
-                    app, admin_sock, handle_signals=False, timeout_graceful_shutdown=_GRACE_S
-                )
-                servers.append(await stack.enter_async_context(admin))
-                if peer_sock is not None and node.tls is not None and manifest is not None:
-                    write_trust_bundle(node.paths.trust_bundle, manifest.certificates())
-                    peer = serve_peer_app(
-                        node.tls.asgi_app(),
-                        peer_sock,
-                        node.paths.identity_dir,
-                        node.paths.trust_bundle,
-                        graceful_shutdown_s=_GRACE_S,
-                        handle_signals=False,
-                    )
-                    servers.append(await stack.enter_async_context(peer))
-                where = f"admin http://{net.admin_host}:{net.admin_port}"
-                if peer_sock is not None:
-                    where += f", peer {net.peer_url}"
-                message = f"fedweave node {node.org_identity.org_id} ready: {where}"
-                logger.info(message)
-                if on_ready is not None:
-                    on_ready(message)
-                stopped = asyncio.create_task(stop.wait())
-                serving = [s.task for s in servers]
-                await asyncio.wait([stopped, *serving], return_when=asyncio.FIRST_COMPLETED)
-                stopped.cancel()
-            except ServerStartError as exc:
-                raise NodeError(str(exc)) from exc
-            finally:
-                # the node first, then both servers together (leaving the stack waits)
-                await node.stop()
-                for server in servers:
-                    server.stop()
+        await _serve(node, settings, admin_sock, peer_sock, stop, on_ready)
     finally:
         admin_sock.close()
         if peer_sock is not None:
@@ -178,3 +135,85 @@ async def serve_node(
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.remove_signal_handler(sig)
+
+
+def _settings(paths: NodePaths, config: NodeConfig) -> Settings:
+    net = config.network
+    return Settings(
+        data_dir=paths.root,
+        admin_host=net.admin_host,
+        admin_port=net.admin_port,
+        allow_remote_admin=net.allow_remote_admin,
+        peer_host=net.peer_host,
+        peer_port=net.peer_port,
+        dataset_roots=dataset_roots(config.datasets.roots),
+    )
+
+
+async def _serve(
+    node: OrgNode,
+    settings: Settings,
+    admin_sock: socket.socket,
+    peer_sock: socket.socket | None,
+    stop: asyncio.Event,
+    on_ready: Callable[[str], None] | None,
+) -> None:
+    """Start the node and both servers, say so, serve until ``stop``; then stop the node
+    first and both servers together (leaving the stack waits for them)."""
+    async with contextlib.AsyncExitStack() as stack:
+        servers: list[RunningServer] = []
+        try:
+            await node.start()
+            app = create_app(settings, node, engine=node.db)
+            admin = serve_app(
+                app, admin_sock, handle_signals=False, timeout_graceful_shutdown=_GRACE_S
+            )
+            servers.append(await stack.enter_async_context(admin))
+            if peer_sock is not None:
+                servers.append(await _serve_peers(node, peer_sock, stack))
+            _announce(node, peer_sock is not None, on_ready)
+            stopped = asyncio.create_task(stop.wait())
+            serving = [s.task for s in servers]
+            await asyncio.wait([stopped, *serving], return_when=asyncio.FIRST_COMPLETED)
+            stopped.cancel()
+        except ServerStartError as exc:
+            raise NodeError(str(exc)) from exc
+        finally:
+            await node.stop()
+            for server in servers:
+                server.stop()
+
+
+async def _serve_peers(
+    node: OrgNode, sock: socket.socket, stack: contextlib.AsyncExitStack
+) -> RunningServer:
+    """The peer port over mutual TLS; whom it admits follows the installed manifest
+    (:class:`TrustFollower`), so a removed member is refused without a restart."""
+    manifest, tls = node.current_manifest, node.tls
+    if manifest is None or tls is None:
+        raise NodeError("the node has no federation to serve its peers")
+    write_trust_bundle(node.paths.trust_bundle, manifest.certificates())
+    peer = serve_peer_app(
+        tls.asgi_app(),
+        sock,
+        node.paths.identity_dir,
+        node.paths.trust_bundle,
+        graceful_shutdown_s=_GRACE_S,
+        handle_signals=False,
+    )
+    running = await stack.enter_async_context(peer)
+    context = running.server.config.ssl
+    assert context is not None  # the peer server listens with TLS
+    TrustFollower(node.org_identity, node.trusted_certificates).follow(context)
+    return running
+
+
+def _announce(node: OrgNode, peers: bool, on_ready: Callable[[str], None] | None) -> None:
+    net = node.config.network
+    where = f"admin http://{net.admin_host}:{net.admin_port}"
+    if peers:
+        where += f", peer {net.peer_url}"
+    message = f"fedweave node {node.me} ready: {where}"
+    logger.info(message)
+    if on_ready is not None:
+        on_ready(message)

@@ -155,11 +155,11 @@ def test_three_nodes_run_through_the_admin_api_and_a_wiped_node_recovers(
             ).json()
             results["run"] = (await clients["org-b"].get(f"/v1/runs/{run_ids['org-b']}")).json()
             results["hashes"] = {
-                org: n._active.engine.state.model for org, n in nodes.items() if n._active
+                org: n.runs.active.engine.state.model for org, n in nodes.items() if n.runs.active
             }
             results["checkpoints"] = await asyncio.to_thread(nodes["org-c"].checkpoints)
             state_c = (
-                nodes["org-c"]._active.engine.state_path.read_bytes()  # type: ignore[union-attr]
+                nodes["org-c"].runs.active.engine.state_path.read_bytes()  # type: ignore[union-attr]
             )
             # org-c loses its disk: a new data dir from its backup and the chain
             fresh = tmp_path / "org-c-new"
@@ -289,10 +289,10 @@ def test_a_node_that_crashed_rejoins_at_the_current_round(tmp_path: Path) -> Non
                 node.on_run_started, run_ids[org], spec | {"backend": "masked", "epsilon": None}
             )
         c = nodes["org-c"]
-        await wait_for(lambda: c._active is not None and c._active.engine.state.round >= 1)
+        await wait_for(lambda: c.runs.active is not None and c.runs.active.engine.state.round >= 1)
         await c.stop()
         a = nodes["org-a"]
-        await wait_for(lambda: a._active is not None and a._active.engine.state.round >= 3)
+        await wait_for(lambda: a.runs.active is not None and a.runs.active.engine.state.round >= 3)
         revived = OrgNode.open(
             dirs["org-c"],
             transport=_Revived(network, "org-c"),
@@ -302,16 +302,16 @@ def test_a_node_that_crashed_rejoins_at_the_current_round(tmp_path: Path) -> Non
         await revived.start()
         nodes["org-c"] = revived
         try:
-            await wait_for(lambda: all(run_ids[o] in n.finished for o, n in nodes.items()), 40)
+            await wait_for(lambda: all(run_ids[o] in n.runs.finished for o, n in nodes.items()), 40)
         finally:
             for node in nodes.values():
                 await node.stop()
-        assert {n.finished[run_ids[o]] for o, n in nodes.items()} == {"completed"}
+        assert {n.runs.finished[run_ids[o]] for o, n in nodes.items()} == {"completed"}
         rejoined = {r for (r,) in _rounds_recorded(revived, run_ids["org-c"])}
         # it caught up (skipping rounds it never trained), then trained rounds again
         assert max(rejoined) > 1 and len(rejoined) < 12
         return {
-            o: model_hash(n._active.engine.state.model)  # type: ignore[union-attr]
+            o: model_hash(n.runs.active.engine.state.model)  # type: ignore[union-attr]
             for o, n in nodes.items()
         }
 
@@ -326,13 +326,13 @@ def test_harness_debug_export_is_refused_unless_the_config_allows_it(
     from org_node.node import HARNESS_EXPORT_ENV, NodeError
 
     initialize(tmp_path / "n", "org-n", peer_port=9200, admin_port=9201)
-    assert OrgNode.open(tmp_path / "n").debug_export is None
+    assert OrgNode.open(tmp_path / "n").runs.debug_export is None
     monkeypatch.setenv(HARNESS_EXPORT_ENV, str(tmp_path / "export"))
     with pytest.raises(NodeError, match="harness = true"):
         OrgNode.open(tmp_path / "n")
     path = tmp_path / "n" / "fedweave.toml"
     NodeConfig.load(path).replace(debug=DebugSection(harness=True)).save(path)
-    assert OrgNode.open(tmp_path / "n").debug_export == tmp_path / "export"
+    assert OrgNode.open(tmp_path / "n").runs.debug_export == tmp_path / "export"
 
 
 def test_a_removal_signed_by_a_quorum_is_installed_on_every_node(tmp_path: Path) -> None:
@@ -379,9 +379,9 @@ def test_forged_proposal_signatures_are_dropped(tmp_path: Path) -> None:
     assert manifest is not None
     proposal = manifest.propose_remove("org-c", created_at=1)
     with pytest.raises(ServiceRefused, match="no valid member signature"):
-        node._merge(proposal.with_signatures({"org-b": b"\x00" * 64}))
+        node.federation._merge(proposal.with_signatures({"org-b": b"\x00" * 64}))
     signed_b = proposal.sign(OrgIdentity.load(dirs["org-b"] / "identity"))
     mixed = signed_b.with_signatures({"org-c": b"\x01" * 64})
-    pending = node._merge(mixed)
+    pending = node.federation._merge(mixed)
     assert [o for o, _ in pending.signatures] == ["org-b"]
     assert node.current_manifest is manifest  # one of two required signatures

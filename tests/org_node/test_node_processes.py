@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import select
 import signal
+import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -14,6 +16,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from coordinator_free.identity import OrgIdentity
+from coordinator_free.tls import client_ssl_context
 
 from org_node.config import NodeConfig
 from org_node.engine import STATE_FILE, EngineState, RunPlan, TrainingConfig, model_hash
@@ -156,6 +160,37 @@ def test_three_node_processes_train_two_rounds_and_stop_on_sigterm(tmp_path: Pat
         state = EngineState.from_bytes((fresh / "runs" / key / STATE_FILE).read_bytes())
         assert state.round == 2 and model_hash(state.model) == hashes[lost]
 
+        # the two others remove hospital-c from the federation (a quorum of two signs):
+        # from then on hospital-a's running peer port refuses hospital-c's certificate
+        # at the TLS handshake, without a restart, and still admits hospital-b
+        removed = identity_of(dirs[lost])
+        assert _handshake(ports[0], removed)  # a member still: admitted
+        admins = {
+            org: httpx.Client(
+                base_url=f"http://127.0.0.1:{ports[2 * i + 1]}",
+                headers={"Authorization": f"Bearer {tokens[org]}"},
+                timeout=60,
+            )
+            for i, org in enumerate(ORGS[:2])
+        }
+        body = {"action": "remove", "org_id": lost, "note": "left the consortium"}
+        made = admins[ORGS[0]].post("/v1/federation/proposals", json=body)
+        assert made.status_code == 201, made.text
+        digest = made.json()["digest"]
+        end = time.monotonic() + 30
+        while digest not in {p["digest"] for p in _pending(admins[ORGS[1]])}:
+            assert time.monotonic() < end, "the proposal never reached hospital-b"
+            time.sleep(0.2)
+        signed = admins[ORGS[1]].post(f"/v1/federation/proposals/{digest}/signature")
+        assert signed.status_code == 200, signed.text
+        while admins[ORGS[0]].get("/v1/federation/manifest").json()["version"] != 1:
+            assert time.monotonic() < end, "hospital-a never installed the removal"
+            time.sleep(0.2)
+        for c in admins.values():
+            c.close()
+        assert not _handshake(ports[0], removed)
+        assert _handshake(ports[0], identity_of(dirs[ORGS[1]]))
+
         for proc in procs.values():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -169,3 +204,26 @@ def test_three_node_processes_train_two_rounds_and_stop_on_sigterm(tmp_path: Pat
             if proc.stdout is not None:
                 proc.stdout.close()
     assert all(port_is_free(p) for p in ports)
+
+
+def identity_of(data_dir: Path) -> OrgIdentity:
+    return OrgIdentity.load(data_dir / "identity")
+
+
+def _pending(client: httpx.Client) -> list[dict[str, object]]:
+    data: list[dict[str, object]] = client.get("/v1/federation/proposals").json()["data"]
+    return data
+
+
+def _handshake(port: int, who: OrgIdentity) -> bool:
+    """Whether ``who``'s certificate completes a TLS handshake (and an HTTP exchange)
+    with the peer port on ``port``."""
+    try:
+        with (
+            socket.create_connection(("127.0.0.1", port), timeout=10) as raw,
+            client_ssl_context(who).wrap_socket(raw) as tls,
+        ):
+            tls.sendall(b"POST / HTTP/1.1\r\nHost: peer\r\nContent-Length: 0\r\n\r\n")
+            return bool(tls.recv(1))
+    except (ssl.SSLError, ConnectionResetError, BrokenPipeError):
+        return False

@@ -23,7 +23,7 @@ from coordinator_free.membership import SwimConfig
 from coordinator_free.memory import InMemoryNetwork
 from sqlmodel import Session
 
-import org_node.node_proposals as node_proposals
+import org_node.node.proposals as node_proposals
 from api.app import create_app
 from api.settings import Settings
 from org_node.db.engine import default_database_url, make_engine
@@ -237,7 +237,7 @@ def test_a_run_started_at_its_quorum_runs_with_those_that_consented(tmp_path: Pa
             # 10 s to the deadline, then two rounds: well inside 40 s unless a round
             # waits out org-c's ready (30 s a round)
             rows = await await_states(clients, "q1", {"completed", "cancelled"}, timeout=40)
-            active = nodes["org-a"]._active
+            active = nodes["org-a"].runs.active
             assert active is not None
             state = EngineState.from_bytes(active.engine.state_path.read_bytes())
             metrics = (await clients["org-a"].get("/v1/runs/q1/metrics")).json()["data"]

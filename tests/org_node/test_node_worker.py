@@ -104,7 +104,7 @@ def test_the_trainer_runs_in_the_worker_never_in_the_node(tmp_path: Path) -> Non
                 if all(r["state"] in ("completed", "failed") for r in rows.values()):
                     break
                 await asyncio.sleep(0.1)
-            workers = {o: n._active.engine.trainer for o, n in nodes.items() if n._active}
+            workers = {o: n.runs.active.engine.trainer for o, n in nodes.items() if n.runs.active}
             return {"rows": rows, "workers": workers}
         finally:
             for c in clients.values():

@@ -4,8 +4,9 @@ the run's row, sharing the global model, resuming a run after a restart or a rec
 (and waiting, with the reason on the run's row, while its trainer or dataset is not
 back), and catching up with a federation that is ahead.
 
-:class:`RunHost` is mixed into :class:`~org_node.node.OrgNode`, which owns the state
-declared at the top of the class.
+:class:`Runs` is one part of :class:`~org_node.node.OrgNode`: it owns the active run
+and what waits to resume, and the loop owns both (the admin API's threads reach them
+only through the loop).
 """
 
 from __future__ import annotations
@@ -18,31 +19,23 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from coordinator_free.checkpoints import (
     GLOBAL_OWNER,
     GLOBAL_SET,
-    CheckpointReplicator,
     GlobalHistoryStore,
-    ShardStore,
 )
-from coordinator_free.endpoint import Endpoint
 from coordinator_free.erasure import CodeParams, ShardError
-from coordinator_free.gossip import Gossip
-from coordinator_free.manifest import Manifest
-from coordinator_free.membership import Membership
-from coordinator_free.rounds import ModelHashMismatch, RoundEngine
-from coordinator_free.rounds.ckks import CkksAggregator
-from sqlalchemy import Engine, update
+from coordinator_free.rounds import ModelHashMismatch
+from sqlalchemy import update
 from sqlmodel import Session
 
-from org_node.audit import AuditError, EgressLog
+from org_node.audit import AuditError
 from org_node.audit.facts import record_round
-from org_node.config import NodeConfig, NodePaths
 from org_node.consent import ConsentRefused, RunBinding, binding_of
 from org_node.db.models import Run, RunMetric, utcnow
 from org_node.db.repo import append_audit_event, update_versioned
@@ -60,16 +53,16 @@ from org_node.engine import (
     model_from_bytes,
     model_to_bytes,
 )
+from org_node.node.context import NodeContext
 from org_node.policy import RunSpec
 from org_node.privacy import PrivacyError
 from org_node.runs import InvalidTransition, RunAction, RunState, next_state
-from org_node.services import RunActivity, RunEventBus, ServiceRefused
+from org_node.services import RunActivity, ServiceRefused
 from org_node.trainers.base import WorkerSpec
-from org_node.trainers.catalog import TrainerCatalog
 from org_node.trainers.local import TrainerFailed, WorkerLaunch, WorkerTrainer
 from org_node.training.spec import LocalJobSpec
 
-__all__ = ["MODEL_TOPIC", "RESUME_RETRY_S", "RunHost", "TrainerFactory"]
+__all__ = ["MODEL_TOPIC", "RESUME_RETRY_S", "Runs", "TrainerFactory"]
 
 logger = logging.getLogger("org_node.node")
 
@@ -82,7 +75,6 @@ MODEL_TOPIC = "model"
 TrainerFactory = Callable[[RunPlan, Path, RunBinding], LocalTrainer]
 """``factory(plan, work_dir, binding)``: the local trainer of a run (by default a
 :class:`~org_node.trainers.local.WorkerTrainer` over a worker process)."""
-T = TypeVar("T")
 
 
 @dataclass
@@ -93,44 +85,39 @@ class _ActiveRun:
     task: asyncio.Task[None] | None = None
 
 
-class RunHost:
-    """Runs at this node (see the module docstring); the node provides the state below."""
+class Runs:
+    """Runs at this node (see the module docstring).
 
-    config: NodeConfig
-    paths: NodePaths
-    db: Engine
-    catalog: TrainerCatalog
-    org_identity: Any
-    egress: EgressLog
-    trainer_factory: TrainerFactory
-    debug_export: Path | None
-    rounds: RoundEngine | None
-    store: ShardStore | None
-    endpoint: Endpoint | None
-    membership: Membership | None
-    gossip: Gossip | None
-    history: GlobalHistoryStore | None
-    replicator: CheckpointReplicator | None
-    ckks: CkksAggregator | None
-    finished: dict[str, str]
-    _events: RunEventBus
-    _loop: asyncio.AbstractEventLoop | None
-    _active: _ActiveRun | None
-    _participants: tuple[str, ...]
-    _history_run: str
-    _retry: asyncio.Task[None] | None
-    _waiting: dict[str, tuple[str, Mapping[str, Any], tuple[str, ...] | None]]
-    _reasons: dict[str, str]
+    The admin API calls the ``on_run_*`` hooks, :meth:`run_activity` and
+    :meth:`active_run_id` from its worker threads (or, for reads, from the loop): each
+    hands its work to the node's loop (:meth:`NodeContext.on_loop`,
+    :meth:`NodeContext.read`), so no API thread ever reads or changes the state below,
+    which the loop owns.
+    """
 
-    def _require_manifest(self) -> Manifest:
-        raise NotImplementedError
-
-    def _on_loop(self, coro: Awaitable[T], timeout: float = 120.0) -> T:
-        raise NotImplementedError
+    def __init__(
+        self,
+        ctx: NodeContext,
+        trainer_factory: TrainerFactory | None = None,
+        debug_export: Path | None = None,
+    ) -> None:
+        self.ctx = ctx
+        self.trainer_factory: TrainerFactory = trainer_factory or self._worker_trainer
+        self.debug_export = debug_export
+        self.active: _ActiveRun | None = None
+        self.participants: tuple[str, ...] = ()
+        """The members of the active run's rounds (the round engine's ``peers``)."""
+        self.finished: dict[str, str] = {}
+        """Run id -> how it ended here (``completed``, ``failed: ...``)."""
+        self._history_run = ""
+        self._retry: asyncio.Task[None] | None = None
+        self._waiting: dict[str, tuple[str, Mapping[str, Any], tuple[str, ...] | None]] = {}
+        """Runs left running that cannot resume yet (run id -> name, spec, members)."""
+        self._reasons: dict[str, str] = {}
 
     def _node_config(self, binding: RunBinding) -> dict[str, Any]:
         """This org's Flower ``node_config``: its partition (demos) and bound dataset."""
-        training = self.config.training
+        training = self.ctx.config.training
         out: dict[str, Any] = {}
         if training.num_partitions > 1:
             out |= {
@@ -151,14 +138,14 @@ class RunHost:
 
     def _worker_trainer(self, plan: RunPlan, work_dir: Path, binding: RunBinding) -> LocalTrainer:
         """The run's trainer, in a worker process of its own (never in this one)."""
-        training = self.config.training
+        training = self.ctx.config.training
         spec = RunSpec.from_dict(plan.spec)
         trainer = binding.trainer.reference
         job = training.job_fields()
         worker = WorkerSpec(
             session="",
             node_pid=os.getpid(),
-            org_id=self.org_identity.org_id,
+            org_id=self.ctx.me,
             run_key=plan.run_key,
             trainer=trainer,
             run_config=dict(spec.config),
@@ -166,7 +153,7 @@ class RunHost:
             data=spec.data,
             dataset=binding.dataset,
             job=job,
-            model_seed=self.config.engine.model_seed,
+            model_seed=self.ctx.config.engine.model_seed,
             participants=len(plan.participants),
         )
         task_kind = trainer.kind in ("bundled", "task")
@@ -182,13 +169,13 @@ class RunHost:
     # -- runs -------------------------------------------------------------------------
 
     def _check_spec(self, spec: Mapping[str, Any]) -> RunPlan:
-        m = self._require_manifest()
+        m = self.ctx.require_manifest()
         name = "check"
         try:
             plan = RunPlan.from_spec(name, spec)
         except (KeyError, TypeError, ValueError) as exc:
             raise ServiceRefused(f"unreadable run spec: {exc}") from None
-        me = self.org_identity.org_id
+        me = self.ctx.me
         if me not in plan.participants:
             raise ServiceRefused(f"{me} is not among the run's participants")
         strangers = sorted(set(plan.participants) - set(m.member_ids))
@@ -209,49 +196,58 @@ class RunHost:
     def on_run_started(self, run_id: str, spec: Mapping[str, Any]) -> None:
         self._check_spec(spec)
         name = self._run_name(run_id)
-        self._on_loop(self._launch(run_id, name, spec))
+        self.ctx.on_loop(self.launch(run_id, name, spec))
 
     def on_run_paused(self, run_id: str, spec: Mapping[str, Any]) -> None:
-        active = self._require_active(run_id)
-        self._call_soon(active.paused.set)
+        self.ctx.read(lambda: self._require_active(run_id).paused.set())
 
     def on_run_resumed(self, run_id: str, spec: Mapping[str, Any]) -> None:
-        active = self._require_active(run_id)
-        self._call_soon(active.paused.clear)
+        self.ctx.read(lambda: self._require_active(run_id).paused.clear())
 
     def on_run_aborted(self, run_id: str, spec: Mapping[str, Any]) -> None:
+        self.ctx.read(lambda: self._abort(run_id))
+
+    def _abort(self, run_id: str) -> None:
         self._waiting.pop(run_id, None)
-        active = self._active
+        active = self.active
         if active is not None and active.run_id == run_id and active.task is not None:
-            self._call_soon(active.task.cancel)
+            active.task.cancel()
+
+    def active_run_id(self) -> str:
+        """The local id of the run whose engine runs here ("" when none does)."""
+        return self.ctx.read(lambda: self.active.run_id if self.active is not None else "")
+
+    def engine_status(self) -> str:
+        """``idle`` (no run's engine here), ``running`` or ``stopped`` (it ended)."""
+
+        def read() -> str:
+            active = self.active
+            if active is None or active.task is None:
+                return "idle"
+            return "stopped" if active.task.done() else "running"
+
+        return self.ctx.read(read)
 
     def run_activity(self, run_id: str) -> RunActivity | None:
-        """What ``run_id`` does now here (read on the node's loop, never from the API's
-        thread): its round, the stage, and whose messages the stage waits for."""
-        active = self._active
-        if active is None or active.run_id != run_id or self._loop is None:
-            return None
-        with contextlib.suppress(RuntimeError):
-            if asyncio.get_running_loop() is self._loop:  # an async route, on the loop
-                return self._activity(active)
-
-        async def read() -> RunActivity:
-            return self._activity(active)
-
+        """What ``run_id`` does now here (read on the node's loop): its round, the
+        stage, and whose messages the stage waits for."""
         try:
-            return self._on_loop(read(), timeout=2.0)
-        except Exception:  # the node is stopping: nothing to say
+            return self.ctx.read(lambda: self._activity(run_id), timeout=2.0)
+        except Exception:  # the node is not running, or stopping: nothing to say
             return None
 
-    def _activity(self, active: _ActiveRun) -> RunActivity:
+    def _activity(self, run_id: str) -> RunActivity | None:
+        active = self.active
+        if active is None or active.run_id != run_id:
+            return None
         engine = active.engine
         doing, since = engine.activity
         # the round counter moves on once a round's model is agreed, before its checkpoint
         done = engine.state.round - (doing == "checkpointing")
         now = RunActivity(done + 1, doing, since)
-        if doing != "aggregating" or self.rounds is None:
+        if doing != "aggregating" or self.ctx.rounds is None:
             return now
-        progress = self.rounds.progress(engine.plan.run_key)
+        progress = self.ctx.rounds.progress(engine.plan.run_key)
         if progress is None or progress.round // ATTEMPTS != engine.state.round:
             return now
         return RunActivity(
@@ -263,25 +259,20 @@ class RunHost:
             orgs=progress.waiting_for,
         )
 
-    def _call_soon(self, fn: Callable[[], Any]) -> None:
-        if self._loop is None:
-            raise ServiceRefused("the node is not running")
-        self._loop.call_soon_threadsafe(fn)
-
     def _require_active(self, run_id: str) -> _ActiveRun:
-        active = self._active
+        active = self.active
         if active is None or active.run_id != run_id:
             raise ServiceRefused("the run is not active on this node")
         return active
 
     def _run_name(self, run_id: str) -> str:
-        with Session(self.db) as session:
+        with Session(self.ctx.db) as session:
             row = session.get(Run, run_id)
             if row is None:
                 raise ServiceRefused(f"no run {run_id}")
             return row.name
 
-    async def _launch(
+    async def launch(
         self,
         run_id: str,
         name: str,
@@ -290,27 +281,27 @@ class RunHost:
     ) -> None:
         """Start the engine of the run (``members``: those taking part, when the run
         started at its quorum without every participant)."""
-        if self.rounds is None:
+        if self.ctx.rounds is None:
             raise ServiceRefused("the node has not joined a federation")
-        if self._active is not None and self._active.task and not self._active.task.done():
-            raise ServiceRefused(f"run {self._active.run_id} is still active on this node")
+        if self.active is not None and self.active.task and not self.active.task.done():
+            raise ServiceRefused(f"run {self.active.run_id} is still active on this node")
         try:
             plan = RunPlan.from_spec(name, spec, members)
         except EngineError as exc:
             raise ServiceRefused(str(exc)) from None
-        run_dir = self.paths.run_dir(plan.run_key)
-        rounds = self.rounds
-        if self._history_run != plan.run_key and self.store is not None:
+        run_dir = self.ctx.paths.run_dir(plan.run_key)
+        rounds = self.ctx.rounds
+        if self._history_run != plan.run_key and self.ctx.store is not None:
             # the history store numbers versions by round: start each run afresh
-            old = [s.manifest.version for s in self.store.list(GLOBAL_OWNER, GLOBAL_SET)]
+            old = [s.manifest.version for s in self.ctx.store.list(GLOBAL_OWNER, GLOBAL_SET)]
             if old:
-                self.store.delete(GLOBAL_OWNER, GLOBAL_SET, sorted(set(old)))
-            if self.endpoint is not None and self.membership is not None:
-                self.history = GlobalHistoryStore(
-                    self.endpoint,
-                    self.store,
-                    self.membership.live,
-                    params=CodeParams(self.config.checkpoint.k, self.config.checkpoint.m),
+                self.ctx.store.delete(GLOBAL_OWNER, GLOBAL_SET, sorted(set(old)))
+            if self.ctx.endpoint is not None and self.ctx.membership is not None:
+                self.ctx.history = GlobalHistoryStore(
+                    self.ctx.endpoint,
+                    self.ctx.store,
+                    self.ctx.membership.live,
+                    params=CodeParams(self.ctx.config.checkpoint.k, self.ctx.config.checkpoint.m),
                 )
             self._history_run = plan.run_key
 
@@ -319,7 +310,7 @@ class RunHost:
         def build() -> RunEngine:
             engine = RunEngine(
                 plan,
-                self.config.engine,
+                self.ctx.config.engine,
                 rounds=rounds,
                 trainer=self.trainer_factory(plan, run_dir / "worker", binding),
                 state_dir=run_dir,
@@ -327,7 +318,7 @@ class RunHost:
                 on_round=lambda report: self._on_round(run_id, report),
                 debug_export=self.debug_export,
                 catch_up=self._catch_up,
-                ckks=self.ckks,
+                ckks=self.ctx.ckks,
             )
             if engine.resume():
                 logger.info(
@@ -340,22 +331,22 @@ class RunHost:
             engine = await asyncio.to_thread(build)
         except EngineError as exc:
             raise ServiceRefused(str(exc)) from None
-        self._participants = plan.participants
+        self.participants = plan.participants
         active = _ActiveRun(run_id, engine)
         active.task = asyncio.create_task(self._drive(active), name=f"run:{run_id}")
-        self._active = active
-        self._events.publish(
+        self.active = active
+        self.ctx.events.publish(
             run_id, "engine", {"run_key": plan.run_key, "round": engine.state.round}
         )
 
     def _binding(self, run_id: str) -> RunBinding:
         """The trainer and dataset this org bound to the run, checked again now."""
-        with Session(self.db) as session:
+        with Session(self.ctx.db) as session:
             row = session.get(Run, run_id)
             if row is None:
                 raise ServiceRefused(f"no run {run_id}")
             try:
-                return binding_of(session, self.catalog, row)
+                return binding_of(session, self.ctx.catalog, row)
             except ConsentRefused as exc:
                 raise ServiceRefused(str(exc)) from None
 
@@ -368,7 +359,7 @@ class RunHost:
 
     async def _drive_engine(self, active: _ActiveRun) -> None:
         run_id = active.run_id
-        me = self.org_identity.org_id
+        me = self.ctx.me
         try:
             outcome = await active.engine.run(paused=active.paused)
         except asyncio.CancelledError:
@@ -385,16 +376,16 @@ class RunHost:
             reason = f"round {active.engine.state.round + 1} at {me}: {exc}"
             logger.warning("%s: run %s failed: %s", me, run_id, reason)
             self.finished[run_id] = f"failed: {reason}"
-            self._events.publish(run_id, "error", {"message": reason})
+            self.ctx.events.publish(run_id, "error", {"message": reason})
             await asyncio.to_thread(self._set_state, run_id, RunAction.FAIL, reason)
             return
         except Exception as exc:  # any other failure fails the run loudly, never silently
-            logger.exception("%s: run %s failed", self.org_identity.org_id, run_id)
+            logger.exception("%s: run %s failed", self.ctx.me, run_id)
             self.finished[run_id] = f"failed: {type(exc).__name__}: {exc}"
             await asyncio.to_thread(self._set_state, run_id, RunAction.FAIL, str(exc))
             return
         self.finished[run_id] = outcome.status
-        self._events.publish(
+        self.ctx.events.publish(
             run_id,
             "outcome",
             {
@@ -409,7 +400,7 @@ class RunHost:
         """Apply an engine outcome to the run's row (waits for the API's own commit)."""
         deadline = time.monotonic() + 30.0
         while True:
-            with Session(self.db) as session:
+            with Session(self.ctx.db) as session:
                 row = session.get(Run, run_id)
                 if row is None:
                     return
@@ -437,7 +428,7 @@ class RunHost:
                     version = row.version + 1
                     break
                 session.rollback()
-        self._events.publish(
+        self.ctx.events.publish(
             run_id, "state", {"state": new.value, "version": version, "reason": reason}
         )
 
@@ -452,7 +443,7 @@ class RunHost:
         }
         if report.epsilon_spent is not None:
             values["epsilon_spent"] = report.epsilon_spent
-        with Session(self.db) as session:
+        with Session(self.ctx.db) as session:
             for name, value in sorted(values.items()):
                 session.add(
                     RunMetric(run_id=run_id, round=report.round, name=name[:100], value=value)
@@ -462,13 +453,13 @@ class RunHost:
             )
             session.commit()
         with contextlib.suppress(Exception):
-            self.egress.sign_head(report.run_key, report.round)
+            self.ctx.egress.sign_head(report.run_key, report.round)
         try:
-            record_round(self.paths.run_dir(report.run_key), report, self._participants)
+            record_round(self.ctx.paths.run_dir(report.run_key), report, self.participants)
         except (OSError, AuditError) as exc:
             logger.warning("%s: round %d not added to the round log: %s", run_id, report.round, exc)
         self._share_model(report)
-        self._events.publish(
+        self.ctx.events.publish(
             run_id,
             "round",
             {
@@ -478,30 +469,30 @@ class RunHost:
                 "dropped": list(report.dropped),
             },
         )
-        self._events.publish(run_id, "metric", {"round": report.round, **values})
+        self.ctx.events.publish(run_id, "metric", {"round": report.round, **values})
 
     def _share_model(self, report: RoundReport) -> None:
         """Keep this node's shards of the new global model and gossip its content hash,
         so that a node back from a crash can rebuild it and rejoin."""
-        active = self._active
-        if active is None or self.history is None or self.gossip is None:
+        active = self.active
+        if active is None or self.ctx.history is None or self.ctx.gossip is None:
             return
         data = model_to_bytes(active.engine.state.model)
         sha = hashlib.sha256(data).hexdigest()
         try:
-            self.history.add_version(report.round, data, sha, members=report.survivors)
+            self.ctx.history.add_version(report.round, data, sha, members=report.survivors)
         except (ShardError, OSError) as exc:
-            logger.warning("%s: global model history: %s", self.org_identity.org_id, exc)
-        self.gossip.publish(MODEL_TOPIC, f"{report.run_key}/{report.round}", sha.encode())
+            logger.warning("%s: global model history: %s", self.ctx.me, exc)
+        self.ctx.gossip.publish(MODEL_TOPIC, f"{report.run_key}/{report.round}", sha.encode())
 
     async def _catch_up(self, run_key: str, round: int) -> tuple[int, dict[str, Any]] | None:
         """The newest model of ``run_key`` past ``round`` that two other members agree on,
         rebuilt from the global-model history shards and checked against its hash."""
-        if self.gossip is None or self.history is None or self.membership is None:
+        if self.ctx.gossip is None or self.ctx.history is None or self.ctx.membership is None:
             return None
-        me = self.org_identity.org_id
+        me = self.ctx.me
         votes: dict[tuple[int, str], set[str]] = {}
-        for record in self.gossip.records(MODEL_TOPIC):
+        for record in self.ctx.gossip.records(MODEL_TOPIC):
             key, _, num = record.key.rpartition("/")
             if key != run_key or not num.isdigit() or record.origin == me:
                 continue
@@ -513,26 +504,39 @@ class RunHost:
             return None
         newest, sha = agreed[-1]
         try:
-            data = await self.history.rebuild(newest, sha, self.membership.live())
+            data = await self.ctx.history.rebuild(newest, sha, self.ctx.membership.live())
             return newest, model_from_bytes(data)
         except (ShardError, EngineError) as exc:
             logger.warning("%s: cannot rebuild round %d yet: %s", me, newest, exc)
             return None
 
     async def _checkpoint(self, state: bytes, version: int) -> None:
-        if self.replicator is None:
+        if self.ctx.replicator is None:
             return
-        await self.replicator.checkpoint(state, version)
+        await self.ctx.replicator.checkpoint(state, version)
 
-    async def _resume_runs(self) -> None:
+    async def stop(self) -> None:
+        """Abandon the active run's current round (its state stays at the last finished
+        round) and stop retrying the runs that wait to resume."""
+        active = self.active
+        if active is not None and active.task is not None:
+            active.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await active.task
+        if self._retry is not None:
+            self._retry.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._retry
+
+    async def resume(self) -> None:
         """Restart the engine of every run left running (a restart, or a recovered disk)."""
-        if not self.paths.runs.exists():
+        if not self.ctx.paths.runs.exists():
             return
-        for state_file in sorted(self.paths.runs.glob(f"*/{STATE_FILE}")):
+        for state_file in sorted(self.ctx.paths.runs.glob(f"*/{STATE_FILE}")):
             try:
                 state = EngineState.from_bytes(state_file.read_bytes())
             except EngineError as exc:
-                logger.warning("%s: unreadable %s: %s", self.org_identity.org_id, state_file, exc)
+                logger.warning("%s: unreadable %s: %s", self.ctx.me, state_file, exc)
                 continue
             if state.status != "running" or not state.plan:
                 continue
@@ -554,11 +558,11 @@ class RunHost:
         its admin registers it again, and the run resumes)."""
         for run_id, (name, spec, members) in list(self._waiting.items()):
             try:
-                await self._launch(run_id, name, spec, members)
+                await self.launch(run_id, name, spec, members)
             except ServiceRefused as exc:
-                reason = f"waiting to resume at {self.org_identity.org_id}: {exc}"
+                reason = f"waiting to resume at {self.ctx.me}: {exc}"
                 if self._reasons.get(run_id) != reason:
-                    logger.warning("%s: run %s %s", self.org_identity.org_id, run_id, reason)
+                    logger.warning("%s: run %s %s", self.ctx.me, run_id, reason)
                     self._reasons[run_id] = reason
                     await asyncio.to_thread(self._note_reason, run_id, reason)
                 continue
@@ -573,7 +577,7 @@ class RunHost:
                 await self._resume_waiting()
 
     def _note_reason(self, run_id: str, reason: str | None) -> None:
-        with Session(self.db) as session:
+        with Session(self.ctx.db) as session:
             session.execute(
                 update(Run).where(Run.id == run_id).values(state_reason=reason)  # type: ignore[arg-type]
             )
@@ -584,7 +588,7 @@ class RunHost:
         from sqlmodel import select
 
         name, spec = state.plan["name"], state.plan["spec"]
-        with Session(self.db) as session:
+        with Session(self.ctx.db) as session:
             rows = session.exec(select(Run).where(Run.name == name)).all()
             for row in rows:
                 if RunPlan.from_spec(row.name, row.spec).run_key == state.run_key:

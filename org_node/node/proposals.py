@@ -16,7 +16,8 @@ time the consents agree on (or cancels it, with the reason) — see
   policies checked again), a run that will not start is ``cancelled`` with the reason,
   and an org that did not consent in time is left out, saying so.
 
-:class:`ProposalHost` is mixed into :class:`~org_node.node.OrgNode`.
+:class:`RunProposals` is one part of :class:`~org_node.node.OrgNode`; it starts an
+agreed run through :meth:`~org_node.node.runs.Runs.launch`.
 """
 
 from __future__ import annotations
@@ -24,17 +25,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
-from coordinator_free.gossip import Gossip, RecordConflict, SignedRecord
-from coordinator_free.manifest import Manifest
-from sqlalchemy import Engine
+from coordinator_free.gossip import RecordConflict, SignedRecord
 from sqlmodel import Session, col, select
 
 from org_node.db.models import Run
 from org_node.db.repo import append_audit_event
+from org_node.node.context import NodeContext
 from org_node.proposals import (
     CONSENT_TOPIC,
     PROPOSAL_TOPIC,
@@ -55,9 +55,9 @@ from org_node.run_store import (
     store_consent,
 )
 from org_node.runs import TERMINAL_STATES, RunAction, RunState
-from org_node.services import ProposalRefused, RunEventBus, ServiceRefused, make_proposal
+from org_node.services import ProposalRefused, ServiceRefused, make_proposal
 
-__all__ = ["RESPREAD_PERIOD_S", "SETTLE_PERIOD_S", "ProposalHost"]
+__all__ = ["RESPREAD_PERIOD_S", "SETTLE_PERIOD_S", "Launch", "RunProposals"]
 
 logger = logging.getLogger("org_node.node")
 
@@ -69,7 +69,8 @@ RESPREAD_PERIOD_S = 600.0
 gossip's record lifetime (``GossipConfig.ttl_s``, an hour), so a member back after any
 absence still receives them (a record the others still hold costs nothing to re-send)."""
 
-T = TypeVar("T")
+Launch = Callable[[str, str, Mapping[str, Any], tuple[str, ...] | None], Awaitable[None]]
+"""``launch(run_id, name, spec, members)``: start the engine of an agreed run."""
 
 
 @dataclass(frozen=True)
@@ -83,58 +84,40 @@ class _Due:
     outcome: Outcome
 
 
-class ProposalHost:
-    """Run proposals and consents (see the module docstring); the node provides the state
-    below and ``_launch`` (:class:`~org_node.node_runs.RunHost`)."""
+class RunProposals:
+    """Run proposals and consents (see the module docstring); ``launch`` starts an agreed
+    run's engine (:meth:`~org_node.node.runs.Runs.launch`)."""
 
-    db: Engine
-    gossip: Gossip | None
-    org_identity: Any
-    _events: RunEventBus
-    _loop: asyncio.AbstractEventLoop | None
-    _settle: asyncio.Task[None] | None
-    _starting: set[str]
-
-    def _require_manifest(self) -> Manifest:
-        raise NotImplementedError
-
-    def _on_loop(self, coro: Awaitable[T], timeout: float = 120.0) -> T:
-        raise NotImplementedError
-
-    async def _launch(
-        self,
-        run_id: str,
-        name: str,
-        spec: Mapping[str, Any],
-        members: tuple[str, ...] | None = None,
-    ) -> None:
-        raise NotImplementedError
+    def __init__(self, ctx: NodeContext, launch: Launch) -> None:
+        self.ctx = ctx
+        self._launch = launch
+        self._settle: asyncio.Task[None] | None = None
+        self._starting: set[str] = set()
+        """Runs whose agreed start is in progress (not started twice)."""
 
     # -- called by the admin API (worker threads) --------------------------------------
 
     def propose_run(
         self, name: str, spec: Mapping[str, Any], consent_timeout_s: int, start_delay_s: int
     ) -> Proposal:
-        m = self._require_manifest()
-        if self.gossip is None:
+        m = self.ctx.require_manifest()
+        if self.ctx.gossip is None:
             raise ServiceRefused("the node is not running in its federation")
-        proposal = make_proposal(
-            self.org_identity.org_id, m, name, spec, consent_timeout_s, start_delay_s
-        )
+        proposal = make_proposal(self.ctx.me, m, name, spec, consent_timeout_s, start_delay_s)
         size = len(proposal.to_record())
-        if size > self.gossip.config.max_record_bytes:
+        if size > self.ctx.gossip.config.max_record_bytes:
             raise ProposalRefused(
                 f"the proposal is {size} bytes, more than a gossip record holds "
-                f"({self.gossip.config.max_record_bytes}): shorten its config"
+                f"({self.ctx.gossip.config.max_record_bytes}): shorten its config"
             )
         return proposal
 
     def announce_run(self, run_id: str) -> None:
         records = self._own_records(run_id)
-        if not records or self._loop is None:
+        if not records or self.ctx.loop is None:
             return
         try:
-            self._on_loop(self._publish(records), timeout=10.0)
+            self.ctx.on_loop(self._publish(records), timeout=10.0)
         except Exception as exc:  # spread again when the node starts; never fail the API
             logger.warning("%s: run %s not announced yet: %s", self._me, run_id, exc)
 
@@ -142,13 +125,13 @@ class ProposalHost:
 
     @property
     def _me(self) -> str:
-        return str(self.org_identity.org_id)
+        return str(self.ctx.me)
 
     def _own_records(self, run_id: str | None = None) -> list[tuple[str, str, bytes]]:
         """(topic, run key, record) of this org's proposals and consents in the database
         (of one run, or of every run not yet ended)."""
         out: list[tuple[str, str, bytes]] = []
-        with Session(self.db) as session:
+        with Session(self.ctx.db) as session:
             if run_id is not None:
                 row = session.get(Run, run_id)
                 rows = [] if row is None else [row]
@@ -180,20 +163,26 @@ class ProposalHost:
         return out
 
     async def _publish(self, records: list[tuple[str, str, bytes]]) -> None:
-        if self.gossip is None:
+        if self.ctx.gossip is None:
             raise ServiceRefused("the node is not running in its federation")
         for topic, key, record in records:
             try:
-                self.gossip.publish(topic, key, record)
+                self.ctx.gossip.publish(topic, key, record)
             except RecordConflict as exc:  # a restarted node's store is empty: cannot happen
                 logger.warning("%s: %s", self._me, exc)
 
     # -- records from the participants -------------------------------------------------
 
-    async def _start_proposals(self) -> None:
+    async def start(self) -> None:
         """Spread this org's records again and follow everyone's (node start)."""
         await self._respread()
         self._settle = asyncio.create_task(self._follow_and_settle(), name="run-proposals")
+
+    async def stop(self) -> None:
+        if self._settle is not None:
+            self._settle.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._settle
 
     async def _respread(self) -> None:
         """Spread this org's records of every run not yet ended (a no-op for a record
@@ -202,10 +191,10 @@ class ProposalHost:
             await self._publish(await asyncio.to_thread(self._own_records))
 
     async def _follow_and_settle(self) -> None:
-        assert self.gossip is not None
-        queues = [self.gossip.subscribe(t) for t in (PROPOSAL_TOPIC, CONSENT_TOPIC)]
+        assert self.ctx.gossip is not None
+        queues = [self.ctx.gossip.subscribe(t) for t in (PROPOSAL_TOPIC, CONSENT_TOPIC)]
         for topic in (PROPOSAL_TOPIC, CONSENT_TOPIC):  # those received before subscribing
-            for record in self.gossip.records(topic):
+            for record in self.ctx.gossip.records(topic):
                 await self._take(record)
         loop = asyncio.get_running_loop()
         respread_at = loop.time() + RESPREAD_PERIOD_S
@@ -245,7 +234,7 @@ class ProposalHost:
     def _store_proposal(self, proposal: Proposal, signature: str) -> None:
         if self._me not in proposal.participants or proposal.proposer == self._me:
             return
-        with Session(self.db) as session:
+        with Session(self.ctx.db) as session:
             known = session.exec(
                 select(Run).where((Run.run_key == proposal.run_key) | (Run.name == proposal.name))
             ).all()
@@ -281,17 +270,17 @@ class ProposalHost:
         logger.info(
             "%s: %s proposed run %r (%s)", self._me, proposal.proposer, proposal.name, run_id
         )
-        self._events.publish(run_id, "state", {"state": RunState.PROPOSED.value, "version": 1})
+        self.ctx.events.publish(run_id, "state", {"state": RunState.PROPOSED.value, "version": 1})
 
     def _store_consent(self, consent: Consent, signature: str) -> None:
         if consent.org == self._me:
             return  # this org's own decision is recorded by the API
-        with Session(self.db) as session:
+        with Session(self.ctx.db) as session:
             if store_consent(session, consent, signature):
                 session.commit()
                 row = session.exec(select(Run).where(Run.run_key == consent.run_key)).first()
                 if row is not None:
-                    self._events.publish(
+                    self.ctx.events.publish(
                         row.id,
                         "consent",
                         {
@@ -307,7 +296,7 @@ class ProposalHost:
         """Every pending run with a proposal, and what its consents mean now."""
         out: list[_Due] = []
         now = now_ms()
-        with Session(self.db) as session:
+        with Session(self.ctx.db) as session:
             rows = session.exec(
                 select(Run).where(
                     col(Run.state).in_(PENDING_STATES), col(Run.proposal).is_not(None)
@@ -334,7 +323,7 @@ class ProposalHost:
                     await self._start_agreed(due)
 
     def _finish_pending(self, run_id: str, reason: str) -> None:
-        with Session(self.db) as session:
+        with Session(self.ctx.db) as session:
             row = session.get(Run, run_id)
             if row is None or row.state not in PENDING_STATES:
                 return
@@ -344,13 +333,13 @@ class ProposalHost:
             session.commit()
             version = row.version + 1
         logger.info("%s: run %s cancelled: %s", self._me, run_id, reason)
-        self._events.publish(
+        self.ctx.events.publish(
             run_id, "state", {"state": new.value, "version": version, "reason": reason}
         )
 
     def _note_start(self, run_id: str, start_at_ms: int) -> None:
         at = from_ms(start_at_ms)
-        with Session(self.db) as session:
+        with Session(self.ctx.db) as session:
             row = session.get(Run, run_id)
             if row is None or row.start_at == at:
                 return
@@ -376,14 +365,14 @@ class ProposalHost:
                 logger.warning("%s: run %s %s", self._me, due.run_id, reason)
                 await asyncio.to_thread(self._fail_start, due.run_id, reason)
                 return
-            self._events.publish(due.run_id, "state", {"state": "running", "version": started})
+            self.ctx.events.publish(due.run_id, "state", {"state": "running", "version": started})
         finally:
             self._starting.discard(due.run_id)
 
     def _mark_started(self, run_id: str) -> int | None:
         from org_node.policy import RunSpec
 
-        with Session(self.db) as session:
+        with Session(self.ctx.db) as session:
             row = session.get(Run, run_id)
             if row is None or row.state != RunState.ACCEPTED.value:
                 return None
@@ -405,10 +394,10 @@ class ProposalHost:
             return row.version + 1
 
     def _fail_start(self, run_id: str, reason: str) -> None:
-        with Session(self.db) as session:
+        with Session(self.ctx.db) as session:
             row = session.get(Run, run_id)
             if row is not None and apply_action(
                 session, row, RunAction.FAIL, {"state_reason": reason[:2000]}
             ):
                 session.commit()
-        self._events.publish(run_id, "state", {"state": "failed", "reason": reason})
+        self.ctx.events.publish(run_id, "state", {"state": "failed", "reason": reason})

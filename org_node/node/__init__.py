@@ -1,0 +1,45 @@
+"""The org node: the runtime of one org, composed of its parts.
+
+Owns the node's lifecycle and everything it does between the layers below and the
+admin API above:
+
+* :mod:`~org_node.node.assembly` — :class:`OrgNode`, the composition root of the
+  node: builds the layers in order, starts and stops them, and serves
+  :class:`~org_node.services.NodeServices` by handing each call to one part;
+* :mod:`~org_node.node.context` — :class:`NodeContext`, the state the parts share, and
+  the two ways another thread reaches what the node's event loop owns;
+* :mod:`~org_node.node.federation` — membership proposals, installing a manifest
+  version, and whom the peer port trusts;
+* :mod:`~org_node.node.proposals` — runs proposed once, consented to, started together;
+* :mod:`~org_node.node.runs` — the active run's engine behind one thread-safe façade;
+* :mod:`~org_node.node.checkpoints` — this org's checkpoints at its peers, and recovery.
+
+May import ``coordinator_free``, ``secure_agg`` (through them) and the rest of
+``org_node``; never ``api`` (which imports this package: ``api.serve`` starts the node).
+"""
+
+from org_node.node.assembly import (
+    HARNESS_EXPORT_ENV,
+    NodeError,
+    OrgNode,
+    load_secret,
+    read_chain,
+    save_secret,
+)
+from org_node.node.checkpoints import recover_state
+from org_node.node.context import NodeContext
+from org_node.node.federation import write_chain
+from org_node.node.runs import TrainerFactory
+
+__all__ = [
+    "HARNESS_EXPORT_ENV",
+    "NodeContext",
+    "NodeError",
+    "OrgNode",
+    "TrainerFactory",
+    "load_secret",
+    "read_chain",
+    "recover_state",
+    "save_secret",
+    "write_chain",
+]

@@ -1,0 +1,428 @@
+"""The org node's composition root: every layer and part composed into one object that
+serves the admin API.
+
+:class:`OrgNode` builds the node's shared :class:`~org_node.node.context.NodeContext`
+(identity, recovery secret, config, database, egress log, trainer catalog, run event
+bus, the verified manifest chain) and, when it starts, the layers on it in order: the
+signed :class:`~coordinator_free.endpoint.Endpoint` (over mutual-TLS HTTPS, or an
+in-memory transport in tests) with the egress log as its egress hook, the shard store
+and the :class:`~coordinator_free.checkpoints.ShardService` it serves to its peers, the
+leaderless :class:`~coordinator_free.rounds.RoundEngine` and the CKKS aggregator, SWIM
+:class:`~coordinator_free.membership.Membership`, signed
+:class:`~coordinator_free.gossip.Gossip`, the
+:class:`~coordinator_free.checkpoints.CheckpointReplicator` of its own private state and
+the global-model history. Its parts each own one concern:
+
+* :class:`~org_node.node.federation.Federation` — membership changes and the installed
+  manifest (and so whom the peer port trusts);
+* :class:`~org_node.node.proposals.RunProposals` — runs proposed once, consented to by
+  each participant, started at the agreed time;
+* :class:`~org_node.node.runs.Runs` — the active run's engine, its hooks, resuming;
+* :class:`~org_node.node.checkpoints.Checkpoints` — this org's checkpoints at its peers.
+
+It implements :class:`~org_node.services.NodeServices` by handing each call to the part
+that owns it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from coordinator_free.checkpoints import (
+    CheckpointReplicator,
+    GlobalHistoryStore,
+    ShardService,
+    ShardStore,
+)
+from coordinator_free.endpoint import Endpoint
+from coordinator_free.erasure import CodeParams
+from coordinator_free.errors import CoordinatorFreeError, ManifestError
+from coordinator_free.gossip import Gossip, GossipConfig
+from coordinator_free.identity import OrgIdentity
+from coordinator_free.manifest import Manifest, Member, load_chain
+from coordinator_free.membership import Membership, MemberState, SwimConfig
+from coordinator_free.rounds import (
+    RoundConfig,
+    RoundEngine,
+    endpoint_signer,
+    secagg_sessions,
+)
+from coordinator_free.rounds.ckks import CkksAggregator
+from coordinator_free.sealed import RecoverySecret, atomic_write
+from coordinator_free.tls import TlsTransport
+from coordinator_free.transport import Transport
+from sqlalchemy import Engine
+
+from org_node import __version__
+from org_node.audit import EgressLog, RunFacts
+from org_node.audit.facts import node_report, node_run_facts
+from org_node.config import NodeConfig, NodePaths
+from org_node.db.engine import default_database_url, make_engine, migrate
+from org_node.engine import ATTEMPTS
+from org_node.node.checkpoints import Checkpoints
+from org_node.node.context import NodeContext
+from org_node.node.federation import Federation
+from org_node.node.proposals import RunProposals
+from org_node.node.runs import Runs, TrainerFactory
+from org_node.observability import Observability
+from org_node.proposals import Proposal
+from org_node.services import (
+    CheckpointInfo,
+    NodeHealth,
+    NodeIdentityInfo,
+    RunActivity,
+    RunEventBus,
+    ShardReport,
+)
+from org_node.trainers.catalog import TrainerCatalog
+
+__all__ = [
+    "HARNESS_EXPORT_ENV",
+    "NodeError",
+    "OrgNode",
+    "load_secret",
+    "read_chain",
+    "save_secret",
+]
+
+logger = logging.getLogger("org_node.node")
+
+HARNESS_EXPORT_ENV = "FEDWEAVE_HARNESS_DEBUG_EXPORT"
+"""Test harnesses only: a directory for each round's plaintext update (see
+:mod:`org_node.engine`); refused unless the config says ``[debug] harness = true``."""
+
+
+class NodeError(Exception):
+    """The node cannot start or act as asked (the message says why)."""
+
+
+def save_secret(path: Path, secret: RecoverySecret) -> None:
+    """Write the recovery secret (hex) with mode 0600."""
+    atomic_write(path, secret.hex().encode() + b"\n", mode=0o600)
+
+
+def load_secret(path: Path) -> RecoverySecret:
+    try:
+        return RecoverySecret.from_hex(path.read_text().strip())
+    except (OSError, ValueError) as exc:
+        raise NodeError(f"cannot read the recovery secret {path}: {exc}") from None
+
+
+class OrgNode(NodeContext):
+    """One org's running node (see the module docstring). It is the context its parts
+    share, so the layers are its attributes (``node.gossip``, ``node.rounds`` …)."""
+
+    def __init__(
+        self,
+        data_dir: Path,
+        config: NodeConfig,
+        identity: OrgIdentity,
+        secret: RecoverySecret,
+        *,
+        chain: list[Manifest] | None = None,
+        db: Engine | None = None,
+        transport: Transport | None = None,
+        trainer_factory: TrainerFactory | None = None,
+        swim: SwimConfig | None = None,
+        round_config: RoundConfig | None = None,
+        events: RunEventBus | None = None,
+    ) -> None:
+        if identity.org_id != config.node.org_id:
+            raise NodeError(
+                f"the identity is {identity.org_id!r} but the config says {config.node.org_id!r}"
+            )
+        paths = NodePaths(Path(data_dir))
+        super().__init__(
+            paths=paths,
+            config=config,
+            org_identity=identity,
+            secret=secret,
+            db=db or make_engine(default_database_url(paths.root)),
+            egress=EgressLog(identity, paths.egress_log),
+            catalog=TrainerCatalog(config.trainers),
+            events=events or RunEventBus(),
+            chain=list(chain or []),
+        )
+        self._transport = transport
+        fast = config.debug.fast_membership
+        self.swim = swim or (
+            SwimConfig(period_s=0.2, ping_timeout_s=0.08) if fast else SwimConfig()
+        )
+        self.round_config = round_config or RoundConfig(
+            ready_timeout=config.engine.ready_timeout_s,
+            lookahead_rounds=2 * ATTEMPTS,
+            owner_unmask_from=config.engine.owner_unmask_from or None,
+        )
+        self.observability = Observability(
+            identity.org_id,
+            self.chain[-1].federation if self.chain else "",
+            attempts_per_round=ATTEMPTS,
+        )
+        """Stage metrics, peer fault scores and the round timeline (dashboard, /metrics)."""
+        self.federation = Federation(self)
+        self.runs = Runs(self, trainer_factory, _debug_export(config))
+        self.run_proposals = RunProposals(self, self.runs.launch)
+        self.stored_checkpoints = Checkpoints(self, self.runs)
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def open(cls, data_dir: Path, **kw: Any) -> OrgNode:
+        """A node from an initialized data directory (``fedweave init``)."""
+        paths = NodePaths(Path(data_dir))
+        if not paths.config.exists():
+            raise NodeError(f"{data_dir} is not a node data directory: run `fedweave init`")
+        config = NodeConfig.load(paths.config)
+        try:
+            identity = OrgIdentity.load(paths.identity_dir)
+        except CoordinatorFreeError as exc:
+            raise NodeError(str(exc)) from None
+        secret = load_secret(paths.secret)
+        chain = read_chain(paths.chain) if paths.chain.exists() else []
+        return cls(paths.root, config, identity, secret, chain=chain, **kw)
+
+    def _live(self) -> list[str]:
+        """Members the SWIM view believes alive (all of them before it is running)."""
+        if self.membership is None:
+            return list(self._peers_for_rounds())
+        return self.membership.live()
+
+    def _peers_for_rounds(self) -> tuple[str, ...]:
+        m = self.current_manifest
+        return self.runs.participants or (m.member_ids if m is not None else ())
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Migrate the database, join the federation's overlay, resume a running run."""
+        self.loop = asyncio.get_running_loop()
+        await asyncio.to_thread(migrate, self.db)
+        manifest = self.current_manifest
+        if manifest is None:
+            logger.info("%s: no federation installed yet", self.me)
+            return
+        endpoint = self._build_endpoint(manifest)
+        self._build_rounds(endpoint)
+        await endpoint.start()
+        self.membership = await Membership.create(endpoint, manifest.member_ids, self.swim)
+        self.gossip = await Gossip.create(
+            endpoint,
+            self.membership,
+            GossipConfig(period_s=min(GossipConfig().period_s, self.swim.period_s)),
+        )
+        self._build_checkpoints(endpoint, self.membership)
+        self.federation.start()
+        await self.runs.resume()
+        await self.run_proposals.start()
+
+    def _build_endpoint(self, manifest: Manifest) -> Endpoint:
+        """The signed endpoint over mutual TLS (or the given transport), and the shard
+        store and service it carries."""
+        transport = self._transport
+        if transport is None:
+            self.tls = TlsTransport(
+                self.org_identity,
+                lambda: self.current_manifest.peer_addresses() if self.current_manifest else {},
+            )
+            transport = self.tls
+        endpoint = Endpoint(
+            self.org_identity,
+            manifest.federation,
+            transport,
+            self.member_keys,
+            on_egress=self.egress,
+        )
+        self.endpoint = endpoint
+        self.store = ShardStore(
+            self.paths.shards, quota_bytes_per_owner=self.config.checkpoint.quota_mb << 20
+        )
+        ShardService(endpoint, self.store, self.member_keys)
+        return endpoint
+
+    def _build_rounds(self, endpoint: Endpoint) -> None:
+        """The round engine (watched by the observability) and the CKKS aggregator."""
+        self.rounds = RoundEngine(
+            endpoint,
+            self._peers_for_rounds,
+            secagg_sessions(*endpoint_signer(endpoint)),
+            self.round_config,
+            live=self._live,
+        )
+        self.observability.attach(self.rounds)
+        self.ckks = CkksAggregator(
+            endpoint,
+            model_hashes=self.rounds.model_hashes,
+            timeout=self.round_config.stage_timeout * 3,
+        )
+
+    def _build_checkpoints(self, endpoint: Endpoint, membership: Membership) -> None:
+        """This org's checkpoint replicator and the federation's global-model history."""
+        assert self.store is not None
+        params = CodeParams(self.config.checkpoint.k, self.config.checkpoint.m)
+        self.replicator = CheckpointReplicator(
+            endpoint,
+            self.secret,
+            membership.live,
+            params=params,
+            retention=self.config.checkpoint.retention,
+        )
+        self.history = GlobalHistoryStore(endpoint, self.store, membership.live, params=params)
+
+    async def stop(self) -> None:
+        """Abandon the current round cleanly (state stays at the last finished round), leave."""
+        await self.runs.stop()
+        await self.federation.stop()
+        await self.run_proposals.stop()
+        if self.replicator is not None:
+            await self.replicator.close()
+        if self.gossip is not None:
+            await self.gossip.stop()
+        if self.membership is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.membership.leave(), 2.0)
+            await self.membership.stop()
+        if self.endpoint is not None:
+            await self.endpoint.close()
+        self.egress.close()
+
+    # ------------------------------------------------------------------ NodeServices
+
+    def identity(self) -> NodeIdentityInfo:
+        return NodeIdentityInfo(
+            org_id=self.me,
+            display_name=self.config.node.display_name or self.me,
+            fingerprint=self.org_identity.fingerprint,
+            endpoint=self.config.network.peer_url,
+            version=__version__,
+        )
+
+    def health(self) -> NodeHealth:
+        checks: dict[str, str] = {}
+        checks["federation"] = "ok" if self.current_manifest else "no federation installed"
+        if self.membership is not None:
+            alive = len(self.membership.live()) - 1
+            checks["peers"] = f"ok ({alive} live)"
+        status = self.runs.engine_status() if self.loop is not None else "idle"
+        checks["engine"] = "stopped" if status == "stopped" else "ok"
+        return NodeHealth(ready=self.current_manifest is not None, checks=checks)
+
+    def manifest(self) -> Manifest | None:
+        return self.current_manifest
+
+    def proposals(self) -> list[Manifest]:
+        if self.loop is None:
+            return []
+        return self.federation.proposals()
+
+    def propose_add(self, member: Member, note: str) -> Manifest:
+        return self.federation.propose_add(member, note)
+
+    def propose_remove(self, org_id: str, note: str) -> Manifest:
+        return self.federation.propose_remove(org_id, note)
+
+    def sign_proposal(self, digest: str) -> Manifest:
+        return self.federation.sign_proposal(digest)
+
+    def trusted_certificates(self) -> list[bytes]:
+        """Whom the peer port admits now: the current members' certificates."""
+        return self.federation.trusted()
+
+    def peers(self) -> list[MemberState]:
+        membership = self.membership
+        if membership is None:
+            return []
+        view = self.read(membership.view)
+        return [s for org, s in sorted(view.items()) if org != self.me]
+
+    def identity_record(self) -> Member:
+        """This org's member record (what ``fedweave init`` writes to ``member.json``)."""
+        return Member.from_identity(
+            self.org_identity,
+            self.config.node.display_name or self.me,
+            self.config.network.peer_url,
+        )
+
+    def propose_run(
+        self, name: str, spec: Mapping[str, Any], consent_timeout_s: int, start_delay_s: int
+    ) -> Proposal:
+        return self.run_proposals.propose_run(name, spec, consent_timeout_s, start_delay_s)
+
+    def announce_run(self, run_id: str) -> None:
+        self.run_proposals.announce_run(run_id)
+
+    def on_run_accepted(self, run_id: str, spec: Mapping[str, Any]) -> None:
+        self.runs.on_run_accepted(run_id, spec)
+
+    def on_run_declined(self, run_id: str, spec: Mapping[str, Any]) -> None:
+        self.runs.on_run_declined(run_id, spec)
+
+    def on_run_started(self, run_id: str, spec: Mapping[str, Any]) -> None:
+        self.runs.on_run_started(run_id, spec)
+
+    def on_run_paused(self, run_id: str, spec: Mapping[str, Any]) -> None:
+        self.runs.on_run_paused(run_id, spec)
+
+    def on_run_resumed(self, run_id: str, spec: Mapping[str, Any]) -> None:
+        self.runs.on_run_resumed(run_id, spec)
+
+    def on_run_aborted(self, run_id: str, spec: Mapping[str, Any]) -> None:
+        self.runs.on_run_aborted(run_id, spec)
+
+    def run_activity(self, run_id: str) -> RunActivity | None:
+        return self.runs.run_activity(run_id)
+
+    def checkpoints(self) -> list[CheckpointInfo]:
+        return self.stored_checkpoints.checkpoints()
+
+    def verify_checkpoint(self, checkpoint_id: str) -> ShardReport:
+        return self.stored_checkpoints.verify(checkpoint_id)
+
+    def restore_checkpoint(self, checkpoint_id: str) -> CheckpointInfo:
+        return self.stored_checkpoints.restore(checkpoint_id)
+
+    def run_facts(self, run_id: str) -> RunFacts:
+        """The facts of run ``run_id``'s privacy report, from this node's database, round
+        log and engine config (:func:`org_node.audit.facts.node_run_facts`)."""
+        return node_run_facts(
+            self.db, self.paths.root, run_id, org_id=self.me, config=self.config.engine
+        )
+
+    def run_report(self, run_id: str) -> Mapping[str, Any]:
+        """The signed privacy report of run ``run_id`` (:class:`~org_node.services.RunReports`)."""
+        return node_report(
+            self.db,
+            self.paths.root,
+            run_id,
+            identity=self.org_identity,
+            config=self.config.engine,
+            log=self.egress,
+        )
+
+
+def _debug_export(config: NodeConfig) -> Path | None:
+    target = os.environ.get(HARNESS_EXPORT_ENV)
+    if not target:
+        return None
+    if not config.debug.harness:
+        raise NodeError(
+            f"{HARNESS_EXPORT_ENV} is set but the config does not say "
+            "[debug] harness = true; refusing to write plaintext updates"
+        )
+    logger.warning("harness debug export is ON: plaintext updates go to %s", target)
+    return Path(target)
+
+
+def read_chain(path: Path) -> list[Manifest]:
+    """Read and verify a manifest chain file."""
+    try:
+        versions = load_chain(path.read_bytes())
+        Manifest.verify_chain(versions)
+    except (OSError, ManifestError) as exc:
+        raise NodeError(f"cannot use the federation manifest {path}: {exc}") from None
+    return versions
