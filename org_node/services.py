@@ -33,6 +33,7 @@ __all__ = [
     "NodeHealth",
     "NodeIdentityInfo",
     "NodeServices",
+    "PeerHeads",
     "ProposalRefused",
     "RunActivities",
     "RunActivity",
@@ -298,6 +299,16 @@ class NodeServices(Protocol):
     def verify_checkpoint(self, checkpoint_id: str) -> ShardReport: ...
 
     def restore_checkpoint(self, checkpoint_id: str) -> CheckpointInfo: ...
+
+
+@runtime_checkable
+class PeerHeads(Protocol):
+    """A node that can ask its live members for the signed heads of its own egress log
+    they hold (``GET /v1/audit/peer-heads``)."""
+
+    def peer_heads(self) -> list[Any]:
+        """The heads (:class:`org_node.audit.SignedHead`) peers hold now, oldest first."""
+        ...
 
 
 @runtime_checkable

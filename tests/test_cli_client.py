@@ -349,3 +349,34 @@ def test_runs_show_says_whose_message_a_round_under_way_waits_for(
     assert "now: round 3: training on this org's data, since 2027-01-15" in r.output
     r = invoke(client_api, "runs", "list")
     assert "round 3: training on this org's data" in r.output
+
+
+def test_audit_verify_from_peers_catches_a_log_cut_short(client_api: Api, tmp_path: Path) -> None:
+    """``audit verify --from-peers`` asks the node for the heads of its log that its peers
+    hold: the whole log agrees with them and says how many entries follow the last; the
+    log cut before that head fails, naming the entries removed."""
+    from coordinator_free.wire import Envelope
+
+    from org_node.audit import EgressLog
+    from tests.api.conftest import ORG, identity
+
+    log_path = tmp_path / "egress.jsonl"
+    log = EgressLog(identity(ORG), log_path)
+    for seq in range(1, 6):
+        env = Envelope("fed", "r", 1, "ready", "round.ready", ORG, "org-b", seq, 0.0, b"k" * 40)
+        log(env, env.to_wire())
+        if seq == 3:
+            client_api.node.held_heads = [log.sign_head("r", 1)]
+    log.close()
+    r = invoke(client_api, "audit", "verify", str(log_path), "--from-peers")
+    assert r.exit_code == 0, r.output
+    assert "agrees with 1 head(s) held by peers, the last at entry 2 (2 entries after it)" in (
+        r.output
+    )
+    lines = log_path.read_bytes().splitlines(keepends=True)
+    entries = [i for i, line in enumerate(lines) if b'"type":"entry"' in line]
+    cut = tmp_path / "cut.jsonl"
+    cut.write_bytes(b"".join(lines[: entries[2]]))  # entries 0 and 1 only
+    r = invoke(client_api, "audit", "verify", str(cut), "--from-peers")
+    assert r.exit_code == 1
+    assert "entries 2..2 were removed" in r.output

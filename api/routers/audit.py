@@ -36,7 +36,7 @@ from org_node.audit.report import ReportError, report_to_bytes
 from org_node.db.models import AuditEvent, AuditEventsPublic, AuditHead, Run
 from org_node.db.repo import GENESIS_HASH, audit_entry_hash
 from org_node.run_store import AmbiguousRun, RunNotFound, resolve_run
-from org_node.services import RunReports, ServiceError
+from org_node.services import PeerHeads, RunReports, ServiceError
 
 __all__ = ["AuditReport", "events_page_generic", "events_page_sqlite", "report_dir", "router"]
 
@@ -319,6 +319,21 @@ def generate_report(
         tmp.write_bytes(data)
         tmp.replace(out / f"{_file_key(row)}{suffix}")
     return Response(body, status_code=status.HTTP_201_CREATED, media_type="application/json")
+
+
+@router.get("/peer-heads")
+def peer_heads(node: NodeDep) -> dict[str, Any]:
+    """The signed heads of this org's egress log that its live members hold, asked now:
+    what ``fedweave audit verify --from-peers`` checks the log against (a log cut
+    short or rewritten after a head no longer matches it)."""
+    if not isinstance(node, PeerHeads):
+        raise conflict("this node does not exchange audit heads")
+    try:
+        heads = node.peer_heads()
+    except ServiceError as exc:
+        raise conflict(str(exc)) from None
+    data = [h.to_dict() for h in heads]
+    return {"data": data, "count": len(data)}
 
 
 @router.get("/runs/{run_id}/report", response_class=Response, responses=_REPORT_JSON)

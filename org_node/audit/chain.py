@@ -204,7 +204,8 @@ def verify_records(
                     if not value.verify(other):
                         raise Broken(where, f"the held head of {value.org!r} is not signed by it")
                 held += 1
-        checked = check_peer_heads(chain, peer_heads)
+        theirs = [h for h in peer_heads if h.org == org]
+        checked = check_peer_heads(chain, theirs)
     except Broken as exc:
         return VerifyResult(
             False, f"FAIL: log of {org}: {exc}", "log", org, index=exc.index, location=exc.location
@@ -213,8 +214,19 @@ def verify_records(
     summary = (
         f"OK: log of {org}: {chain.entries} entries, {chain.heads} signed heads, "
         f"head {tail}, no forbidden class"
-        + (f", agrees with {checked} head(s) held by peers" if checked else "")
+        + (_peer_coverage(chain, theirs) if checked else "")
         + (f", holds {held} peer head(s)" if held else "")
         + ("" if pinned else " (key from the log header, not pinned)")
     )
     return VerifyResult(True, summary, "log", org, chain.entries, chain.heads, checked)
+
+
+def _peer_coverage(chain: Chain, heads: list[SignedHead]) -> str:
+    """What the heads peers hold say of the log: how many agree, and how many entries
+    sit after the last of them (what no peer could yet tell missing)."""
+    last = max(h.index for h in heads)
+    after = chain.next - 1 - last
+    return (
+        f", agrees with {len(heads)} head(s) held by peers, the last at entry {last}"
+        f" ({after} entr{'y' if after == 1 else 'ies'} after it)"
+    )

@@ -112,6 +112,7 @@ _RULES: dict[str, PrivacyClass] = {
     "shard.": PrivacyClass.CHECKPOINT_SHARD,
     "model.hash": PrivacyClass.MODEL_HASH,
     "audit.head": PrivacyClass.AUDIT_HEAD,
+    "audit.heads": PrivacyClass.CONTROL,  # asks a peer for the heads it holds of the asker
     # forbidden: named so that a mistake is caught by name, not only as "unknown"
     "data.": PrivacyClass.RAW_DATA,
     "raw.": PrivacyClass.RAW_DATA,
@@ -129,6 +130,7 @@ _REPLY_ANSWERS: Mapping[str, PrivacyClass] = MappingProxyType(
         "round.ready": PrivacyClass.PUBLIC_KEY,
         "round.share": PrivacyClass.ENCRYPTED_SHARE,
         "round.unmask": PrivacyClass.RELEASED_SHARE,
+        "audit.heads": PrivacyClass.AUDIT_HEAD,
     }
 )
 """Kinds whose replies carry something of another class than the request."""

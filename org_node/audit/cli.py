@@ -22,8 +22,11 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from org_node.cli_common import TokenOpt, UrlOpt
+
 if TYPE_CHECKING:
     from org_node.audit.log import EgressLog
+    from org_node.audit.records import SignedHead
     from org_node.audit.report import RunFacts
 
 # The log, report and verify modules are imported by the commands that use them: the
@@ -163,11 +166,24 @@ def verify(
             "federation manifest (--key overrides).",
         ),
     ] = None,
+    from_peers: Annotated[
+        bool,
+        typer.Option(
+            "--from-peers",
+            help="Ask the running node (--url or --data-dir, and --token) for the heads of "
+            "this org's log its peers hold now, and check the log against them.",
+        ),
+    ] = False,
+    url: UrlOpt = None,
+    token: TokenOpt = None,
 ) -> None:
     """Check the chain, every signature, forbidden classes, and the peers' signed heads.
 
     With --data-dir the org's key is pinned from the node's federation manifest (or
-    its member record) and the line names it; without it or --key it is not pinned."""
+    its member record) and the line names it; without it or --key it is not pinned.
+    With --from-peers, entries cut from the end of the log (or a log rewritten) after
+    the last head the peers hold fail, and the line says how many entries no peer's
+    head covers yet."""
     from org_node.audit.verify import verify_path
     from org_node.cli_common import guarded
 
@@ -180,7 +196,10 @@ def verify(
     keys |= explicit
     if org is not None and org in explicit:
         pin = Pin(org, "--key")
-    result = verify_path(path, trusted_keys=keys or None, peer_logs=peer_log or [])
+    fetched = guarded(lambda: _peer_heads(url, token, data_dir)) if from_peers else []
+    result = verify_path(
+        path, trusted_keys=keys or None, peer_logs=peer_log or [], peer_heads=fetched
+    )
     summary = result.summary
     if pin is not None:
         summary += f"; {pin.line()}"
@@ -255,3 +274,13 @@ def report(
     finally:
         log.close()
     raise typer.Exit(code)
+
+
+def _peer_heads(url: str | None, token: str | None, data_dir: Path | None) -> list[SignedHead]:
+    """The heads of the node's log its peers hold, through its admin API."""
+    from org_node.audit.records import SignedHead
+    from org_node.cli_common import client
+
+    with client(url, token, data_dir) as api:
+        body = api.get("/v1/audit/peer-heads")
+    return [SignedHead.from_dict(h) for h in body["data"]]

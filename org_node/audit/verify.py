@@ -243,10 +243,12 @@ def verify_path(
     *,
     trusted_keys: Mapping[str, bytes] | None = None,
     peer_logs: Iterable[Path | str] = (),
+    peer_heads: Iterable[SignedHead] = (),
 ) -> VerifyResult:
     """Verify a log (JSON lines) or a report (one JSON object) at ``path``.
 
-    ``peer_logs``: peers' log files, whose held heads of this org are cross-checked.
+    ``peer_logs``: peers' log files, whose held heads of this org are cross-checked, as
+    are ``peer_heads`` (heads the peers hold, fetched from them).
     """
     p = Path(path)
     try:
@@ -254,7 +256,7 @@ def verify_path(
     except OSError as exc:
         return VerifyResult(False, f"FAIL: cannot read {p.name}: {exc.strerror}")
     try:
-        held = peer_heads_from_logs(peer_logs)
+        held = [*peer_heads_from_logs(peer_logs), *peer_heads]
     except (OSError, LogFormatError) as exc:
         return VerifyResult(False, f"FAIL: a peer log cannot be read: {exc}")
     first_line = data.split(b"\n", 1)[0]

@@ -60,7 +60,7 @@ from coordinator_free.transport import Transport
 from sqlalchemy import Engine
 
 from org_node import __version__
-from org_node.audit import EgressLog, RunFacts
+from org_node.audit import EgressLog, RunFacts, SignedHead
 from org_node.audit.facts import node_report, node_run_facts
 from org_node.config import NodeConfig, NodePaths
 from org_node.db.engine import default_database_url, make_engine, migrate
@@ -68,6 +68,7 @@ from org_node.engine import ATTEMPTS
 from org_node.node.checkpoints import Checkpoints
 from org_node.node.context import NodeContext
 from org_node.node.federation import Federation
+from org_node.node.heads import AuditHeads
 from org_node.node.proposals import RunProposals
 from org_node.node.runs import Runs, TrainerFactory
 from org_node.observability import Observability
@@ -169,6 +170,8 @@ class OrgNode(NodeContext):
         self.runs = Runs(self, trainer_factory, _debug_export(config))
         self.run_proposals = RunProposals(self, self.runs.launch)
         self.stored_checkpoints = Checkpoints(self, self.runs)
+        self.audit_heads = AuditHeads(self)
+        self.runs.on_round_done = self.audit_heads.after_round
 
     # ------------------------------------------------------------------ construction
 
@@ -217,6 +220,7 @@ class OrgNode(NodeContext):
             GossipConfig(period_s=min(GossipConfig().period_s, self.swim.period_s)),
         )
         self._build_checkpoints(endpoint, self.membership)
+        self.audit_heads.start()
         self.federation.start()
         await self.runs.resume()
         await self.run_proposals.start()
@@ -277,6 +281,7 @@ class OrgNode(NodeContext):
     async def stop(self) -> None:
         """Abandon the current round cleanly (state stays at the last finished round), leave."""
         await self.runs.stop()
+        await self.audit_heads.stop()
         await self.federation.stop()
         await self.run_proposals.stop()
         if self.replicator is not None:
@@ -385,6 +390,13 @@ class OrgNode(NodeContext):
 
     def restore_checkpoint(self, checkpoint_id: str) -> CheckpointInfo:
         return self.stored_checkpoints.restore(checkpoint_id)
+
+    def peer_heads(self) -> list[SignedHead]:
+        """The heads of this org's log its live members hold (asked now)."""
+        heads, missed = self.on_loop(self.audit_heads.from_peers(), timeout=30.0)
+        for peer, why in sorted(missed.items()):
+            logger.warning("%s: no heads from %s: %s", self.me, peer, why)
+        return heads
 
     def run_facts(self, run_id: str) -> RunFacts:
         """The facts of run ``run_id``'s privacy report, from this node's database, round

@@ -104,6 +104,8 @@ class Runs:
         self.ctx = ctx
         self.trainer_factory: TrainerFactory = trainer_factory or self._worker_trainer
         self.debug_export = debug_export
+        self.on_round_done: Callable[[str, int], None] = lambda run_key, round: None
+        """Called after each completed round (the node signs and sends its log head)."""
         self.active: _ActiveRun | None = None
         self.participants: tuple[str, ...] = ()
         """The members of the active run's rounds (the round engine's ``peers``)."""
@@ -452,8 +454,7 @@ class Runs:
                 update(Run).where(Run.id == run_id).values(current_round=report.round)  # type: ignore[arg-type]
             )
             session.commit()
-        with contextlib.suppress(Exception):
-            self.ctx.egress.sign_head(report.run_key, report.round)
+        self.on_round_done(report.run_key, report.round)
         try:
             record_round(self.ctx.paths.run_dir(report.run_key), report, self.participants)
         except (OSError, AuditError) as exc:

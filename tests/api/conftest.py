@@ -70,6 +70,7 @@ class FakeNode:
     refuse_next: ServiceError | None = None
     ready: bool = True
     activity: RunActivity | None = None  # what every running run does now
+    held_heads: list[Any] = field(default_factory=list)  # heads of its log peers hold
     _manifest: Manifest | None = None
     _pending: list[Manifest] = field(default_factory=list)
 
@@ -151,6 +152,9 @@ class FakeNode:
 
     def run_activity(self, run_id: str) -> RunActivity | None:
         return self.activity
+
+    def peer_heads(self) -> list[Any]:
+        return list(self.held_heads)
 
     def checkpoints(self) -> list[CheckpointInfo]:
         return [CheckpointInfo("ck-1", "run-1", 4, 1.5, 3, 2, "ab" * 32)]

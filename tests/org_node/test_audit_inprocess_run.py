@@ -334,3 +334,36 @@ def test_heads_from_strangers_forgers_or_for_others_are_refused(tmp_path: Path) 
 
     holder = asyncio.run(main())
     assert holder.peer_heads and [h.org for h in holder.peer_heads] == [ORGS[1]]
+
+
+def test_a_member_fetches_only_the_heads_of_its_own_log(federation: dict[str, Any]) -> None:
+    """``audit.heads``: each org gets back exactly the heads of its own log that a peer
+    holds (each checked against its key), never another org's; a stranger gets none."""
+    from coordinator_free.errors import Refused
+
+    from org_node.audit.heads import fetch_heads
+
+    a, b, c = ORGS
+
+    async def main() -> tuple[list[SignedHead], dict[str, str], list[SignedHead]]:
+        net = InMemoryNetwork()
+        ids = {o: _identity(o) for o in ORGS}
+        keys = {o: i.public_key for o, i in ids.items()}
+        holder = EgressLog(ids[b], federation["tmp"] / f"{b}.log")  # holds a's and c's heads
+        eps = {o: Endpoint(ids[o], "fed", net.transport(o), lambda: keys) for o in (a, b)}
+        serve_heads(eps[b], holder, lambda: keys)
+        for ep in eps.values():
+            await ep.start()
+        got, missed = await fetch_heads(eps[a], [b], keys[a])
+        stranger = _identity("org-x")
+        x = Endpoint(stranger, "fed", net.transport("org-x"), lambda: keys | {"org-x": b"\0" * 32})
+        await x.start()
+        with pytest.raises(Refused):
+            await x.send(b, "audit.heads", b"")
+        return got, missed, holder.peer_heads
+
+    got, missed, held = asyncio.run(main())
+    assert missed == {}
+    assert got and {h.org for h in got} == {a}
+    assert [h.index for h in got] == sorted(h.index for h in held if h.org == a)
+    assert any(h.org == c for h in held)  # b holds c's heads too, and kept them to itself

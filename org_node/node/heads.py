@@ -1,0 +1,122 @@
+"""The audit side of the org node: this org's signed log heads reach every member, and
+the members' heads are kept here (``docs/SECURITY.md``, "Privacy audit").
+
+* After every completed round the node signs its egress log's head for that round and
+  sends it to every member (``audit.head``); at least every :data:`HEAD_PERIOD_S`, while
+  entries other than head messages sit after the last signed head (a paused run,
+  membership traffic, a failed round), it signs and sends one too. So the last head
+  the peers hold is never far behind the log's end: cut entries from the end of the
+  log, or rewrite it, and it no longer matches what they hold.
+* Each member's valid head of its own log is kept in this node's log, and a member may
+  ask for the heads of its own log this node holds (``audit.heads``).
+* :meth:`AuditHeads.from_peers` asks every live member for the heads of this org's log
+  it holds (``GET /v1/audit/peer-heads``, ``fedweave audit verify --from-peers``).
+
+A head that could not be signed or sent is logged as an error, never passed over in
+silence; the next one covers what it would have.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from coordinator_free.errors import TransportError
+
+from org_node.audit import AuditError, SignedHead
+from org_node.audit.heads import HEAD_KIND, fetch_heads, send_head, serve_heads
+from org_node.node.context import NodeContext
+
+__all__ = ["HEAD_PERIOD_S", "AuditHeads"]
+
+logger = logging.getLogger("org_node.node")
+
+HEAD_PERIOD_S = 30.0
+"""Longest time entries of this org's log wait for a signed head that peers hold."""
+
+
+class AuditHeads:
+    """This org's heads sent to every member, and the members' heads kept (see above)."""
+
+    def __init__(self, ctx: NodeContext) -> None:
+        self.ctx = ctx
+        self._task: asyncio.Task[None] | None = None
+        self._sending: set[asyncio.Task[None]] = set()
+
+    def start(self) -> None:
+        """Keep the members' heads; sign and send this org's periodically."""
+        assert self.ctx.endpoint is not None
+        serve_heads(self.ctx.endpoint, self.ctx.egress, self.ctx.member_keys)
+        self._task = asyncio.create_task(self._periodically(), name="audit-heads")
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._task, *self._sending) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def after_round(self, run_key: str, round: int) -> None:
+        """Sign the head for ``(run_key, round)`` now (a report of the round needs it)
+        and send it to every member in the background (the round does not wait)."""
+        try:
+            head = self.ctx.egress.sign_head(run_key, round)
+        except (AuditError, OSError) as exc:
+            logger.error(
+                "%s: the head of round %d could not be signed: %s", self.ctx.me, round, exc
+            )
+            return
+        task = asyncio.create_task(self._send(head), name="audit-head")
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
+
+    async def publish(self, run: str = "", round: int = 0) -> SignedHead | None:
+        """Sign the current head (off the loop) and send it to every member; None if it
+        could not be signed (the error is logged)."""
+        try:
+            head = await asyncio.to_thread(self.ctx.egress.sign_head, run, round)
+        except (AuditError, OSError) as exc:
+            logger.error("%s: the audit head could not be signed: %s", self.ctx.me, exc)
+            return None
+        await self._send(head)
+        return head
+
+    async def _send(self, head: SignedHead) -> None:
+        endpoint, manifest = self.ctx.endpoint, self.ctx.current_manifest
+        if endpoint is None or manifest is None:
+            return
+        missed = await send_head(endpoint, head, manifest.member_ids)
+        if missed:
+            logger.warning(
+                "%s: audit head %d not delivered to %s (the next head covers it)",
+                self.ctx.me,
+                head.index,
+                ", ".join(sorted(missed)),
+            )
+
+    def pending(self) -> int:
+        """Entries after the last signed head, head messages aside (those are covered by
+        the next head, whenever it comes)."""
+        log = self.ctx.egress
+        last = log.heads[-1].index if log.heads else -1
+        return sum(1 for e in log.entries[last + 1 :] if e.kind != HEAD_KIND)
+
+    async def _periodically(self) -> None:
+        while True:
+            await asyncio.sleep(HEAD_PERIOD_S)
+            if self.pending():
+                await self.publish()
+
+    async def from_peers(self, timeout: float = 10.0) -> tuple[list[SignedHead], dict[str, str]]:
+        """The heads of this org's log its live members hold, and why others gave none."""
+        endpoint, membership = self.ctx.endpoint, self.ctx.membership
+        if endpoint is None or membership is None:
+            return [], {}
+        try:
+            return await fetch_heads(
+                endpoint, membership.live(), self.ctx.org_identity.public_key, timeout=timeout
+            )
+        except TransportError as exc:  # pragma: no cover - fetch_heads catches per peer
+            return [], {"*": str(exc)}
