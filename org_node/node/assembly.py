@@ -172,6 +172,7 @@ class OrgNode(NodeContext):
         self.stored_checkpoints = Checkpoints(self, self.runs)
         self.audit_heads = AuditHeads(self)
         self.runs.on_round_done = self.audit_heads.after_round
+        self.runs.settle_heads = self.audit_heads.settle
 
     # ------------------------------------------------------------------ construction
 

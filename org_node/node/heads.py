@@ -2,7 +2,9 @@
 the members' heads are kept here (``docs/SECURITY.md``, "Privacy audit").
 
 * After every completed round the node signs its egress log's head for that round and
-  sends it to every member (``audit.head``); at least every :data:`HEAD_PERIOD_S`, while
+  sends it to every member (``audit.head``), then signs one more head, kept in its own
+  log only, that covers those messages (so a report of the run, whose segment must end
+  at a signed head, includes them); at least every :data:`HEAD_PERIOD_S`, while
   entries other than head messages sit after the last signed head (a paused run,
   membership traffic, a failed round), it signs and sends one too. So the last head
   the peers hold is never far behind the log's end: cut entries from the end of the
@@ -83,11 +85,20 @@ class AuditHeads:
         await self._send(head)
         return head
 
+    async def settle(self) -> None:
+        """Wait for the heads being sent (a run's last round's, before it ends)."""
+        while self._sending:
+            await asyncio.gather(*list(self._sending), return_exceptions=True)
+
     async def _send(self, head: SignedHead) -> None:
         endpoint, manifest = self.ctx.endpoint, self.ctx.current_manifest
         if endpoint is None or manifest is None:
             return
         missed = await send_head(endpoint, head, manifest.member_ids)
+        try:  # cover the head messages themselves, for the run's report
+            await asyncio.to_thread(self.ctx.egress.sign_head, head.run, head.round)
+        except (AuditError, OSError) as exc:
+            logger.error("%s: the audit head could not be signed: %s", self.ctx.me, exc)
         if missed:
             logger.warning(
                 "%s: audit head %d not delivered to %s (the next head covers it)",

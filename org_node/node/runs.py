@@ -19,7 +19,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -106,6 +106,8 @@ class Runs:
         self.debug_export = debug_export
         self.on_round_done: Callable[[str, int], None] = lambda run_key, round: None
         """Called after each completed round (the node signs and sends its log head)."""
+        self.settle_heads: Callable[[], Awaitable[None]] = _nothing
+        """Awaited before a run's end is recorded (the last round's head is sent)."""
         self.active: _ActiveRun | None = None
         self.participants: tuple[str, ...] = ()
         """The members of the active run's rounds (the round engine's ``peers``)."""
@@ -386,6 +388,7 @@ class Runs:
             self.finished[run_id] = f"failed: {type(exc).__name__}: {exc}"
             await asyncio.to_thread(self._set_state, run_id, RunAction.FAIL, str(exc))
             return
+        await self.settle_heads()
         self.finished[run_id] = outcome.status
         self.ctx.events.publish(
             run_id,
@@ -615,6 +618,10 @@ class Runs:
             )
             session.commit()
             return row.id
+
+
+async def _nothing() -> None:
+    return None
 
 
 def _portable(binding: RunBinding) -> dict[str, Any]:
