@@ -17,8 +17,15 @@ from typing import Annotated, Any
 
 import typer
 
-from org_node.cli_common import ApiClient, ClientDataDir, ClientError, TokenOpt, UrlOpt, client
-from org_node.cli_common import table as print_table
+from org_node.cli_common import (
+    ApiClient,
+    ClientDataDir,
+    ClientError,
+    TokenOpt,
+    UrlOpt,
+    client,
+    list_rows,
+)
 
 __all__ = ["Role", "resolve_token", "tokens_app"]
 
@@ -61,24 +68,28 @@ def tokens_create(
 @tokens_app.command("list")
 def tokens_list(url: UrlOpt = None, token: TokenOpt = None, data_dir: ClientDataDir = None) -> None:
     """Every token, revoked ones included, newest first (never a secret)."""
-    with client(url, token, data_dir) as api:
-        body = api.get("/v1/tokens", limit=1000)
-    print_table(
-        f"tokens ({body['count']})",
+    list_rows(
+        url,
+        token,
+        data_dir,
+        "/v1/tokens",
+        "tokens",
         ["id", "key id", "name", "role", "created", "revoked", "last used"],
-        [
-            [
-                str(t["id"]),
-                t["key_id"],
-                t["name"],
-                t["role"],
-                _when(t.get("created_at")),
-                _when(t.get("revoked_at")),
-                _when(t.get("last_used_at")),
-            ]
-            for t in body["data"]
-        ],
+        _token_row,
+        limit=1000,
     )
+
+
+def _token_row(t: dict[str, Any]) -> list[str]:
+    return [
+        str(t["id"]),
+        t["key_id"],
+        t["name"],
+        t["role"],
+        _when(t.get("created_at")),
+        _when(t.get("revoked_at")),
+        _when(t.get("last_used_at")),
+    ]
 
 
 def resolve_token(api: ApiClient, ref: str) -> dict[str, Any]:
