@@ -69,7 +69,13 @@ import numpy as np
 from coordinator_free.rounds import MaskedSecureSum, RoundEngine, RoundFailed, SecureSum
 from coordinator_free.sealed import atomic_write
 
-from org_node.privacy import BudgetExceeded, PrivacyBudget, RdpAccountant, protect_update
+from org_node.privacy import (
+    BudgetExceeded,
+    PrivacyBudget,
+    RdpAccountant,
+    protect_update,
+    skellam_codec,
+)
 from org_node.privacy import skellam_round_for as _skellam_round_for
 from org_node.run_config import (
     ATTEMPTS,
@@ -203,15 +209,7 @@ def _privacy(
             "a run with DP needs 'uniform' weighting: the noisy sum of the weights "
             "cannot divide the update, the count of survivors does",
         )
-    sigma = config.noise_multiplier * config.l2_clip
-    codec = FixedPointCodec(
-        bits=config.ring_bits,
-        clip=max(config.clip, config.l2_clip),
-        max_summands=n,
-        frac_bits=config.frac_bits if config.frac_bits is not None else 24,
-        noise_bound=20.0 * sigma / math.sqrt(n),
-    )
-    dp = DistributedSkellam(config.l2_clip, config.noise_multiplier, n, codec.scale)
+    codec, dp = skellam_codec(config, n)
     return codec, dp, PrivacyBudget(plan.epsilon, config.delta)
 
 
