@@ -15,17 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from org_node.strategies import configs
 from org_node.strategies.base import Strategy
-from org_node.strategies.configs import (
-    DiLoCoConfig,
-    FedAdagradConfig,
-    FedAdamConfig,
-    FedAvgConfig,
-    FedAvgMConfig,
-    FedProxConfig,
-    FedYogiConfig,
-    config_from_mapping,
-)
 from org_node.strategies.errors import ShapeMismatchError, StrategyConfigError
 from org_node.strategies.packing import NDArrays
 
@@ -63,16 +54,16 @@ class FedAvg(_Averaging):
     """Weighted averaging (McMahan et al. 2017, Algorithm 1): ``x + server_lr * delta``."""
 
     name = "fedavg"
-    config_cls = FedAvgConfig
-    config: FedAvgConfig
+    config_cls = configs.FedAvgConfig
+    config: configs.FedAvgConfig
 
 
 class FedProx(_Averaging):
     """FedProx (Li et al. 2020): FedAvg aggregation; the proximal term acts locally."""
 
     name = "fedprox"
-    config_cls = FedProxConfig
-    config: FedProxConfig
+    config_cls = configs.FedProxConfig
+    config: configs.FedProxConfig
 
     def local_config(self) -> dict[str, Any]:
         return {"prox_mu": self.config.mu}
@@ -127,8 +118,8 @@ class FedAdam(_FedOpt):
     ``x + eta_t m / (sqrt(v) + tau)`` (Reddi et al. 2021, Algorithm 2)."""
 
     name = "fedadam"
-    config_cls = FedAdamConfig
-    config: FedAdamConfig
+    config_cls = configs.FedAdamConfig
+    config: configs.FedAdamConfig
 
     def _second_moment(self, v: NDArrays, delta: NDArrays) -> NDArrays:
         b2 = self.config.beta_2
@@ -148,8 +139,8 @@ class FedYogi(_FedOpt):
     Zaheer et al. 2018)."""
 
     name = "fedyogi"
-    config_cls = FedYogiConfig
-    config: FedYogiConfig
+    config_cls = configs.FedYogiConfig
+    config: configs.FedYogiConfig
 
     def _second_moment(self, v: NDArrays, delta: NDArrays) -> NDArrays:
         b2 = self.config.beta_2
@@ -162,8 +153,8 @@ class FedAdagrad(_FedOpt):
     """FedAdagrad: ``v = v + d^2`` (Reddi et al. 2021, Algorithm 2)."""
 
     name = "fedadagrad"
-    config_cls = FedAdagradConfig
-    config: FedAdagradConfig
+    config_cls = configs.FedAdagradConfig
+    config: configs.FedAdagradConfig
 
     def _second_moment(self, v: NDArrays, delta: NDArrays) -> NDArrays:
         return [vv + d * d for vv, d in zip(v, delta, strict=True)]
@@ -224,8 +215,8 @@ class FedAvgM(_OuterMomentum):
     as Flower's FedAvgM with ``server_momentum > 0``."""
 
     name = "fedavgm"
-    config_cls = FedAvgMConfig
-    config: FedAvgMConfig
+    config_cls = configs.FedAvgMConfig
+    config: configs.FedAvgMConfig
 
     def _outer(self) -> tuple[float, float, bool]:
         c = self.config
@@ -239,8 +230,8 @@ class DiLoCo(_OuterMomentum):
     :meth:`local_config` and :func:`~org_node.strategies.local.build_inner_optimizer`."""
 
     name = "diloco"
-    config_cls = DiLoCoConfig
-    config: DiLoCoConfig
+    config_cls = configs.DiLoCoConfig
+    config: configs.DiLoCoConfig
 
     def _outer(self) -> tuple[float, float, bool]:
         c = self.config
@@ -270,4 +261,4 @@ def make_strategy(name: str, options: Mapping[str, Any] | None = None) -> Strate
         raise StrategyConfigError(
             f"unknown strategy {name!r}; choose one of {sorted(STRATEGIES)}"
         ) from None
-    return cls(config_from_mapping(cls.config_cls, dict(options or {})))
+    return cls(configs.config_from_mapping(cls.config_cls, dict(options or {})))
