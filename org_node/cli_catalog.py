@@ -39,6 +39,8 @@ datasets_app = typer.Typer(
 )
 TrainerName = Annotated[str, typer.Argument(help="The trainer's name.")]
 DatasetRef = Annotated[str, typer.Argument(help="The dataset's name or id.")]
+_TRAINER_COLUMNS = ["name", "kind", "source", "sha256", "ref", "problem"]
+_DATASET_COLUMNS = ["id", "name", "kind", "rows", "columns", "sha256", "path"]
 
 
 def guess_kind(ref: str) -> tuple[str, str]:
@@ -95,27 +97,16 @@ def trainers_install(
     typer.echo(f"installed trainer {row['name']} ({row['kind']}): sha256 {row['sha256']}")
 
 
+def _trainer_row(t: dict[str, Any]) -> list[str]:
+    return [t["name"], t["kind"], t["source"], t["sha256"][:16], t["ref"], fmt(t["problem"])]
+
+
 @trainers_app.command("list")
 def trainers_list(
     url: UrlOpt = None, token: TokenOpt = None, data_dir: ClientDataDir = None
 ) -> None:
     """Every trainer this org may run, with its code hash."""
-    list_rows(
-        url,
-        token,
-        data_dir,
-        "/v1/trainers",
-        "trainers",
-        ["name", "kind", "source", "sha256", "ref", "problem"],
-        lambda t: [
-            t["name"],
-            t["kind"],
-            t["source"],
-            t["sha256"][:16],
-            t["ref"],
-            fmt(t["problem"]),
-        ],
-    )
+    list_rows(url, token, data_dir, "trainers", _TRAINER_COLUMNS, _trainer_row)
 
 
 @trainers_app.command("show")
@@ -188,23 +179,6 @@ def datasets_register(
     typer.echo(f"sha256: {row['content_hash']}")
 
 
-@datasets_app.command("list")
-def datasets_list(
-    url: UrlOpt = None, token: TokenOpt = None, data_dir: ClientDataDir = None
-) -> None:
-    """This org's datasets (metadata only)."""
-    list_rows(
-        url,
-        token,
-        data_dir,
-        "/v1/datasets",
-        "datasets",
-        ["id", "name", "kind", "rows", "columns", "sha256", "path"],
-        _dataset_row,
-        limit=1000,
-    )
-
-
 def _dataset_row(d: dict[str, Any]) -> list[str]:
     return [
         str(d["id"]),
@@ -215,6 +189,14 @@ def _dataset_row(d: dict[str, Any]) -> list[str]:
         d["content_hash"][:16],
         d["path"],
     ]
+
+
+@datasets_app.command("list")
+def datasets_list(
+    url: UrlOpt = None, token: TokenOpt = None, data_dir: ClientDataDir = None
+) -> None:
+    """This org's datasets (metadata only)."""
+    list_rows(url, token, data_dir, "datasets", _DATASET_COLUMNS, _dataset_row, limit=1000)
 
 
 @datasets_app.command("show")

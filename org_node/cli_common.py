@@ -252,17 +252,16 @@ def list_rows(
     url: str | None,
     token: str | None,
     data_dir: Path | None,
-    path: str,
-    title: str,
+    resource: str,
     columns: list[str],
     row: Callable[[dict[str, Any]], list[str]],
     **params: Any,
 ) -> None:
-    """Print the table of one listing of the admin API: ``title (count)``, one row per
-    item (``row`` gives its cells)."""
+    """Print the table of the listing ``/v1/<resource>`` of the admin API, titled
+    ``<resource> (count)``, one row per item (``row`` gives its cells)."""
     with client(url, token, data_dir) as api:
-        body = api.get(path, **params)
-    table(f"{title} ({body['count']})", columns, [row(item) for item in body["data"]])
+        body = api.get(f"/v1/{resource}", **params)
+    table(f"{resource} ({body['count']})", columns, [row(item) for item in body["data"]])
 
 
 def resolve_run(client: ApiClient, run: str) -> dict[str, Any]:

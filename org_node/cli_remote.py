@@ -38,27 +38,8 @@ runs_app = typer.Typer(
     help="Runs at a running node, over its admin API.",
     no_args_is_help=True,
 )
-
-
-@runs_app.command("list")
-def runs_list(
-    url: UrlOpt = None,
-    token: TokenOpt = None,
-    data_dir: ClientDataDir = None,
-    state: Annotated[str | None, typer.Option("--state", help="Only runs in this state.")] = None,
-) -> None:
-    """The node's runs, newest first."""
-    list_rows(
-        url,
-        token,
-        data_dir,
-        "/v1/runs",
-        "runs",
-        ["key", "name", "state", "round", "of", "backend", "participants", "waiting"],
-        _run_row,
-        state=state,
-        limit=1000,
-    )
+_PEER_COLUMNS = ["org", "status", "incarnation", "last seen (s ago)", "latency (ms)"]
+_RUN_COLUMNS = ["key", "name", "state", "round", "of", "backend", "participants", "waiting"]
 
 
 def _run_row(r: dict[str, Any]) -> list[str]:
@@ -72,6 +53,17 @@ def _run_row(r: dict[str, Any]) -> list[str]:
         ", ".join(r["spec"]["participants"]),
         _waiting_line(r.get("waiting")),
     ]
+
+
+@runs_app.command("list")
+def runs_list(
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+    data_dir: ClientDataDir = None,
+    state: Annotated[str | None, typer.Option("--state", help="Only runs in this state.")] = None,
+) -> None:
+    """The node's runs, newest first."""
+    list_rows(url, token, data_dir, "runs", _RUN_COLUMNS, _run_row, state=state, limit=1000)
 
 
 def _when(value: Any) -> str:
@@ -406,23 +398,19 @@ _action_command("resume", "Resume a paused run.")
 _action_command("abort", "Abort a run that has not ended.")
 
 
+def _peer_row(p: dict[str, Any]) -> list[str]:
+    return [
+        p["org_id"],
+        p["status"],
+        str(p["incarnation"]),
+        fmt(p["last_seen_s_ago"]),
+        fmt(p["latency_ms"]),
+    ]
+
+
 def peers(url: UrlOpt = None, token: TokenOpt = None, data_dir: ClientDataDir = None) -> None:
     """The node's live view of the other members."""
-    list_rows(
-        url,
-        token,
-        data_dir,
-        "/v1/peers",
-        "peers",
-        ["org", "status", "incarnation", "last seen (s ago)", "latency (ms)"],
-        lambda p: [
-            p["org_id"],
-            p["status"],
-            str(p["incarnation"]),
-            fmt(p["last_seen_s_ago"]),
-            fmt(p["latency_ms"]),
-        ],
-    )
+    list_rows(url, token, data_dir, "peers", _PEER_COLUMNS, _peer_row)
 
 
 def audit_events(

@@ -33,6 +33,7 @@ tokens_app = typer.Typer(
     help="The admin API's bearer tokens (admin token): create, list, revoke.",
     no_args_is_help=True,
 )
+_TOKEN_COLUMNS = ["id", "key id", "name", "role", "created", "revoked", "last used"]
 
 
 class Role(StrEnum):
@@ -65,21 +66,6 @@ def tokens_create(
     typer.echo(f"token (shown once, store it safely): {row['token']}")
 
 
-@tokens_app.command("list")
-def tokens_list(url: UrlOpt = None, token: TokenOpt = None, data_dir: ClientDataDir = None) -> None:
-    """Every token, revoked ones included, newest first (never a secret)."""
-    list_rows(
-        url,
-        token,
-        data_dir,
-        "/v1/tokens",
-        "tokens",
-        ["id", "key id", "name", "role", "created", "revoked", "last used"],
-        _token_row,
-        limit=1000,
-    )
-
-
 def _token_row(t: dict[str, Any]) -> list[str]:
     return [
         str(t["id"]),
@@ -90,6 +76,12 @@ def _token_row(t: dict[str, Any]) -> list[str]:
         _when(t.get("revoked_at")),
         _when(t.get("last_used_at")),
     ]
+
+
+@tokens_app.command("list")
+def tokens_list(url: UrlOpt = None, token: TokenOpt = None, data_dir: ClientDataDir = None) -> None:
+    """Every token, revoked ones included, newest first (never a secret)."""
+    list_rows(url, token, data_dir, "tokens", _TOKEN_COLUMNS, _token_row, limit=1000)
 
 
 def resolve_token(api: ApiClient, ref: str) -> dict[str, Any]:
