@@ -16,7 +16,7 @@ go to a worker thread.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import partial
@@ -65,24 +65,20 @@ async def get_session(request: Request) -> AsyncIterator[Session]:
             session.close()
 
 
-async def get_settings(request: Request) -> Settings:
-    settings: Settings = request.app.state.settings
-    return settings
+def _app_state(name: str) -> Callable[[Request], Awaitable[Any]]:
+    """The dependency that gives ``request.app.state.<name>`` (set when the app is made)."""
+
+    async def dependency(request: Request) -> Any:
+        return getattr(request.app.state, name)
+
+    dependency.__name__ = dependency.__qualname__ = f"get_{name}"
+    return dependency
 
 
-async def get_node(request: Request) -> NodeServices:
-    node: NodeServices = request.app.state.node
-    return node
-
-
-async def get_trainers(request: Request) -> TrainerCatalog:
-    trainers: TrainerCatalog = request.app.state.trainers
-    return trainers
-
-
-async def get_reads(request: Request) -> Reads:
-    reads: Reads = request.app.state.reads
-    return reads
+get_settings = _app_state("settings")
+get_node = _app_state("node")
+get_trainers = _app_state("trainers")
+get_reads = _app_state("reads")
 
 
 SessionDep = Annotated[Session, Depends(get_session)]

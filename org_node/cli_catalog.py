@@ -26,7 +26,7 @@ from org_node.cli_common import (
     client,
     fmt,
     guarded,
-    table,
+    list_rows,
 )
 
 __all__ = ["datasets_app", "guess_kind", "trainers_app"]
@@ -37,6 +37,10 @@ trainers_app = typer.Typer(
 datasets_app = typer.Typer(
     help="This org's registered datasets (they never leave the org).", no_args_is_help=True
 )
+TrainerName = Annotated[str, typer.Argument(help="The trainer's name.")]
+DatasetRef = Annotated[str, typer.Argument(help="The dataset's name or id.")]
+_TRAINER_COLUMNS = ["name", "kind", "source", "sha256", "ref", "problem"]
+_DATASET_COLUMNS = ["id", "name", "kind", "rows", "columns", "sha256", "path"]
 
 
 def guess_kind(ref: str) -> tuple[str, str]:
@@ -93,26 +97,21 @@ def trainers_install(
     typer.echo(f"installed trainer {row['name']} ({row['kind']}): sha256 {row['sha256']}")
 
 
+def _trainer_row(t: dict[str, Any]) -> list[str]:
+    return [t["name"], t["kind"], t["source"], t["sha256"][:16], t["ref"], fmt(t["problem"])]
+
+
 @trainers_app.command("list")
 def trainers_list(
     url: UrlOpt = None, token: TokenOpt = None, data_dir: ClientDataDir = None
 ) -> None:
     """Every trainer this org may run, with its code hash."""
-    with client(url, token, data_dir) as api:
-        body = api.get("/v1/trainers")
-    table(
-        f"trainers ({body['count']})",
-        ["name", "kind", "source", "sha256", "ref", "problem"],
-        [
-            [t["name"], t["kind"], t["source"], t["sha256"][:16], t["ref"], fmt(t["problem"])]
-            for t in body["data"]
-        ],
-    )
+    list_rows(url, token, data_dir, "trainers", _TRAINER_COLUMNS, _trainer_row)
 
 
 @trainers_app.command("show")
 def trainers_show(
-    name: Annotated[str, typer.Argument(help="The trainer's name.")],
+    name: TrainerName,
     url: UrlOpt = None,
     token: TokenOpt = None,
     data_dir: ClientDataDir = None,
@@ -126,7 +125,7 @@ def trainers_show(
 
 @trainers_app.command("remove")
 def trainers_remove(
-    name: Annotated[str, typer.Argument(help="The trainer's name.")],
+    name: TrainerName,
     url: UrlOpt = None,
     token: TokenOpt = None,
     data_dir: ClientDataDir = None,
@@ -180,34 +179,29 @@ def datasets_register(
     typer.echo(f"sha256: {row['content_hash']}")
 
 
+def _dataset_row(d: dict[str, Any]) -> list[str]:
+    return [
+        str(d["id"]),
+        d["name"],
+        d["kind"],
+        str(d["row_count"]),
+        str(len(d["columns"])),
+        d["content_hash"][:16],
+        d["path"],
+    ]
+
+
 @datasets_app.command("list")
 def datasets_list(
     url: UrlOpt = None, token: TokenOpt = None, data_dir: ClientDataDir = None
 ) -> None:
     """This org's datasets (metadata only)."""
-    with client(url, token, data_dir) as api:
-        body = api.get("/v1/datasets", limit=1000)
-    table(
-        f"datasets ({body['count']})",
-        ["id", "name", "kind", "rows", "columns", "sha256", "path"],
-        [
-            [
-                str(d["id"]),
-                d["name"],
-                d["kind"],
-                str(d["row_count"]),
-                str(len(d["columns"])),
-                d["content_hash"][:16],
-                d["path"],
-            ]
-            for d in body["data"]
-        ],
-    )
+    list_rows(url, token, data_dir, "datasets", _DATASET_COLUMNS, _dataset_row, limit=1000)
 
 
 @datasets_app.command("show")
 def datasets_show(
-    name: Annotated[str, typer.Argument(help="The dataset's name or id.")],
+    name: DatasetRef,
     url: UrlOpt = None,
     token: TokenOpt = None,
     data_dir: ClientDataDir = None,
@@ -223,7 +217,7 @@ def datasets_show(
 
 @datasets_app.command("rehash")
 def datasets_rehash(
-    name: Annotated[str, typer.Argument(help="The dataset's name or id.")],
+    name: DatasetRef,
     url: UrlOpt = None,
     token: TokenOpt = None,
     data_dir: ClientDataDir = None,
@@ -240,7 +234,7 @@ def datasets_rehash(
 
 @datasets_app.command("remove")
 def datasets_remove(
-    name: Annotated[str, typer.Argument(help="The dataset's name or id.")],
+    name: DatasetRef,
     url: UrlOpt = None,
     token: TokenOpt = None,
     data_dir: ClientDataDir = None,

@@ -23,6 +23,7 @@ __all__ = [
     "ApiClient",
     "ClientDataDir",
     "ClientError",
+    "RunRef",
     "TokenOpt",
     "UrlOpt",
     "admin_url",
@@ -30,6 +31,7 @@ __all__ = [
     "fmt",
     "guarded",
     "http_client",
+    "list_rows",
     "read_chain_file",
     "resolve_run",
     "table",
@@ -104,6 +106,7 @@ ClientDataDir = Annotated[
     Path | None,
     typer.Option("--data-dir", help="The node's data directory (gives the default --url)."),
 ]
+RunRef = Annotated[str, typer.Argument(help="Run key, name or unique key prefix.")]
 
 
 def admin_url(url: str | None, data_dir: Path | None) -> str:
@@ -243,6 +246,22 @@ def table(title: str, columns: list[str], rows: list[list[str]]) -> None:
     for row in rows:
         table.add_row(*row)
     Console(width=160).print(table)
+
+
+def list_rows(
+    url: str | None,
+    token: str | None,
+    data_dir: Path | None,
+    resource: str,
+    columns: list[str],
+    row: Callable[[dict[str, Any]], list[str]],
+    **params: Any,
+) -> None:
+    """Print the table of the listing ``/v1/<resource>`` of the admin API, titled
+    ``<resource> (count)``, one row per item (``row`` gives its cells)."""
+    with client(url, token, data_dir) as api:
+        body = api.get(f"/v1/{resource}", **params)
+    table(f"{resource} ({body['count']})", columns, [row(item) for item in body["data"]])
 
 
 def resolve_run(client: ApiClient, run: str) -> dict[str, Any]:

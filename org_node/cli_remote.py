@@ -21,11 +21,13 @@ from org_node.cli_common import (
     ApiClient,
     ClientDataDir,
     ClientError,
+    RunRef,
     TokenOpt,
     UrlOpt,
     client,
     fmt,
     guarded,
+    list_rows,
     resolve_run,
     table,
 )
@@ -36,6 +38,21 @@ runs_app = typer.Typer(
     help="Runs at a running node, over its admin API.",
     no_args_is_help=True,
 )
+_PEER_COLUMNS = ["org", "status", "incarnation", "last seen (s ago)", "latency (ms)"]
+_RUN_COLUMNS = ["key", "name", "state", "round", "of", "backend", "participants", "waiting"]
+
+
+def _run_row(r: dict[str, Any]) -> list[str]:
+    return [
+        str(r.get("run_key") or r["id"])[:12],
+        r["name"],
+        r["state"],
+        str(r["current_round"]),
+        str(r["spec"]["rounds"]),
+        r["spec"]["backend"],
+        ", ".join(r["spec"]["participants"]),
+        _waiting_line(r.get("waiting")),
+    ]
 
 
 @runs_app.command("list")
@@ -46,26 +63,7 @@ def runs_list(
     state: Annotated[str | None, typer.Option("--state", help="Only runs in this state.")] = None,
 ) -> None:
     """The node's runs, newest first."""
-    with client(url, token, data_dir) as api:
-        body = api.get("/v1/runs", state=state, limit=1000)
-    rows = [
-        [
-            str(r.get("run_key") or r["id"])[:12],
-            r["name"],
-            r["state"],
-            str(r["current_round"]),
-            str(r["spec"]["rounds"]),
-            r["spec"]["backend"],
-            ", ".join(r["spec"]["participants"]),
-            _waiting_line(r.get("waiting")),
-        ]
-        for r in body["data"]
-    ]
-    table(
-        f"runs ({body['count']})",
-        ["key", "name", "state", "round", "of", "backend", "participants", "waiting"],
-        rows,
-    )
+    list_rows(url, token, data_dir, "runs", _RUN_COLUMNS, _run_row, state=state, limit=1000)
 
 
 def _when(value: Any) -> str:
@@ -146,7 +144,7 @@ def _print_run(row: dict[str, Any]) -> None:
 
 @runs_app.command("show")
 def runs_show(
-    run: Annotated[str, typer.Argument(help="Run key, name or unique key prefix.")],
+    run: RunRef,
     url: UrlOpt = None,
     token: TokenOpt = None,
     data_dir: ClientDataDir = None,
@@ -205,6 +203,34 @@ def _data_like(api: ApiClient, name: str) -> dict[str, Any]:
         raise ClientError(f"no dataset {name!r} at this node (for --data-like)")
     columns = {c: "number" if t in ("int", "float") else t for c, t in found[0]["columns"].items()}
     return {"kind": found[0]["kind"], "columns": columns}
+
+
+def _proposed_spec(
+    spec_file: Path | None,
+    flags: dict[str, Any],
+    data_kind: str | None,
+    column: list[str],
+    config: list[str],
+) -> dict[str, Any]:
+    """The run spec of ``runs propose``: the spec file's, with the flags given over it;
+    exit 1 when it is not a JSON object or lacks the trainer, rounds or participants."""
+    spec: dict[str, Any] = {}
+    if spec_file is not None:
+        loaded = guarded(lambda: json.loads(spec_file.read_text(encoding="utf-8")))
+        if not isinstance(loaded, dict):
+            typer.echo(f"error: {spec_file} does not hold a JSON object", err=True)
+            raise typer.Exit(1)
+        spec = loaded
+    spec |= {k: v for k, v in flags.items() if v is not None}
+    if data_kind is not None or column:
+        spec["data"] = {"kind": data_kind or "table", "columns": _columns(column)}
+    if config:
+        spec["config"] = dict(spec.get("config") or {}) | _config_values(config)
+    missing = [k for k in ("trainer", "rounds", "participants") if k not in spec]
+    if missing:
+        typer.echo(f"error: the spec lacks {', '.join(missing)} (--spec or flags)", err=True)
+        raise typer.Exit(1)
+    return spec
 
 
 @runs_app.command("propose")
@@ -266,13 +292,6 @@ def runs_propose(
     """Propose a run to every participant, once: the node signs the proposal and sends it;
     each org accepts or declines it, and the run starts by itself once all have consented
     (a spec file, flags, or a file with flags overriding)."""
-    spec: dict[str, Any] = {}
-    if spec_file is not None:
-        loaded = guarded(lambda: json.loads(spec_file.read_text(encoding="utf-8")))
-        if not isinstance(loaded, dict):
-            typer.echo(f"error: {spec_file} does not hold a JSON object", err=True)
-            raise typer.Exit(1)
-        spec = loaded
     flags = {
         "trainer": trainer,
         "trainer_hash": trainer_hash,
@@ -283,15 +302,7 @@ def runs_propose(
         "epsilon": epsilon,
         "quorum": quorum,
     }
-    spec |= {k: v for k, v in flags.items() if v is not None}
-    if data_kind is not None or column:
-        spec["data"] = {"kind": data_kind or "table", "columns": _columns(column or [])}
-    if config:
-        spec["config"] = dict(spec.get("config") or {}) | _config_values(config)
-    missing = [k for k in ("trainer", "rounds", "participants") if k not in spec]
-    if missing:
-        typer.echo(f"error: the spec lacks {', '.join(missing)} (--spec or flags)", err=True)
-        raise typer.Exit(1)
+    spec = _proposed_spec(spec_file, flags, data_kind, column or [], config or [])
     with client(url, token, data_dir) as api:
         if data_like is not None:
             like = _data_like(api, data_like)
@@ -312,7 +323,7 @@ def runs_propose(
 
 def _action_command(action: str, doc: str) -> None:
     def command(
-        run: Annotated[str, typer.Argument(help="Run key, name or unique key prefix.")],
+        run: RunRef,
         reason: Annotated[str, typer.Option("--reason", help="Recorded with the action.")] = "",
         url: UrlOpt = None,
         token: TokenOpt = None,
@@ -345,7 +356,7 @@ def _act(
 
 @runs_app.command("accept")
 def runs_accept(
-    run: Annotated[str, typer.Argument(help="Run key, name or unique key prefix.")],
+    run: RunRef,
     dataset: Annotated[
         str | None,
         typer.Option("--dataset", help="This org's registered dataset to bind (runs with data)."),
@@ -387,24 +398,19 @@ _action_command("resume", "Resume a paused run.")
 _action_command("abort", "Abort a run that has not ended.")
 
 
+def _peer_row(p: dict[str, Any]) -> list[str]:
+    return [
+        p["org_id"],
+        p["status"],
+        str(p["incarnation"]),
+        fmt(p["last_seen_s_ago"]),
+        fmt(p["latency_ms"]),
+    ]
+
+
 def peers(url: UrlOpt = None, token: TokenOpt = None, data_dir: ClientDataDir = None) -> None:
     """The node's live view of the other members."""
-    with client(url, token, data_dir) as api:
-        body = api.get("/v1/peers")
-    table(
-        f"peers ({body['count']})",
-        ["org", "status", "incarnation", "last seen (s ago)", "latency (ms)"],
-        [
-            [
-                p["org_id"],
-                p["status"],
-                str(p["incarnation"]),
-                fmt(p["last_seen_s_ago"]),
-                fmt(p["latency_ms"]),
-            ]
-            for p in body["data"]
-        ],
-    )
+    list_rows(url, token, data_dir, "peers", _PEER_COLUMNS, _peer_row)
 
 
 def audit_events(
@@ -451,7 +457,7 @@ def audit_events(
 
 
 def audit_fetch(
-    run: Annotated[str, typer.Argument(help="Run key, name or unique key prefix.")],
+    run: RunRef,
     out: Annotated[Path, typer.Option("--out", help="Directory for report.json and .html.")],
     url: UrlOpt = None,
     token: TokenOpt = None,

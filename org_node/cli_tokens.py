@@ -17,8 +17,15 @@ from typing import Annotated, Any
 
 import typer
 
-from org_node.cli_common import ApiClient, ClientDataDir, ClientError, TokenOpt, UrlOpt, client
-from org_node.cli_common import table as print_table
+from org_node.cli_common import (
+    ApiClient,
+    ClientDataDir,
+    ClientError,
+    TokenOpt,
+    UrlOpt,
+    client,
+    list_rows,
+)
 
 __all__ = ["Role", "resolve_token", "tokens_app"]
 
@@ -26,6 +33,7 @@ tokens_app = typer.Typer(
     help="The admin API's bearer tokens (admin token): create, list, revoke.",
     no_args_is_help=True,
 )
+_TOKEN_COLUMNS = ["id", "key id", "name", "role", "created", "revoked", "last used"]
 
 
 class Role(StrEnum):
@@ -58,27 +66,22 @@ def tokens_create(
     typer.echo(f"token (shown once, store it safely): {row['token']}")
 
 
+def _token_row(t: dict[str, Any]) -> list[str]:
+    return [
+        str(t["id"]),
+        t["key_id"],
+        t["name"],
+        t["role"],
+        _when(t.get("created_at")),
+        _when(t.get("revoked_at")),
+        _when(t.get("last_used_at")),
+    ]
+
+
 @tokens_app.command("list")
 def tokens_list(url: UrlOpt = None, token: TokenOpt = None, data_dir: ClientDataDir = None) -> None:
     """Every token, revoked ones included, newest first (never a secret)."""
-    with client(url, token, data_dir) as api:
-        body = api.get("/v1/tokens", limit=1000)
-    print_table(
-        f"tokens ({body['count']})",
-        ["id", "key id", "name", "role", "created", "revoked", "last used"],
-        [
-            [
-                str(t["id"]),
-                t["key_id"],
-                t["name"],
-                t["role"],
-                _when(t.get("created_at")),
-                _when(t.get("revoked_at")),
-                _when(t.get("last_used_at")),
-            ]
-            for t in body["data"]
-        ],
-    )
+    list_rows(url, token, data_dir, "tokens", _TOKEN_COLUMNS, _token_row, limit=1000)
 
 
 def resolve_token(api: ApiClient, ref: str) -> dict[str, Any]:

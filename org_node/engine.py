@@ -69,7 +69,13 @@ import numpy as np
 from coordinator_free.rounds import MaskedSecureSum, RoundEngine, RoundFailed, SecureSum
 from coordinator_free.sealed import atomic_write
 
-from org_node.privacy import BudgetExceeded, PrivacyBudget, RdpAccountant, protect_update
+from org_node.privacy import (
+    BudgetExceeded,
+    PrivacyBudget,
+    RdpAccountant,
+    protect_update,
+    skellam_codec,
+)
 from org_node.privacy import skellam_round_for as _skellam_round_for
 from org_node.run_config import (
     ATTEMPTS,
@@ -170,6 +176,43 @@ CatchUp = Callable[[str, int], Awaitable[tuple[int, Model] | None]]
 """``catch_up(run_key, round)``: a newer agreed ``(round, model)`` of the run, or None."""
 
 
+def _check_plan(plan: RunPlan, org_id: str, ckks: SecureSum | None) -> None:
+    """Refuse a plan this org cannot run: an unknown backend, CKKS without the node's
+    aggregator or with an epsilon, or an org that is not a participant."""
+    if plan.backend == "ckks":
+        if ckks is None:
+            raise EngineError("backend", "a CKKS run needs the node's CkksAggregator")
+        if plan.epsilon is not None:
+            raise EngineError(
+                "epsilon", "DP noise shares need the masked backend; CKKS runs take no epsilon"
+            )
+    elif plan.backend != "masked":
+        raise EngineError("backend", f"unknown backend {plan.backend!r}")
+    if org_id not in plan.participants:
+        raise EngineError("participants", f"{org_id!r} is not a participant")
+
+
+def _privacy(
+    plan: RunPlan, config: EngineConfig
+) -> tuple[FixedPointCodec, DistributedSkellam | None, PrivacyBudget | None]:
+    """The fixed-point codec of the run's secure sum and, for a run with an epsilon, its
+    distributed DP noise and budget (the codec then leaves room for the noise)."""
+    n = len(plan.participants)
+    if plan.epsilon is None:
+        codec = FixedPointCodec(
+            bits=config.ring_bits, clip=config.clip, max_summands=n, frac_bits=config.frac_bits
+        )
+        return codec, None, None
+    if config.weighting != "uniform":
+        raise EngineError(
+            "engine.weighting",
+            "a run with DP needs 'uniform' weighting: the noisy sum of the weights "
+            "cannot divide the update, the count of survivors does",
+        )
+    codec, dp = skellam_codec(config, n)
+    return codec, dp, PrivacyBudget(plan.epsilon, config.delta)
+
+
 class RunEngine:
     """One org's rounds of one run (see the module docstring)."""
 
@@ -190,17 +233,7 @@ class RunEngine:
         rng: np.random.Generator | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        if plan.backend == "ckks":
-            if ckks is None:
-                raise EngineError("backend", "a CKKS run needs the node's CkksAggregator")
-            if plan.epsilon is not None:
-                raise EngineError(
-                    "epsilon", "DP noise shares need the masked backend; CKKS runs take no epsilon"
-                )
-        elif plan.backend != "masked":
-            raise EngineError("backend", f"unknown backend {plan.backend!r}")
-        if rounds.org_id not in plan.participants:
-            raise EngineError("participants", f"{rounds.org_id!r} is not a participant")
+        _check_plan(plan, rounds.org_id, ckks)
         self.plan = plan
         self.config = config
         self.rounds = rounds
@@ -215,43 +248,9 @@ class RunEngine:
         # what the engine does now and since when (clock time): see :attr:`activity`
         self.activity: tuple[str, float] = ("starting", clock())
         self.strategy: Strategy = make_strategy(config.strategy, config.strategy_options)
-        n = len(plan.participants)
-        self.dp: DistributedSkellam | None = None
-        self.budget: PrivacyBudget | None = None
-        if plan.epsilon is not None:
-            if config.weighting != "uniform":
-                raise EngineError(
-                    "engine.weighting",
-                    "a run with DP needs 'uniform' weighting: the noisy sum of the weights "
-                    "cannot divide the update, the count of survivors does",
-                )
-            sigma = config.noise_multiplier * config.l2_clip
-            self.codec = FixedPointCodec(
-                bits=config.ring_bits,
-                clip=max(config.clip, config.l2_clip),
-                max_summands=n,
-                frac_bits=config.frac_bits if config.frac_bits is not None else 24,
-                noise_bound=20.0 * sigma / math.sqrt(n),
-            )
-            self.dp = DistributedSkellam(
-                config.l2_clip, config.noise_multiplier, n, self.codec.scale
-            )
-            self.budget = PrivacyBudget(plan.epsilon, config.delta)
-        else:
-            self.codec = FixedPointCodec(
-                bits=config.ring_bits, clip=config.clip, max_summands=n, frac_bits=config.frac_bits
-            )
+        self.codec, self.dp, self.budget = _privacy(plan, config)
         # the backend, chosen once: the round's sums and the statistics' go through it
-        self.secure_sum: SecureSum
-        self.stats_sum: SecureSum
-        if ckks is not None and plan.backend == "ckks":
-            self.secure_sum = self.stats_sum = ckks
-        else:
-            self.secure_sum = MaskedSecureSum(
-                rounds, clip=self.codec.clip, encode=self._protect, decode=self.codec.decode
-            )
-            stats = FixedPointCodec(bits=64, clip=STATS_CLIP, max_summands=n)
-            self.stats_sum = MaskedSecureSum.with_codec(rounds, stats, self.rng)
+        self.secure_sum, self.stats_sum = self._backend(ckks)
         self.state = EngineState(
             plan.run_key,
             0,
@@ -260,6 +259,18 @@ class RunEngine:
             self.budget.accountant.state_dict() if self.budget and self.budget.accountant else None,
             plan={"name": plan.name, "spec": dict(plan.spec), "members": list(plan.participants)},
         )
+
+    def _backend(self, ckks: SecureSum | None) -> tuple[SecureSum, SecureSum]:
+        """The secure sums of the round's updates and of the statistics: CKKS for both,
+        or the masked sum with this engine's codec (and DP noise) and a 64-bit one."""
+        if ckks is not None and self.plan.backend == "ckks":
+            return ckks, ckks
+        secure_sum = MaskedSecureSum(
+            self.rounds, clip=self.codec.clip, encode=self._protect, decode=self.codec.decode
+        )
+        n = len(self.plan.participants)
+        stats = FixedPointCodec(bits=64, clip=STATS_CLIP, max_summands=n)
+        return secure_sum, MaskedSecureSum.with_codec(self.rounds, stats, self.rng)
 
     # -- persistence ----------------------------------------------------------------
 

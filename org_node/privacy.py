@@ -41,6 +41,8 @@ if TYPE_CHECKING:
     import torch
     from torch.utils.data import DataLoader
 
+    from org_node.run_config import EngineConfig
+
 __all__ = [
     "DEFAULT_ORDERS",
     "BudgetExceeded",
@@ -55,6 +57,7 @@ __all__ = [
     "gaussian_rdp",
     "make_example_private",
     "protect_update",
+    "skellam_codec",
     "skellam_rdp",
     "skellam_round_for",
 ]
@@ -251,6 +254,21 @@ def skellam_round_for(dp: DistributedSkellam, dim: int | None = None) -> Skellam
         l1_sensitivity=p["l1_sensitivity"],
         variance=p["variance_sum_ring"],
     )
+
+
+def skellam_codec(config: EngineConfig, n: int) -> tuple[FixedPointCodec, DistributedSkellam]:
+    """The fixed-point codec of a run with org-level DP among ``n`` orgs, with room in the
+    ring for the noise (``20 sigma / sqrt(n)`` per share, 24 fraction bits unless set),
+    and the distributed Skellam noise on its scale (``config``: the ``[engine]`` table)."""
+    sigma = config.noise_multiplier * config.l2_clip
+    codec = FixedPointCodec(
+        bits=config.ring_bits,
+        clip=max(config.clip, config.l2_clip),
+        max_summands=n,
+        frac_bits=config.frac_bits if config.frac_bits is not None else 24,
+        noise_bound=20.0 * sigma / math.sqrt(n),
+    )
+    return codec, DistributedSkellam(config.l2_clip, config.noise_multiplier, n, codec.scale)
 
 
 # --------------------------------------------------------------------------- accountant

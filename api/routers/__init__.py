@@ -2,6 +2,15 @@
 
 Shared here: the error body (:class:`ErrorMessage`), the error responses every router
 documents in the OpenAPI spec, and the role sets routes admit.
+
+What it owns: the HTTP shape of each resource (its routes, request and response
+models, status codes and role checks); the work is the node's, behind
+:class:`org_node.services.NodeServices`, its database and its catalogs.
+
+What it may import: FastAPI, pydantic and SQLModel/SQLAlchemy, the rest of ``api``
+(dependencies, idempotency, settings, the dashboard) and ``org_node`` (models and
+repositories, services, run states and policies, the audit report) and
+``coordinator_free`` (manifests); nothing imports a router but :mod:`api.app`.
 """
 
 from __future__ import annotations

@@ -90,6 +90,7 @@ _HOOKS: dict[RunAction, str] = {
     RunAction.ABORT: "on_run_aborted",
 }
 _POLICY_CHECKED = (RunAction.ACCEPT, RunAction.START, RunAction.RESUME)
+_DECIDING = (RunAction.ACCEPT, RunAction.DECLINE)
 
 
 def _view(row: Run, consents: list[RunConsent], node: object = None) -> RunPublic:
@@ -221,6 +222,7 @@ def _exact_run(conn: Connection, ref: str) -> tuple[Run, list[RunConsent]] | Non
 
 
 def _resolved(engine: Any, ref: str, node: object) -> RunPublic:
+    """The run ``ref`` names, read in a session of its own."""
     with Session(engine) as session:
         return _public(_get(session, ref), session, node)
 
@@ -266,30 +268,30 @@ def _check_start(session: Session, row: Run, me: str) -> None:
     raise conflict(f"the run will not start: {outcome.reason or 'without this org'}")
 
 
-def _transition(
-    action: RunAction,
-    run_id: str,
-    body: RunActionRequest | None,
-    session: Session,
-    node: NodeServices,
-    principal: CurrentPrincipal,
-    trainers: TrainerCatalog,
-) -> RunPublic:
-    request = body or RunActionRequest()
+def _check_request(action: RunAction, request: RunActionRequest) -> None:
+    """A dataset binds only with an accept, a run key pins only an accept or decline."""
     if request.dataset is not None and action is not RunAction.ACCEPT:
         raise conflict("a dataset is bound when accepting a run, not otherwise")
-    if request.run_key is not None and action not in (RunAction.ACCEPT, RunAction.DECLINE):
+    if request.run_key is not None and action not in _DECIDING:
         raise conflict("a run key is pinned when accepting or declining a run, not otherwise")
-    row = _get(session, run_id)
+
+
+def _check_action(
+    session: Session,
+    row: Run,
+    action: RunAction,
+    request: RunActionRequest,
+    node: NodeServices,
+) -> RunState:
+    """The state ``action`` takes the run to, once the version, the state table, the
+    decision, the consents to start and this org's policies allow it (409 otherwise)."""
     if request.version is not None and request.version != row.version:
         raise conflict(f"run version is {row.version}, not {request.version}: reload and retry")
-    current = RunState(row.state)
     try:
-        new = next_state(current, action)
+        new = next_state(RunState(row.state), action)
     except InvalidTransition as exc:
         raise conflict(str(exc)) from None
-    deciding = action in (RunAction.ACCEPT, RunAction.DECLINE)
-    if deciding:
+    if action in _DECIDING:
         _check_decision(row, action, request)
     if action is RunAction.START:
         _check_start(session, row, node.identity().org_id)
@@ -298,8 +300,22 @@ def _transition(
         if broken:
             listed = "; ".join(f"{v.policy}: {v.message}" for v in broken)
             raise conflict(f"run violates this org's policies: {listed}")
+    return new
+
+
+def _new_values(
+    session: Session,
+    row: Run,
+    action: RunAction,
+    request: RunActionRequest,
+    new: RunState,
+    principal: CurrentPrincipal,
+    trainers: TrainerCatalog,
+) -> dict[str, Any]:
+    """The run row's new values: its state, the decision, and for an accept the trainer
+    and dataset bound to it."""
     values: dict[str, Any] = {"state": new.value, "updated_at": utcnow()}
-    if deciding:
+    if action in _DECIDING:
         values |= {
             "decided_by": principal.name,
             "decided_at": utcnow(),
@@ -312,21 +328,48 @@ def _transition(
         except ConsentRefused as exc:
             raise conflict(f"this org cannot accept the run: {exc}") from None
         values |= binding.row_values()
+    return values
+
+
+def _record_decision(
+    session: Session, run_key: str, action: RunAction, request: RunActionRequest, node: NodeServices
+) -> None:
+    """Store this org's consent (accept or decline) to the proposed run ``run_key``; 409
+    if it decided already."""
+    mine = Consent(
+        run_key,
+        node.identity().org_id,
+        "accept" if action is RunAction.ACCEPT else "decline",
+        request.reason,
+        now_ms(),
+    )
+    if not store_consent(session, mine, ""):
+        session.rollback()
+        raise conflict("this org has decided on the run already")
+
+
+def _transition(
+    action: RunAction,
+    run_id: str,
+    body: RunActionRequest | None,
+    session: Session,
+    node: NodeServices,
+    principal: CurrentPrincipal,
+    trainers: TrainerCatalog,
+) -> RunPublic:
+    request = body or RunActionRequest()
+    _check_request(action, request)
+    row = _get(session, run_id)
+    current = RunState(row.state)
+    new = _check_action(session, row, action, request, node)
+    values = _new_values(session, row, action, request, new, principal, trainers)
     if not update_versioned(session, Run, row.id, row.version, values, where={"state": current}):
         session.rollback()
         latest = _get(session, row.id)
         raise conflict(f"run changed concurrently; it is now {latest.state}")
+    deciding = action in _DECIDING
     if deciding and row.run_key and row.proposal:
-        mine = Consent(
-            row.run_key,
-            node.identity().org_id,
-            "accept" if action is RunAction.ACCEPT else "decline",
-            request.reason,
-            now_ms(),
-        )
-        if not store_consent(session, mine, ""):
-            session.rollback()
-            raise conflict("this org has decided on the run already")
+        _record_decision(session, row.run_key, action, request, node)
     append_audit_event(
         session,
         stage="consent" if deciding else "control",
@@ -419,11 +462,6 @@ def _sse(event: RunEvent) -> str:
     return f"id: {event.seq}\nevent: {event.kind}\ndata: {data}\n\n"
 
 
-def _snapshot(engine: Any, ref: str) -> RunPublic:
-    with Session(engine) as session:
-        return _public(_get(session, ref), session)
-
-
 def _ended(event: RunEvent) -> bool:
     return event.kind == "state" and event.data.get("state") in {s.value for s in TERMINAL_STATES}
 
@@ -439,7 +477,7 @@ async def events(run_id: str, request: Request, node: NodeDep) -> StreamingRespo
 
     The first event is a ``state`` snapshot; the stream ends after a terminal state.
     """
-    snapshot = await run_in_threadpool(_snapshot, request.app.state.engine, run_id)
+    snapshot = await run_in_threadpool(_resolved, request.app.state.engine, run_id, None)
     run_id = snapshot.id
     bus = node.events
     queue = bus.subscribe(run_id)

@@ -29,7 +29,6 @@ round log.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -278,20 +277,9 @@ def dp_facts(spec: RunSpec, config: Any, model_size: int, rounds_charged: int) -
     ``rounds_charged`` times; None for a run without DP."""
     if spec.epsilon is None:
         return None
-    from org_node.privacy import skellam_round_for
-    from secure_agg.codec import FixedPointCodec
-    from secure_agg.dp import DistributedSkellam
+    from org_node.privacy import skellam_codec, skellam_round_for
 
-    n = len(spec.participants)
-    sigma = config.noise_multiplier * config.l2_clip
-    codec = FixedPointCodec(
-        bits=config.ring_bits,
-        clip=max(config.clip, config.l2_clip),
-        max_summands=n,
-        frac_bits=config.frac_bits if config.frac_bits is not None else 24,
-        noise_bound=20.0 * sigma / math.sqrt(n),
-    )
-    dp = DistributedSkellam(config.l2_clip, config.noise_multiplier, n, codec.scale)
+    _codec, dp = skellam_codec(config, len(spec.participants))
     dim = model_size + 1 + int(config.fednova)
     mechanism = skellam_round_for(dp, dim)
     return DpFacts(

@@ -226,12 +226,11 @@ def _status(ok: bool, yes: str, no: str) -> str:
     return f'<span class="ok">{_e(yes)}</span>' if ok else f'<span class="bad">{_e(no)}</span>'
 
 
-def render_html(report: Mapping[str, Any], *, verification: str | None = None) -> str:
-    """The report as one self-contained HTML page (``verification``: a summary line)."""
+def _heading(report: Mapping[str, Any], verification: str | None) -> list[str]:
+    """The page's head, title and the one-paragraph verdict (verification, forbidden
+    classes, policy violations, anomalies)."""
     run = report["run"]
     traffic = report["traffic"]
-    dp = report["differential_privacy"]
-    sa = report["secure_aggregation"]
     parts: list[str] = [
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">',
         f"<title>Privacy audit: {_e(run['id'])} at {_e(report['org'])}</title>",
@@ -252,36 +251,64 @@ def render_html(report: Mapping[str, Any], *, verification: str | None = None) -
         + _status(run["violations_total"] == 0, "none", str(run["violations_total"]))
         + f". Anomalies: {len(report['anomalies'])}.</p>"
     )
+    return parts
 
-    parts.append("<h2>Participants and consent</h2>")
-    parts.append(
+
+def _consent_cells(p: Mapping[str, Any]) -> list[Any]:
+    """One participant's row: its decision, when, by whom and why (or what this org holds
+    of a decision it did not record)."""
+    consent = p["consent"]
+    if consent is None:
+        return [p["org"], p.get("consent_note", "not recorded here"), "", "", ""]
+    role = consent.get("decided_by_role")
+    return [
+        p["org"],
+        consent["decision"],
+        consent["decided_at"],
+        consent["decided_by"] + (f" ({role})" if role else ""),
+        consent["reason"],
+    ]
+
+
+def _participants(report: Mapping[str, Any]) -> list[str]:
+    return [
+        "<h2>Participants and consent</h2>",
         _table(
             ["Org", "Decision", "Decided at", "Decided by", "Reason"],
-            (
-                [p["org"]]
-                + (
-                    [p.get("consent_note", "not recorded here"), "", "", ""]
-                    if p["consent"] is None
-                    else [
-                        p["consent"]["decision"],
-                        p["consent"]["decided_at"],
-                        p["consent"]["decided_by"]
-                        + (
-                            f" ({p['consent']['decided_by_role']})"
-                            if p["consent"].get("decided_by_role")
-                            else ""
-                        ),
-                        p["consent"]["reason"],
-                    ]
-                )
-                for p in report["participants"]
-            ),
-        )
-    )
+            (_consent_cells(p) for p in report["participants"]),
+        ),
+    ]
 
+
+def _binding_rows(run: Mapping[str, Any]) -> list[list[Any]]:
+    """The trainer and the dataset bound to the run at this org."""
+    binding = run.get("binding") or {}
+    trainer = binding.get("trainer") or {}
+    dataset = binding.get("dataset")
+    return [
+        ["trainer", trainer.get("name", ""), trainer.get("sha256") or "-", ""],
+        (
+            ["dataset", dataset["name"], dataset.get("content_hash") or "-", dataset.get("rows")]
+            if dataset
+            else ["dataset", "none (the run needs no data)", "", ""]
+        ),
+    ]
+
+
+def _policy_row(p: Mapping[str, Any]) -> list[Any]:
+    """A policy, its requirements and the run's violations of it."""
+    requirements = "; ".join(f"{k}={v}" for k, v in sorted(p["policy"].items()) if v is not None)
+    if not p["violations"]:
+        return [p["name"], requirements, "none"]
+    broken = "; ".join(f"{v['requirement']}: {v['message']}" for v in p["violations"])
+    return [p["name"], requirements, broken]
+
+
+def _specification(report: Mapping[str, Any]) -> list[str]:
+    run = report["run"]
     spec = run["spec"]
-    parts.append("<h2>Run specification and policies</h2>")
-    parts.append(
+    return [
+        "<h2>Run specification and policies</h2>",
         _table(
             ["Trainer", "Rounds", "Participants", "Backend", "Threshold", "ε budget"],
             [
@@ -295,129 +322,111 @@ def render_html(report: Mapping[str, Any], *, verification: str | None = None) -
                 ]
             ],
             numeric=(1, 4),
-        )
-    )
-    binding = run.get("binding") or {}
-    trainer = binding.get("trainer") or {}
-    dataset = binding.get("dataset")
-    parts.append(
-        _table(
-            ["Bound at this org", "Name", "Hash", "Rows"],
-            [
-                ["trainer", trainer.get("name", ""), trainer.get("sha256") or "-", ""],
-                (
-                    [
-                        "dataset",
-                        dataset["name"],
-                        dataset.get("content_hash") or "-",
-                        dataset.get("rows"),
-                    ]
-                    if dataset
-                    else ["dataset", "none (the run needs no data)", "", ""]
-                ),
-            ],
-        )
-    )
-    parts.append(
-        _table(
-            ["Policy", "Requirements", "Violations"],
-            (
-                [
-                    p["name"],
-                    "; ".join(f"{k}={v}" for k, v in sorted(p["policy"].items()) if v is not None),
-                    "none"
-                    if not p["violations"]
-                    else "; ".join(f"{v['requirement']}: {v['message']}" for v in p["violations"]),
-                ]
-                for p in run["policies"]
-            ),
-        )
-    )
+        ),
+        _table(["Bound at this org", "Name", "Hash", "Rows"], _binding_rows(run)),
+        _table(["Policy", "Requirements", "Violations"], (_policy_row(p) for p in run["policies"])),
+    ]
 
-    parts.append("<h2>Secure aggregation</h2>")
-    parts.append(
+
+def _secure_aggregation(report: Mapping[str, Any]) -> list[str]:
+    sa = report["secure_aggregation"]
+    return [
+        "<h2>Secure aggregation</h2>",
         _table(
             ["Backend", "n", "t", "Ring bits", "L2 clip"],
             [[sa["backend"], sa["n"], sa["t"], sa["ring_bits"] or "—", sa["l2_clip"] or "—"]],
             numeric=(1, 2, 3, 4),
-        )
+        ),
+    ]
+
+
+def _epsilon_chart(dp: Mapping[str, Any]) -> str:
+    """ε per round and cumulative over rounds, with the budget when there is one."""
+    series: dict[str, list[tuple[float, float]]] = {
+        "ε of the round": [(r["round"], r["epsilon"]) for r in dp["rounds"]],
+        "ε cumulative": [(r["round"], r["epsilon_cumulative"]) for r in dp["rounds"]],
+    }
+    if dp["epsilon_budget"] is not None and dp["rounds"]:
+        series["ε budget"] = [(r["round"], dp["epsilon_budget"]) for r in dp["rounds"]]
+    return (
+        "<figure>"
+        + line_chart_svg("ε over rounds", "round", f"ε at δ={dp['delta']:g}", series)
+        + f"<figcaption>ε(δ={_e(dp['delta'])}) per round and composed over rounds "
+        "(Rényi DP accountant).</figcaption></figure>"
     )
 
-    parts.append("<h2>Differential privacy</h2>")
+
+def _differential_privacy(report: Mapping[str, Any]) -> list[str]:
+    dp = report["differential_privacy"]
     if dp is None:
-        parts.append("<p>This run adds no differential-privacy noise.</p>")
-    else:
-        parts.append(
-            _table(
-                ["Mechanism", "Noise multiplier", "L2 clip", "δ", "ε total", "ε budget"],
-                [
-                    [
-                        dp["mechanism"],
-                        ", ".join(_num(v) for v in dp["noise_multipliers"]) or "—",
-                        dp["l2_clip"],
-                        dp["delta"],
-                        dp["epsilon_total"],
-                        "none" if dp["epsilon_budget"] is None else dp["epsilon_budget"],
-                    ]
-                ],
-                numeric=(2, 3, 4, 5),
-            )
-        )
-        series: dict[str, list[tuple[float, float]]] = {
-            "ε of the round": [(r["round"], r["epsilon"]) for r in dp["rounds"]],
-            "ε cumulative": [(r["round"], r["epsilon_cumulative"]) for r in dp["rounds"]],
-        }
-        if dp["epsilon_budget"] is not None and dp["rounds"]:
-            series["ε budget"] = [(r["round"], dp["epsilon_budget"]) for r in dp["rounds"]]
-        parts.append(
-            "<figure>"
-            + line_chart_svg("ε over rounds", "round", f"ε at δ={dp['delta']:g}", series)
-            + f"<figcaption>ε(δ={_e(dp['delta'])}) per round and composed over rounds "
-            "(Rényi DP accountant).</figcaption></figure>"
-        )
-        parts.append(
-            _table(
-                ["Round", "ε of the round", "ε cumulative"],
-                ([r["round"], r["epsilon"], r["epsilon_cumulative"]] for r in dp["rounds"]),
-                numeric=(0, 1, 2),
-            )
-        )
-
-    parts.append("<h2>Rounds</h2>")
-    parts.append(
+        return [
+            "<h2>Differential privacy</h2>",
+            "<p>This run adds no differential-privacy noise.</p>",
+        ]
+    return [
+        "<h2>Differential privacy</h2>",
         _table(
+            ["Mechanism", "Noise multiplier", "L2 clip", "δ", "ε total", "ε budget"],
             [
-                "Round",
-                "Participants",
-                "Survivors",
-                "Dropped",
-                "Recovered",
-                "Model hash",
-                "All peers agreed",
-                "Loss",
-                "Accuracy",
-            ],
-            (
                 [
-                    r["round"],
-                    _names(r["participants"]),
-                    _names(r["survivors"]),
-                    _names(r["dropped"]),
-                    _names(r["recovered"]),
-                    r["model_hash"][:16] + "…" if r["model_hash"] else "not recorded",
-                    "not recorded"
-                    if r["model_hash_agreed"] is None
-                    else "yes"
-                    if r["model_hash_agreed"]
-                    else "NO: " + _names(r["disagreeing_peers"]),
-                    "—" if r["loss"] is None else r["loss"],
-                    "—" if r["accuracy"] is None else r["accuracy"],
+                    dp["mechanism"],
+                    ", ".join(_num(v) for v in dp["noise_multipliers"]) or "—",
+                    dp["l2_clip"],
+                    dp["delta"],
+                    dp["epsilon_total"],
+                    "none" if dp["epsilon_budget"] is None else dp["epsilon_budget"],
                 ]
-                for r in report["rounds"]
-            ),
-            numeric=(0, 7, 8),
-        )
-    )
+            ],
+            numeric=(2, 3, 4, 5),
+        ),
+        _epsilon_chart(dp),
+        _table(
+            ["Round", "ε of the round", "ε cumulative"],
+            ([r["round"], r["epsilon"], r["epsilon_cumulative"]] for r in dp["rounds"]),
+            numeric=(0, 1, 2),
+        ),
+    ]
+
+
+def _agreement(r: Mapping[str, Any]) -> str:
+    """Whether every peer reported the round's model hash."""
+    if r["model_hash_agreed"] is None:
+        return "not recorded"
+    return "yes" if r["model_hash_agreed"] else "NO: " + _names(r["disagreeing_peers"])
+
+
+def _round_row(r: Mapping[str, Any]) -> list[Any]:
+    return [
+        r["round"],
+        _names(r["participants"]),
+        _names(r["survivors"]),
+        _names(r["dropped"]),
+        _names(r["recovered"]),
+        r["model_hash"][:16] + "…" if r["model_hash"] else "not recorded",
+        _agreement(r),
+        "—" if r["loss"] is None else r["loss"],
+        "—" if r["accuracy"] is None else r["accuracy"],
+    ]
+
+
+_ROUND_COLUMNS = [
+    "Round",
+    "Participants",
+    "Survivors",
+    "Dropped",
+    "Recovered",
+    "Model hash",
+    "All peers agreed",
+    "Loss",
+    "Accuracy",
+]
+
+
+def _rounds(report: Mapping[str, Any]) -> list[str]:
+    parts = [
+        "<h2>Rounds</h2>",
+        _table(_ROUND_COLUMNS, (_round_row(r) for r in report["rounds"]), numeric=(0, 7, 8)),
+    ]
     metrics: dict[str, list[tuple[float, float]]] = {}
     for name in ("loss", "accuracy"):
         pts = [(r["round"], r[name]) for r in report["rounds"] if r[name] is not None]
@@ -429,29 +438,11 @@ def render_html(report: Mapping[str, Any], *, verification: str | None = None) -
             + line_chart_svg("Loss and accuracy per round", "round", "value", metrics)
             + "<figcaption>Loss and accuracy of the global model after each round.</figcaption></figure>"
         )
+    return parts
 
-    parts.append("<h2>What left the organization</h2>")
-    total = traffic["total"]
-    parts.append(
-        f"<p>{_e(_num(total['messages']))} messages, {_e(_num(total['bytes']))} bytes "
-        f"(log entries {_e(traffic['window']['first_index'])}–{_e(traffic['window']['last_index'])}; "
-        "bytes as sent on the wire).</p>"
-    )
-    parts.append(
-        _table(
-            ["Peer", "Messages", "Bytes"],
-            ([p["peer"], p["messages"], p["bytes"]] for p in traffic["per_peer"]),
-            numeric=(1, 2),
-        )
-    )
-    parts.append(
-        _table(
-            ["Privacy class", "Messages", "Bytes"],
-            ([c["class"], c["messages"], c["bytes"]] for c in traffic["per_class"]),
-            numeric=(1, 2),
-        )
-    )
-    rows = traffic["per_round"]
+
+def _bytes_chart(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Bytes sent per run round (and attempt), stacked by privacy class."""
     labels = sorted(
         {(r["round"], r.get("attempt", 1)) for r in rows},
         key=lambda v: (v[0] is None, v[0] or 0, v[1]),
@@ -461,7 +452,7 @@ def render_html(report: Mapping[str, Any], *, verification: str | None = None) -
     for r in rows:
         key = (r["round"], r.get("attempt", 1), r["class"])
         cell[key] = cell.get(key, 0) + r["bytes"]
-    parts.append(
+    return (
         "<figure>"
         + bar_chart_svg(
             "Bytes sent per round by privacy class",
@@ -473,8 +464,32 @@ def render_html(report: Mapping[str, Any], *, verification: str | None = None) -
         + "<figcaption>Bytes sent per round, stacked by privacy class.</figcaption></figure>"
     )
 
-    parts.append("<h2>Checkpoint shards held for other organizations</h2>")
-    parts.append(
+
+def _egress(report: Mapping[str, Any]) -> list[str]:
+    traffic = report["traffic"]
+    total = traffic["total"]
+    return [
+        "<h2>What left the organization</h2>",
+        f"<p>{_e(_num(total['messages']))} messages, {_e(_num(total['bytes']))} bytes "
+        f"(log entries {_e(traffic['window']['first_index'])}–{_e(traffic['window']['last_index'])}; "
+        "bytes as sent on the wire).</p>",
+        _table(
+            ["Peer", "Messages", "Bytes"],
+            ([p["peer"], p["messages"], p["bytes"]] for p in traffic["per_peer"]),
+            numeric=(1, 2),
+        ),
+        _table(
+            ["Privacy class", "Messages", "Bytes"],
+            ([c["class"], c["messages"], c["bytes"]] for c in traffic["per_class"]),
+            numeric=(1, 2),
+        ),
+        _bytes_chart(traffic["per_round"]),
+    ]
+
+
+def _shards_and_anomalies(report: Mapping[str, Any]) -> list[str]:
+    return [
+        "<h2>Checkpoint shards held for other organizations</h2>",
         _table(
             ["Owner", "Round", "Shard", "Bytes", "SHA-256"],
             (
@@ -482,28 +497,43 @@ def render_html(report: Mapping[str, Any], *, verification: str | None = None) -
                 for s in report["shards_held"]
             ),
             numeric=(1, 2, 3),
-        )
-    )
+        ),
+        "<h2>Anomalies</h2>",
+        _table(["Kind", "Detail"], ([a["kind"], a["detail"]] for a in report["anomalies"])),
+    ]
 
-    parts.append("<h2>Anomalies</h2>")
-    parts.append(
-        _table(["Kind", "Detail"], ([a["kind"], a["detail"]] for a in report["anomalies"]))
-    )
 
-    records = report["log"]["records"]
-    heads = [r["head"] for r in records if r["type"] == "head"]
-    parts.append("<h2>Signed log</h2>")
-    parts.append(
+def _signed_log(report: Mapping[str, Any]) -> list[str]:
+    heads = [r["head"] for r in report["log"]["records"] if r["type"] == "head"]
+    return [
+        "<h2>Signed log</h2>",
         _table(
             ["Signed head index", "Run", "Round", "Time", "Head hash"],
             ([h["index"], h["run"], h["round"], h["time"], h["head_hash"]] for h in heads),
             numeric=(0, 2),
-        )
-    )
-    parts.append(
+        ),
         f"<p>Identity key (Ed25519): <code>{_e(report['log']['header']['public_key'])}</code>. "
         f"Report signature: <code>{_e(report['signature']['value'])}</code>. Check this report "
-        "with <code>fedweave audit verify</code> on its JSON form.</p>"
-    )
+        "with <code>fedweave audit verify</code> on its JSON form.</p>",
+    ]
+
+
+_SECTIONS = (
+    _participants,
+    _specification,
+    _secure_aggregation,
+    _differential_privacy,
+    _rounds,
+    _egress,
+    _shards_and_anomalies,
+    _signed_log,
+)
+
+
+def render_html(report: Mapping[str, Any], *, verification: str | None = None) -> str:
+    """The report as one self-contained HTML page (``verification``: a summary line)."""
+    parts = _heading(report, verification)
+    for section in _SECTIONS:
+        parts.extend(section(report))
     parts.append("</body></html>\n")
     return "".join(parts)

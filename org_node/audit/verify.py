@@ -102,6 +102,88 @@ def _first_difference(name: str, claimed: Any, actual: Any) -> str:
     return f"{name} says {json.dumps(claimed)}, the log gives {json.dumps(actual)}"
 
 
+def _report_key(
+    doc: Any, org: str, trusted_keys: Mapping[str, bytes] | None
+) -> tuple[dict[str, Any], bytes, bool]:
+    """Check the report against its schema and its log header against the report's org;
+    ``(header, key, pinned)``."""
+    try:
+        validate_report(doc)
+    except SchemaError as exc:
+        raise Broken(exc.path, str(exc).split(": ", 1)[1]) from None
+    try:
+        header = check_header(doc["log"]["header"], 0)
+    except LogFormatError as exc:
+        raise Broken("log.header", exc.detail) from None
+    if header["org"] != org:
+        raise Broken("log.header", f"the log is of {header['org']!r}, the report of {org!r}")
+    key, pinned = log_key(header, trusted_keys)
+    return header, key, pinned
+
+
+def _parse_records(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, str, Any]]:
+    """The log segment's records as ``(where, "entry" | "head", value)``."""
+    parsed: list[tuple[str, str, Any]] = []
+    for i, rec in enumerate(rows):
+        where = f"log.records[{i}]"
+        try:
+            if rec.get("type") == "entry":
+                parsed.append((where, "entry", EgressEntry.from_record(rec)))
+            elif rec.get("type") == "head" and set(rec) == {"type", "head"}:
+                parsed.append((where, "head", SignedHead.from_dict(rec["head"])))
+            else:
+                raise Broken(where, "not an entry or a head record")
+        except LogFormatError as exc:
+            raise Broken(where, exc.detail) from None
+    return parsed
+
+
+def _check_segment(
+    doc: Any, org: str, header: Mapping[str, Any], key: bytes, parsed: list[tuple[str, str, Any]]
+) -> Chain:
+    """Chain the segment's records from the start of the traffic window to a signed head
+    at its end; the checked chain."""
+    first = next((v for _, t, v in parsed if t == "entry"), None)
+    if first is None:
+        raise Broken("log.records", "the report carries no log entry")
+    window = doc["traffic"]["window"]
+    if first.index > window["first_index"]:
+        raise Broken(
+            "log.records[0]",
+            f"entries {window['first_index']}..{first.index - 1} are missing from the "
+            "start of the segment",
+            first.index,
+        )
+    start_prev = genesis_hash(header) if first.index == 0 else first.prev_hash
+    chain = Chain(org, key, start_prev, first.index)
+    for where, kind, value in parsed:
+        if kind == "entry":
+            chain.entry(value, where)
+        else:
+            chain.head(value, where)
+    if parsed[-1][1] != "head":
+        raise Broken(
+            "log.records",
+            f"the segment ends at entry {chain.next - 1} with no signed head covering it "
+            "(entries removed from the end)",
+        )
+    return chain
+
+
+def _check_signature(doc: Any, org: str, key: bytes) -> None:
+    """Each section's digest as signed, and the org's signature over the report."""
+    digests = section_digests(doc)
+    claimed = doc["signature"]["sections"]
+    for name in SECTIONS:
+        if claimed.get(name) != digests[name]:
+            raise Broken(name, "the section was changed after the report was signed")
+    if set(claimed) != set(SECTIONS):
+        raise Broken("signature.sections", "names sections the report does not have")
+    signature = bytes.fromhex(doc["signature"]["value"])
+    if not verify_signature(key, report_signing_bytes(doc, digests), signature):
+        raise Broken("signature", f"not a valid signature of {org!r} over the report")
+
+
 def verify_report(
     doc: Any,
     *,
@@ -111,64 +193,10 @@ def verify_report(
     """Verify a report document (see the module docstring)."""
     org = doc.get("org", "") if isinstance(doc, dict) else ""
     try:
-        try:
-            validate_report(doc)
-        except SchemaError as exc:
-            raise Broken(exc.path, str(exc).split(": ", 1)[1]) from None
-        try:
-            header = check_header(doc["log"]["header"], 0)
-        except LogFormatError as exc:
-            raise Broken("log.header", exc.detail) from None
-        if header["org"] != org:
-            raise Broken("log.header", f"the log is of {header['org']!r}, the report of {org!r}")
-        key, pinned = log_key(header, trusted_keys)
-        rows: Sequence[Mapping[str, Any]] = doc["log"]["records"]
-        parsed: list[tuple[str, str, Any]] = []
-        for i, rec in enumerate(rows):
-            where = f"log.records[{i}]"
-            try:
-                if rec.get("type") == "entry":
-                    parsed.append((where, "entry", EgressEntry.from_record(rec)))
-                elif rec.get("type") == "head" and set(rec) == {"type", "head"}:
-                    parsed.append((where, "head", SignedHead.from_dict(rec["head"])))
-                else:
-                    raise Broken(where, "not an entry or a head record")
-            except LogFormatError as exc:
-                raise Broken(where, exc.detail) from None
-        first = next((v for _, t, v in parsed if t == "entry"), None)
-        if first is None:
-            raise Broken("log.records", "the report carries no log entry")
-        window = doc["traffic"]["window"]
-        if first.index > window["first_index"]:
-            raise Broken(
-                "log.records[0]",
-                f"entries {window['first_index']}..{first.index - 1} are missing from the "
-                "start of the segment",
-                first.index,
-            )
-        start_prev = genesis_hash(header) if first.index == 0 else first.prev_hash
-        chain = Chain(org, key, start_prev, first.index)
-        for where, kind, value in parsed:
-            if kind == "entry":
-                chain.entry(value, where)
-            else:
-                chain.head(value, where)
-        if parsed[-1][1] != "head":
-            raise Broken(
-                "log.records",
-                f"the segment ends at entry {chain.next - 1} with no signed head covering it "
-                "(entries removed from the end)",
-            )
-        digests = section_digests(doc)
-        claimed = doc["signature"]["sections"]
-        for name in SECTIONS:
-            if claimed.get(name) != digests[name]:
-                raise Broken(name, "the section was changed after the report was signed")
-        if set(claimed) != set(SECTIONS):
-            raise Broken("signature.sections", "names sections the report does not have")
-        signature = bytes.fromhex(doc["signature"]["value"])
-        if not verify_signature(key, report_signing_bytes(doc, digests), signature):
-            raise Broken("signature", f"not a valid signature of {org!r} over the report")
+        header, key, pinned = _report_key(doc, org, trusted_keys)
+        parsed = _parse_records(doc["log"]["records"])
+        chain = _check_segment(doc, org, header, key, parsed)
+        _check_signature(doc, org, key)
         consents = _check_consents(doc, trusted_keys)
         entries = [v for _, t, v in parsed if t == "entry"]
         actual = traffic_of(entries, doc["run"]["id"])

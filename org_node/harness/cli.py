@@ -110,7 +110,8 @@ def _execute(scenario: object, out: Path, *, timeout: float | None, quiet: bool)
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from org_node.harness.runner import HarnessError, Interrupted, Observation, run_harness
+    from org_node.harness.nodes import HarnessError, Interrupted, Observation
+    from org_node.harness.runner import run_harness
     from org_node.harness.scenario import Scenario
     from org_node.harness.verdict import finish
 

@@ -44,19 +44,16 @@ from org_node.harness.nodes import (
     EXPORT_DIR,
     RUN_NAME,
     HarnessError,
-    Interrupted,
     NodeProcess,
     Observation,
     Processes,
     ProgressFn,
     cli,
     export_file,
-    free_ports,
     hold_file,
     interrupt,
     no_signals,
     node_env,
-    port_is_free,
     round_hold,
     start,
     wait_ready,
@@ -71,17 +68,7 @@ from org_node.harness.setup import (
     start_run,
 )
 
-__all__ = [
-    "EXPORT_DIR",
-    "RUN_NAME",
-    "HarnessError",
-    "Interrupted",
-    "NodeProcess",
-    "Observation",
-    "free_ports",
-    "port_is_free",
-    "run_harness",
-]
+__all__ = ["run_harness"]
 
 _TERMINAL = {"completed", "failed", "aborted", "declined"}
 _TOKEN = re.compile(r"token[^:]*:\s*(\S+)")

@@ -33,7 +33,7 @@ import numpy as np
 from coordinator_free.errors import CoordinatorFreeError
 from coordinator_free.manifest import Manifest
 
-from org_node.harness.runner import Observation
+from org_node.harness.nodes import Observation
 
 __all__ = [
     "TOLERANCE",
@@ -237,19 +237,17 @@ def _metrics(obs: Observation, org: str, model: Mapping[str, np.ndarray] | None)
     return out
 
 
-def build_summary(obs: Observation) -> dict[str, Any]:
-    """The verdict (see the module docstring); ``reason`` says what failed, if anything."""
-    s = obs.scenario
-    killed = {f["org"] for f in obs.faults if f["kind"] == "kill"}
-    surviving = [o for o in s.names if o not in killed]
-    reasons: list[str] = list(obs.errors)
-    states = {o: obs.states.get(o, "unknown") for o in s.names}
+def _final_models(
+    obs: Observation,
+) -> tuple[dict[str, str | None], dict[str, int], dict[str, Any]]:
+    """Per org, from its engine state on disk: the final model's SHA-256, the rounds it
+    completed and the model itself (orgs without a state hold none)."""
+    from org_node.engine import model_to_bytes
+
     shas: dict[str, str | None] = {}
     rounds_done: dict[str, int] = {}
     models: dict[str, Any] = {}
-    from org_node.engine import model_to_bytes
-
-    for org in s.names:
+    for org in obs.scenario.names:
         state = _final_state(obs.nodes[org].data_dir, obs.run_key) if obs.run_key else None
         if state is None:
             shas[org] = None
@@ -258,28 +256,19 @@ def build_summary(obs: Observation) -> dict[str, Any]:
         models[org] = state.model
         shas[org] = hashlib.sha256(model_to_bytes(state.model)).hexdigest()
         rounds_done[org] = int(state.round)
-    for org in surviving:
-        if states[org] != "completed":
-            reasons.append(f"{org} ended in state {states[org]!r}, not completed")
-    completed = min((rounds_done[o] for o in surviving), default=0)
-    if completed < s.rounds:
-        reasons.append(f"only {completed} of {s.rounds} rounds completed at every surviving org")
-    surviving_shas = {shas[o] for o in surviving}
-    if len(surviving_shas) != 1 or None in surviving_shas:
-        reasons.append("the surviving orgs' final models differ")
-    metrics = {org: _metrics(obs, org, models.get(org)) for org in s.names}
-    # reports first (each may close its log with a signed head), then verify the logs
-    reports = {
-        org: _audit_report(obs, org, obs.survivors)
-        for org in surviving
-        if obs.survivors and obs.nodes[org].data_dir.exists()
-    }
-    audit = {org: _audit(obs, org) for org in s.names}
-    bytes_sent = {org: _egress(obs.nodes[org].data_dir)[1] for org in s.names}
-    for org, result in audit.items():
-        if org in surviving and not result["ok"]:
-            reasons.append(f"audit verify failed at {org}: {result['summary']}")
-    tolerance = TOLERANCE[s.backend]
+    return shas, rounds_done, models
+
+
+def _harness_check(
+    obs: Observation,
+    surviving: Sequence[str],
+    models: Mapping[str, Any],
+    rounds_done: Mapping[str, int],
+    reasons: list[str],
+) -> dict[str, Any]:
+    """Compare the first surviving org's final model with plaintext FedAvg of the
+    exported updates (``harness_check``); a failure is appended to ``reasons``."""
+    tolerance = TOLERANCE[obs.scenario.backend]
     check: dict[str, Any] = {"max_abs_diff": None, "tolerance": tolerance, "ok": False}
     try:
         ref_org = next((o for o in surviving if o in models), None)
@@ -303,13 +292,73 @@ def build_summary(obs: Observation) -> dict[str, Any]:
     except (VerdictError, KeyError, IndexError, ValueError) as exc:
         check["error"] = str(exc)
         reasons.append(f"harness_check: {exc}")
+    return check
+
+
+def _check_recoveries(
+    obs: Observation, states: Mapping[str, str], rounds_done: Mapping[str, int]
+) -> list[str]:
+    """Mark each restarted org's recovery finished or not (in ``obs.recoveries``); the
+    reasons of the recoveries that did not restart."""
+    reasons = []
     for rec in obs.recoveries:
         if rec.get("outcome") != "restarted":
             reasons.append(f"recovery of {rec['org']}: {rec.get('outcome', 'did not finish')}")
         else:
             rec["finished"] = states.get(rec["org"]) == "completed"
             rec["final_round"] = rounds_done.get(rec["org"], 0)
-    summary: dict[str, Any] = {
+    return reasons
+
+
+def _run_reasons(
+    obs: Observation,
+    surviving: Sequence[str],
+    states: Mapping[str, str],
+    rounds_done: Mapping[str, int],
+    shas: Mapping[str, str | None],
+) -> tuple[int, list[str]]:
+    """The rounds every surviving org completed, and what failed of the run itself: a
+    surviving org not completed, rounds missing, final models that differ."""
+    reasons = [
+        f"{org} ended in state {states[org]!r}, not completed"
+        for org in surviving
+        if states[org] != "completed"
+    ]
+    completed = min((rounds_done[o] for o in surviving), default=0)
+    if completed < obs.scenario.rounds:
+        reasons.append(
+            f"only {completed} of {obs.scenario.rounds} rounds completed at every surviving org"
+        )
+    surviving_shas = {shas[o] for o in surviving}
+    if len(surviving_shas) != 1 or None in surviving_shas:
+        reasons.append("the surviving orgs' final models differ")
+    return completed, reasons
+
+
+def build_summary(obs: Observation) -> dict[str, Any]:
+    """The verdict (see the module docstring); ``reason`` says what failed, if anything."""
+    s = obs.scenario
+    killed = {f["org"] for f in obs.faults if f["kind"] == "kill"}
+    surviving = [o for o in s.names if o not in killed]
+    states = {o: obs.states.get(o, "unknown") for o in s.names}
+    shas, rounds_done, models = _final_models(obs)
+    completed, run_reasons = _run_reasons(obs, surviving, states, rounds_done, shas)
+    reasons: list[str] = [*obs.errors, *run_reasons]
+    metrics = {org: _metrics(obs, org, models.get(org)) for org in s.names}
+    # reports first (each may close its log with a signed head), then verify the logs
+    reports = {
+        org: _audit_report(obs, org, obs.survivors)
+        for org in surviving
+        if obs.survivors and obs.nodes[org].data_dir.exists()
+    }
+    audit = {org: _audit(obs, org) for org in s.names}
+    bytes_sent = {org: _egress(obs.nodes[org].data_dir)[1] for org in s.names}
+    for org, result in audit.items():
+        if org in surviving and not result["ok"]:
+            reasons.append(f"audit verify failed at {org}: {result['summary']}")
+    check = _harness_check(obs, surviving, models, rounds_done, reasons)
+    reasons.extend(_check_recoveries(obs, states, rounds_done))
+    return {
         "ok": not reasons,
         "orgs": list(s.names),
         "rounds": s.rounds,
@@ -338,7 +387,6 @@ def build_summary(obs: Observation) -> dict[str, Any]:
         "elapsed_s": obs.elapsed_s,
         "reason": "; ".join(reasons) if reasons else "",
     }
-    return summary
 
 
 def write_summary(summary: Mapping[str, Any], out: Path) -> Path:

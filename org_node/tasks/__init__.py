@@ -16,6 +16,13 @@ the federation's summed statistics), and returns a :class:`Task`. The bundled ta
 A model that supports tensor parallelism implements :class:`TensorParallelModel`; one
 that supports pipeline parallelism implements :class:`PipelineModel`. The trainer in
 ``org_node.training`` checks these before it builds the mesh.
+
+What it owns: the :class:`Task` protocol and its context, the bundled tasks (a module
+each), their shipped data and the non-IID split of a data set over orgs
+(``partition``).
+
+What it may import: torch, numpy, scikit-learn, pyarrow and :mod:`org_node.datasets`
+(the bound dataset); nothing else of ``org_node``, nor ``coordinator_free`` or ``api``.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -88,16 +89,22 @@ def _next_request(root: Path, after: int, spec: WorkerSpec) -> channel.Request |
         time.sleep(POLL_S)
 
 
+def _hash_now(what: str, compute: Callable[[], str], errors: type[Exception]) -> str:
+    """The hash ``compute`` gives now; its failure (``errors``) refuses ``what``."""
+    try:
+        return compute()
+    except errors as exc:
+        raise TrainerError(f"{what}: {exc}") from None
+
+
 def _check_dataset(spec: WorkerSpec) -> None:
     """Refuse a bound dataset whose bytes changed since the org bound it to the run."""
     bound = spec.dataset
     if bound is None:
         return
     path = Path(bound.path)
-    try:
-        actual = content_hash(path, [path.parent if path.is_file() else path])
-    except DatasetError as exc:
-        raise TrainerError(f"dataset {bound.name!r}: {exc}") from None
+    roots = [path.parent if path.is_file() else path]
+    actual = _hash_now(f"dataset {bound.name!r}", lambda: content_hash(path, roots), DatasetError)
     if actual != bound.sha256:
         raise TrainerError(
             f"dataset {bound.name!r} changed since it was bound to the run "
@@ -109,10 +116,9 @@ def _check_dataset(spec: WorkerSpec) -> None:
 def build_executor(spec: WorkerSpec, env: DistEnv) -> Executor:
     """Check the trainer's code against its installed hash, then import it."""
     trainer = spec.trainer
-    try:
-        actual = code_hash(trainer.kind, trainer.ref)
-    except CodeError as exc:
-        raise TrainerError(f"trainer {trainer.name!r}: {exc}") from None
+    actual = _hash_now(
+        f"trainer {trainer.name!r}", lambda: code_hash(trainer.kind, trainer.ref), CodeError
+    )
     if actual != trainer.sha256:
         raise TrainerError(
             f"trainer {trainer.name!r}: its code changed since it was installed "

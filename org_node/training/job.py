@@ -31,7 +31,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -209,6 +209,180 @@ def train(
         )
 
 
+def _partition(task: Task, spec: LocalJobSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inputs and targets of this org's share of the task's training data."""
+    data = task.build_data()
+    part = torch.as_tensor(
+        partition_indices(
+            len(data),
+            data.labels,
+            spec.num_partitions,
+            spec.partition_index,
+            spec.dirichlet_alpha,
+            seed=spec.partition_seed,
+        )
+    )
+    return data.inputs[part], data.targets[part]
+
+
+@dataclass
+class _Rank:
+    """What this rank trains with: its device, (stage of the) model, optimizer, FedProx
+    anchors, progress and checkpointer."""
+
+    device: torch.device
+    pm: ParallelModel
+    optimizer: torch.optim.Optimizer
+    anchors: list[tuple[torch.nn.Parameter, torch.Tensor]]
+    trainer: TrainerState
+    ckpt: JobCheckpointer
+
+
+def _set_up(
+    spec: LocalJobSpec,
+    task: Task,
+    model: torch.nn.Module,
+    dims: ParallelDims,
+    env: DistEnv,
+    checkpoints: Path,
+) -> _Rank:
+    """Init the process group (once), build the mesh, parallelize the model and make its
+    optimizer and checkpointer (checkpoints under ``checkpoints``)."""
+    device = _device(spec, env)
+    mesh = None
+    if env.distributed:
+        if not dist.is_initialized():
+            dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        mesh = dims.build_mesh(device.type)
+    pm = parallelize(task, model, dims, mesh, env.rank, device, spec.num_microbatches)
+    optimizer = _optimizer(spec, pm.module)
+    anchors = [(p, p.detach().clone()) for p in pm.module.parameters()] if spec.prox_mu > 0 else []
+    trainer = TrainerState()
+    ckpt = JobCheckpointer(checkpoints, pm.module, optimizer, trainer, every=spec.checkpoint_every)
+    return _Rank(device, pm, optimizer, anchors, trainer, ckpt)
+
+
+@dataclass
+class _Clock:
+    """The training loop's timing. The first step pays for lazy initialization, so the
+    throughput counts the steps after it (``warm``: when it ended)."""
+
+    start: int
+    begin: float = field(default_factory=time.monotonic)
+    warm: float | None = None
+    warm_step: int = 0
+    cpu_warm: float = 0.0
+    prev: float = 0.0
+    end: float = 0.0
+    step_times: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.warm_step = self.start
+        self.prev = self.begin
+
+    def over(self, budget_s: float | None) -> bool:
+        return budget_s is not None and time.monotonic() - self.begin >= budget_s
+
+    def step_done(self, step: int) -> None:
+        now = time.monotonic()
+        if self.warm is None:
+            self.warm, self.warm_step, self.cpu_warm = now, step, time.process_time()
+        else:  # _agree is collective, so every rank ends the step at about the same time
+            self.step_times.append(now - self.prev)
+        self.prev = now
+
+    def cpu_s(self) -> float:
+        """CPU seconds of this process since the first step."""
+        return time.process_time() - self.cpu_warm if self.warm is not None else 0.0
+
+
+def _step(
+    spec: LocalJobSpec, task: Task, rank: _Rank, x: torch.Tensor, y: torch.Tensor
+) -> float | None:
+    """One optimizer step (with FedProx's pull to the global model); the loss where this
+    rank sees it."""
+    loss = _forward_backward(rank.pm, task, x.to(rank.device), y.to(rank.device))
+    if rank.anchors:
+        with torch.no_grad():
+            for p, anchor in rank.anchors:
+                if p.grad is not None:
+                    p.grad.add_(p.detach() - anchor, alpha=spec.prox_mu)
+    rank.optimizer.step()
+    rank.optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+def _train_steps(
+    spec: LocalJobSpec,
+    task: Task,
+    rank: _Rank,
+    data: tuple[torch.Tensor, torch.Tensor],
+    dims: ParallelDims,
+    env: DistEnv,
+    clock: _Clock,
+) -> int:
+    """Train until the step count or the time budget is reached; the steps done."""
+    xs, ys = data
+    per_rank = spec.batch_size // dims.dp
+    dp_rank = dims.dp_rank(env.rank) if env.distributed else 0
+    fault_step = os.environ.get(FAULT_KILL_AT_STEP_ENV)
+    step = clock.start
+    while spec.local_steps is None or step < spec.local_steps:
+        sel = batch_indices(spec.seed, step, len(xs), spec.batch_size)
+        sel = sel[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+        loss = _step(spec, task, rank, xs[sel], ys[sel])
+        step += 1
+        over = clock.over(spec.time_budget_s)
+        mean_loss, stop = _agree(loss, over, rank.device, env.distributed)
+        rank.trainer.losses.append(mean_loss)
+        clock.step_done(step)
+        if rank.ckpt.due(step):
+            rank.ckpt.save(step)
+        if fault_step is not None and env.rank == 0 and int(fault_step) == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if stop:
+            break
+    clock.end = time.monotonic()
+    return step
+
+
+def _throughput(spec: LocalJobSpec, clock: _Clock, step: int) -> float:
+    """Samples per second over the steps after the first (over all of them when only
+    the first ran)."""
+    timed_steps = step - clock.warm_step
+    if clock.warm is not None and timed_steps > 0 and clock.end > clock.warm:
+        return timed_steps * spec.batch_size / (clock.end - clock.warm)
+    return (step - clock.start) * spec.batch_size / max(clock.end - clock.begin, 1e-9)
+
+
+def _metrics(
+    spec: LocalJobSpec,
+    clock: _Clock,
+    step: int,
+    cpu_s: float,
+    losses: list[float],
+    partition_size: int,
+    env: DistEnv,
+) -> dict[str, float]:
+    """The job's training metrics: last loss, throughput, CPU per step, and where from."""
+    timed_steps = step - clock.warm_step
+    samples_per_s = _throughput(spec, clock, step)
+    return {
+        "train_loss": losses[-1] if losses else float("nan"),
+        "samples_per_s": samples_per_s,
+        # the median step: robust to a few steps slowed by other load on the host
+        "samples_per_s_median": (
+            spec.batch_size / float(np.median(clock.step_times))
+            if clock.step_times
+            else samples_per_s
+        ),
+        "cpu_s_per_step": cpu_s / timed_steps if timed_steps > 0 else float("nan"),
+        "partition_size": float(partition_size),
+        "resumed_from_step": float(clock.start),
+        "world_size": float(env.world_size),
+    }
+
+
 def train_round(
     spec: LocalJobSpec,
     global_state: dict[str, np.ndarray],
@@ -228,107 +402,24 @@ def train_round(
     model = task.build_model(spec.seed)
     exchange.check_shapes(global_state, {k: tuple(v.shape) for k, v in model.state_dict().items()})
     load_state(model, global_state)
-    data = task.build_data()
-    part = torch.as_tensor(
-        partition_indices(
-            len(data),
-            data.labels,
-            spec.num_partitions,
-            spec.partition_index,
-            spec.dirichlet_alpha,
-            seed=spec.partition_seed,
-        )
-    )
-    xs, ys = data.inputs[part], data.targets[part]
-
-    device = _device(spec, env)
-    mesh = None
-    if env.distributed:
-        if not dist.is_initialized():
-            dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
-        mesh = dims.build_mesh(device.type)
-    pm = parallelize(task, model, dims, mesh, env.rank, device, spec.num_microbatches)
-    optimizer = _optimizer(spec, pm.module)
-    anchors = [(p, p.detach().clone()) for p in pm.module.parameters()] if spec.prox_mu > 0 else []
-    trainer = TrainerState()
-    ckpt = JobCheckpointer(
-        run_dir / "checkpoints" / fingerprint(spec, global_state),
-        pm.module,
-        optimizer,
-        trainer,
-        every=spec.checkpoint_every,
-    )
-    start = ckpt.load_latest()
-    step = start
-
-    per_rank = spec.batch_size // dims.dp
-    dp_rank = dims.dp_rank(env.rank) if env.distributed else 0
-    fault_step = os.environ.get(FAULT_KILL_AT_STEP_ENV)
-    t_begin = time.monotonic()
-    t_warm: float | None = None
-    cpu_warm = 0.0
-    warm_step = step
-    step_times: list[float] = []
-    t_prev = t_begin
-    while spec.local_steps is None or step < spec.local_steps:
-        sel = batch_indices(spec.seed, step, len(xs), spec.batch_size)
-        sel = sel[dp_rank * per_rank : (dp_rank + 1) * per_rank]
-        loss = _forward_backward(pm, task, xs[sel].to(device), ys[sel].to(device))
-        if anchors:
-            with torch.no_grad():
-                for p, anchor in anchors:
-                    if p.grad is not None:
-                        p.grad.add_(p.detach() - anchor, alpha=spec.prox_mu)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        elapsed = time.monotonic() - t_begin
-        over = spec.time_budget_s is not None and elapsed >= spec.time_budget_s
-        mean_loss, stop = _agree(loss, over, device, env.distributed)
-        trainer.losses.append(mean_loss)
-        t_now = time.monotonic()
-        if t_warm is None:  # the first step pays for lazy initialization; time the rest
-            t_warm, warm_step, cpu_warm = t_now, step, time.process_time()
-        else:  # _agree is collective, so every rank ends the step at about the same time
-            step_times.append(t_now - t_prev)
-        t_prev = t_now
-        if ckpt.due(step):
-            ckpt.save(step)
-        if fault_step is not None and env.rank == 0 and int(fault_step) == step:
-            os.kill(os.getpid(), signal.SIGKILL)
-        if stop:
-            break
-    t_end = time.monotonic()
-    cpu_s = _sum_over_ranks(
-        time.process_time() - cpu_warm if t_warm is not None else 0.0, device, env
-    )
+    data = _partition(task, spec)
+    checkpoints = run_dir / "checkpoints" / fingerprint(spec, global_state)
+    rank = _set_up(spec, task, model, dims, env, checkpoints)
+    clock = _Clock(start=rank.ckpt.load_latest())
+    step = _train_steps(spec, task, rank, data, dims, env, clock)
+    cpu_s = _sum_over_ranks(clock.cpu_s(), rank.device, env)
 
     run_dir.mkdir(exist_ok=True)  # never its parents (see exchange.atomic_write)
-    new_state = _full_state(pm, dims, env, run_dir)
+    new_state = _full_state(rank.pm, dims, env, run_dir)
     if new_state is None:
         return None
     update = {k: new_state[k] - global_state[k] for k in global_state}
     exchange.check_finite(update)
-    timed_steps = step - warm_step
-    if t_warm is not None and timed_steps > 0 and t_end > t_warm:
-        samples_per_s = timed_steps * spec.batch_size / (t_end - t_warm)
-    else:
-        samples_per_s = (step - start) * spec.batch_size / max(t_end - t_begin, 1e-9)
-    metrics = {
-        "train_loss": trainer.losses[-1] if trainer.losses else float("nan"),
-        "samples_per_s": samples_per_s,
-        # the median step: robust to a few steps slowed by other load on the host
-        "samples_per_s_median": (
-            spec.batch_size / float(np.median(step_times)) if step_times else samples_per_s
-        ),
-        "cpu_s_per_step": cpu_s / timed_steps if timed_steps > 0 else float("nan"),
-        "partition_size": float(len(xs)),
-        "resumed_from_step": float(start),
-        "world_size": float(env.world_size),
-    }
+    losses = rank.trainer.losses
+    metrics = _metrics(spec, clock, step, cpu_s, losses, len(data[0]), env)
     if spec.evaluate:
         metrics.update({f"eval_{k}": v for k, v in evaluate(task, new_state).items()})
-    return LocalResult(update, step * spec.batch_size, step, metrics, list(trainer.losses))
+    return LocalResult(update, step * spec.batch_size, step, metrics, list(losses))
 
 
 def execute(run_dir: Path, env: DistEnv | None = None) -> int:

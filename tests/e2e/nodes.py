@@ -19,7 +19,7 @@ import httpx
 
 from org_node.config import NodeConfig
 from org_node.engine import TrainingConfig
-from org_node.harness.runner import free_ports, port_is_free
+from org_node.harness.nodes import free_ports, port_is_free
 from org_node.initialize import found_manifest, initialize, install_manifest, sign_manifest
 from tests.org_node.test_node_processes import wait_for_line
 from tests.run_flow import propose_once, wait_states

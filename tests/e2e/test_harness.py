@@ -21,7 +21,8 @@ import httpx
 import pytest
 
 from org_node.config import NodeConfig
-from org_node.harness.runner import port_is_free, run_harness
+from org_node.harness.nodes import port_is_free
+from org_node.harness.runner import run_harness
 from org_node.harness.scenario import Kill, Scenario, Wipe
 from org_node.harness.verdict import finish
 

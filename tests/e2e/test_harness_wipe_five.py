@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from org_node.harness.runner import port_is_free, run_harness
+from org_node.harness.nodes import port_is_free
+from org_node.harness.runner import run_harness
 from org_node.harness.scenario import Scenario, Wipe, parse_wipe
 from org_node.harness.verdict import finish
 from tests.e2e.test_harness import _common

@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from org_node.harness.nodes import EXPORT_DIR, Observation
 from org_node.harness.plot import Canvas, plot_progress, png_bytes
-from org_node.harness.runner import EXPORT_DIR, Observation
 from org_node.harness.scenario import (
     Kill,
     Scenario,
@@ -287,8 +287,8 @@ def test_delay_relay_passes_bytes_both_ways_and_frees_its_port() -> None:
     import socket
     import threading
 
+    from org_node.harness.nodes import free_ports, port_is_free
     from org_node.harness.proxy import DelayRelays
-    from org_node.harness.runner import free_ports, port_is_free
 
     server = socket.create_server(("127.0.0.1", 0))
     target = server.getsockname()[1]
@@ -324,7 +324,7 @@ def test_the_verdict_fails_and_says_why_when_the_models_differ(tmp_path: Path) -
     """Two orgs that end with different models, no audit log, and an export that does not
     add up: ``ok`` is false and ``reason`` names each failed check."""
     from org_node.engine import STATE_FILE, EngineState
-    from org_node.harness.runner import NodeProcess
+    from org_node.harness.nodes import NodeProcess
     from org_node.harness.verdict import build_summary
     from org_node.tasks import initial_state
 

@@ -21,7 +21,7 @@ from coordinator_free.tls import client_ssl_context
 
 from org_node.config import NodeConfig
 from org_node.engine import STATE_FILE, EngineState, RunPlan, TrainingConfig, model_hash
-from org_node.harness.runner import free_ports, port_is_free
+from org_node.harness.nodes import free_ports, port_is_free
 from org_node.initialize import found_manifest, initialize, install_manifest, sign_manifest
 from tests.run_flow import propose_once
 
