@@ -43,7 +43,7 @@ from fastapi import APIRouter, HTTPException, Request, Response, status
 from fastapi.responses import HTMLResponse
 from sqlmodel import Session, col, func, select
 
-from api.deps import NodeDep, SessionDep, require_roles
+from api.deps import NodeDep, SessionDep, observability_for, require_roles
 from api.routers import ERRORS, READERS
 from org_node.db.models import AuditEvent, AuditHead, Run, RunMetric, RunWaiting
 from org_node.db.repo import GENESIS_HASH, audit_entry_hash
@@ -56,7 +56,6 @@ __all__ = [
     "CSP",
     "STATIC_FILES",
     "current_run",
-    "observability_for",
     "page_router",
     "router",
     "snapshot",
@@ -92,16 +91,6 @@ _METRIC_ROWS = 5000
 
 def _static(name: str) -> bytes:
     return resources.files("api").joinpath("static", name).read_bytes()
-
-
-def observability_for(request: Request) -> Observability:
-    """The app's :class:`Observability`, attached to the node's round engine as soon as
-    the node has one (the node creates it when it joins its federation)."""
-    obs: Observability = request.app.state.observability
-    rounds = getattr(request.app.state.node, "rounds", None)
-    if rounds is not None and hasattr(rounds, "add_observer"):
-        obs.attach(rounds)
-    return obs
 
 
 @page_router.get("/dashboard", response_class=HTMLResponse)

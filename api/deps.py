@@ -32,6 +32,7 @@ from api.security import UNAUTHORIZED, AuthFailureLimiter, Principal, forbidden
 from api.settings import Settings
 from org_node.db.models import Role, utcnow
 from org_node.db.repo import live_token, touch_token
+from org_node.observability import Observability
 from org_node.services import NodeServices
 from org_node.trainers.catalog import TrainerCatalog
 
@@ -45,6 +46,7 @@ __all__ = [
     "SessionDep",
     "SettingsDep",
     "TrainersDep",
+    "observability_for",
     "require_roles",
 ]
 
@@ -180,3 +182,13 @@ async def get_idempotency_key(
 
 
 IdempotencyKeyDep = Annotated[str | None, Depends(get_idempotency_key)]
+
+
+def observability_for(request: Request) -> Observability:
+    """The app's :class:`Observability`, attached to the node's round engine as soon as
+    the node has one (the node creates it when it joins its federation)."""
+    obs: Observability = request.app.state.observability
+    rounds = getattr(request.app.state.node, "rounds", None)
+    if rounds is not None and hasattr(rounds, "add_observer"):
+        obs.attach(rounds)
+    return obs

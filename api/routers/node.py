@@ -13,8 +13,7 @@ from pydantic import BaseModel
 from sqlalchemy import text
 from sqlmodel import func, select
 
-from api.dashboard import observability_for
-from api.deps import NodeDep, SessionDep, require_roles
+from api.deps import NodeDep, SessionDep, observability_for, require_roles
 from api.routers import ERRORS, READERS
 from org_node.db.models import AuditEvent, Dataset, Run
 
