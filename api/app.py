@@ -9,6 +9,7 @@ answered with an opaque 500.
 
 from __future__ import annotations
 
+import errno
 import logging
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -143,6 +144,13 @@ def create_app(
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        full = disk_full(exc)
+        if full is not None:  # nothing was written: the transaction rolled back
+            logger.error("%s %s: the disk is full: %s", request.method, request.url.path, full)
+            return JSONResponse(
+                status_code=507,
+                content={"detail": f"the node's disk is full, nothing was written: {full}"},
+            )
         logger.error("unhandled %s on %s %s", type(exc).__name__, request.method, request.url.path)
         return JSONResponse(status_code=500, content={"detail": "internal error"})
 
@@ -156,3 +164,17 @@ def create_app(
             allow_headers=["Authorization", "Content-Type", "Idempotency-Key"],
         )
     return app
+
+
+def disk_full(exc: BaseException) -> str | None:
+    """The reason, when ``exc`` (or what caused it) is a full disk: ``ENOSPC`` from the
+    file system, or SQLite's ``database or disk is full``; None otherwise."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return seen.strerror or "no space left on the device"
+        text = str(seen)
+        if "database or disk is full" in text or "No space left on device" in text:
+            return text.strip().splitlines()[0]
+        seen = seen.__cause__ or seen.__context__
+    return None

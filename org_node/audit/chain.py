@@ -190,12 +190,20 @@ def verify_records(
         key, pinned = log_key(records.header, trusted_keys)
         chain = Chain(org, key, genesis_hash(records.header), 0)
         held = 0
+        repairs: list[str] = []
         for line, kind, value in records.records:
             where = f"line {line}"
             if kind == "entry":
                 chain.entry(value, where)
             elif kind == "head":
                 chain.head(value, where)
+            elif kind == "repair":
+                if not value.verify(key):
+                    raise Broken(where, "the repair record is not signed by the log's org")
+                repairs.append(
+                    f"{value.cut_bytes} bytes of a torn record cut after line "
+                    f"{value.after_line} at {value.time}"
+                )
             else:
                 if trusted_keys is not None:
                     other = trusted_keys.get(value.org)
@@ -216,6 +224,7 @@ def verify_records(
         f"head {tail}, no forbidden class"
         + (_peer_coverage(chain, theirs) if checked else "")
         + (f", holds {held} peer head(s)" if held else "")
+        + (f", {len(repairs)} repair(s): {'; '.join(repairs)}" if repairs else "")
         + ("" if pinned else " (key from the log header, not pinned)")
     )
     return VerifyResult(True, summary, "log", org, chain.entries, chain.heads, checked)

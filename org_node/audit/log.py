@@ -32,12 +32,13 @@ A database store (:class:`DatabaseStore`) keeps a copy of each entry in the node
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
@@ -63,12 +64,14 @@ from org_node.audit.records import (
     EgressEntry,
     LogFormatError,
     LogRecords,
+    LogRepair,
     SignedHead,
     canonical,
     entry_hash,
     format_time,
     genesis_hash,
     read_log,
+    torn_tail,
 )
 
 __all__ = [
@@ -178,7 +181,11 @@ class EgressLog:
         self.entries: list[EgressEntry] = []
         self.heads: list[SignedHead] = []
         self.peer_heads: list[SignedHead] = []
+        self.repairs: list[LogRepair] = []
         self.refusals: list[Refusal] = []
+        self.failure: str | None = None
+        """Why the last write failed (a full disk); None once one succeeds again."""
+        self._size = 0
         self._lock = threading.Lock()
         self._unsynced = 0
         self._fd: int | None = None
@@ -203,8 +210,12 @@ class EgressLog:
         return self.entries[-1].entry_hash if self.entries else self.genesis
 
     def _open(self, path: Path) -> None:
-        if path.exists() and path.stat().st_size > 0:
-            records = read_log(path)
+        data = path.read_bytes() if path.exists() else b""
+        repair = self._torn(path, data)
+        if repair is not None:
+            data = data[: len(data) - repair.cut_bytes]
+        if data:
+            records = read_log(data)
             result = verify_records(records)
             if not result.ok:
                 raise AuditError(f"{path.name}: the existing log does not verify: {result.summary}")
@@ -214,23 +225,63 @@ class EgressLog:
             self.entries = records.entries()
             self.heads = records.heads()
             self.peer_heads = records.peer_heads()
+            self.repairs = records.repairs()
             self._fd = os.open(path, os.O_WRONLY | os.O_APPEND)
-            return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        self._write(self.header, sync=True)
+            self._size = len(data)
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            self._size = 0
+            self._write(self.header, sync=True)
+        if repair is not None:
+            self._write(repair.to_record(), sync=True)
+            self.repairs.append(repair)
+
+    def _torn(self, path: Path, data: bytes) -> LogRepair | None:
+        """The signed repair of a torn last record (a write cut short by a full disk or
+        a power loss), after cutting the file back to its last whole record; None when
+        the log ends with a whole record."""
+        cut = torn_tail(data)
+        if not cut:
+            return None
+        kept = len(data) - cut
+        os.truncate(path, kept)
+        repair = LogRepair(
+            after_line=max(1, data[:kept].count(b"\n")),
+            cut_bytes=cut,
+            cut_sha256=hashlib.sha256(data[kept:]).hexdigest(),
+            time=format_time(self.clock()),
+        )
+        return replace(repair, signature=self.identity.sign(repair.signing_bytes()).hex())
 
     def _write(self, record: Mapping[str, Any], *, sync: bool) -> None:
+        """Append one record; a write that fails (a full disk) is cut back off the file,
+        so no torn record is ever followed by another, and :attr:`failure` says why
+        until a write succeeds again."""
         if self._fd is None:
             return
         data = canonical(dict(record)) + b"\n"
         written = 0
-        while written < len(data):
-            written += os.write(self._fd, data[written:])
-        self._unsynced += 1
-        if sync or self._unsynced >= self.fsync_every:
-            os.fsync(self._fd)
-            self._unsynced = 0
+        try:
+            while written < len(data):
+                written += os.write(self._fd, data[written:])
+            self._unsynced += 1
+            if sync or self._unsynced >= self.fsync_every:
+                os.fsync(self._fd)
+                self._unsynced = 0
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, self._size)
+            self.failure = f"the egress log cannot be written: {exc.strerror or exc}"
+            raise AuditError(self.failure) from exc
+        self._size += len(data)
+        self.failure = None
+
+    def _cut_back(self, size: int) -> None:
+        """Remove what was written after ``size`` bytes (a record the database refused)."""
+        if self._fd is not None:
+            os.ftruncate(self._fd, size)
+            self._size = size
 
     def flush(self) -> None:
         """fsync every record written so far."""
@@ -303,11 +354,16 @@ class EgressLog:
                 "prev_hash": self.head_hash,
             }
             entry = EgressEntry(**body, entry_hash=entry_hash(self.head_hash, body))
-            # the database copy first: if it fails, the message is not sent and the
-            # chain does not record it either
-            if self.store is not None:
-                self.store.append_entry(entry)
+            # both or neither: if the file (a full disk) or the database copy cannot take
+            # the entry, the message is not sent and no record of it is left
+            size = self._size
             self._write(entry.to_record(), sync=False)
+            if self.store is not None:
+                try:
+                    self.store.append_entry(entry)
+                except BaseException:
+                    self._cut_back(size)
+                    raise
             self.entries.append(entry)
             return entry
 

@@ -37,10 +37,13 @@ __all__ = [
     "HEAD_FIELDS",
     "LOG_DOMAIN",
     "LOG_VERSION",
+    "REPAIR_DOMAIN",
+    "REPAIR_FIELDS",
     "AuditError",
     "EgressEntry",
     "LogFormatError",
     "LogRecords",
+    "LogRepair",
     "SignedHead",
     "canonical",
     "check_header",
@@ -49,11 +52,14 @@ __all__ = [
     "genesis_hash",
     "parse_line",
     "read_log",
+    "torn_tail",
 ]
 
 LOG_VERSION = 1
 LOG_DOMAIN = b"fedweave/audit-log/v1\x00"
 HEAD_DOMAIN = b"fedweave/audit-head/v1\x00"
+REPAIR_DOMAIN = b"fedweave/audit-repair/v1\x00"
+REPAIR_FIELDS = ("after_line", "cut_bytes", "cut_sha256", "time", "signature")
 ENTRY_FIELDS = (
     "index",
     "time",
@@ -158,6 +164,46 @@ class EgressEntry:
     def computed_hash(self) -> str:
         """The hash this entry's contents and ``prev_hash`` give."""
         return entry_hash(self.prev_hash, self.to_dict())
+
+
+@dataclass(frozen=True)
+class LogRepair:
+    """A torn last record cut from the log when the log was opened again: a write cut
+    short (a full disk, a power loss) left ``cut_bytes`` bytes (SHA-256 ``cut_sha256``)
+    after line ``after_line``, the last whole record. The org signs it, so that
+    verification shows every repair and who made it."""
+
+    after_line: int
+    cut_bytes: int
+    cut_sha256: str
+    time: str
+    signature: str = ""
+
+    def signing_bytes(self) -> bytes:
+        body = {k: getattr(self, k) for k in REPAIR_FIELDS if k != "signature"}
+        return REPAIR_DOMAIN + canonical(body)
+
+    def verify(self, public_key: bytes) -> bool:
+        try:
+            signature = bytes.fromhex(self.signature)
+        except ValueError:
+            return False
+        return verify_signature(public_key, self.signing_bytes(), signature)
+
+    def to_record(self) -> dict[str, Any]:
+        return {"type": "repair", **{k: getattr(self, k) for k in REPAIR_FIELDS}}
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any], line: int = 0) -> LogRepair:
+        _exact_keys(record, ("type", *REPAIR_FIELDS), "repair", line)
+        _int_field(record, "after_line", line, low=1)
+        _int_field(record, "cut_bytes", line, low=1)
+        for name in ("cut_sha256", "time", "signature"):
+            if not isinstance(record[name], str):
+                raise LogFormatError(line, f"repair field {name!r} must be a string")
+        _hex_field(record, "cut_sha256", line)
+        _hex_field(record, "signature", line, 128)
+        return cls(**{k: record[k] for k in REPAIR_FIELDS})
 
 
 @dataclass(frozen=True)
@@ -291,6 +337,16 @@ class LogRecords:
         """Heads of other orgs that this org holds."""
         return [v for _, t, v in self.records if t == "peer_head"]
 
+    def repairs(self) -> list[LogRepair]:
+        """The torn records cut from the log, oldest first."""
+        return [v for _, t, v in self.records if t == "repair"]
+
+
+def torn_tail(data: bytes) -> int:
+    """How many bytes at the end of a log follow its last whole record (a record is
+    whole once its newline is written): what a write cut short left behind."""
+    return len(data) - (data.rfind(b"\n") + 1)
+
 
 def parse_line(raw: bytes, line: int) -> dict[str, Any]:
     """One canonical JSON object; any byte that differs from the canonical form is refused."""
@@ -345,6 +401,8 @@ def read_log(source: Path | str | bytes) -> LogRecords:
             if not isinstance(obj["head"], dict):
                 raise LogFormatError(number, f"{kind} record must hold a head object")
             out.records.append((number, str(kind), SignedHead.from_dict(obj["head"], number)))
+        elif kind == "repair":
+            out.records.append((number, "repair", LogRepair.from_record(obj, number)))
         else:
             raise LogFormatError(number, f"unknown record type {kind!r}")
     return out

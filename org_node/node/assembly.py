@@ -60,7 +60,7 @@ from coordinator_free.transport import Transport
 from sqlalchemy import Engine
 
 from org_node import __version__
-from org_node.audit import EgressLog, RunFacts, SignedHead
+from org_node.audit import AuditError, EgressLog, RunFacts, SignedHead
 from org_node.audit.facts import node_report, node_run_facts
 from org_node.config import NodeConfig, NodePaths
 from org_node.db.engine import default_database_url, make_engine, migrate
@@ -145,7 +145,7 @@ class OrgNode(NodeContext):
             org_identity=identity,
             secret=secret,
             db=db or make_engine(default_database_url(paths.root)),
-            egress=EgressLog(identity, paths.egress_log),
+            egress=_egress_log(identity, paths),
             catalog=TrainerCatalog(config.trainers),
             events=events or RunEventBus(),
             chain=list(chain or []),
@@ -316,7 +316,10 @@ class OrgNode(NodeContext):
             checks["peers"] = f"ok ({alive} live)"
         status = self.runs.engine_status() if self.loop is not None else "idle"
         checks["engine"] = "stopped" if status == "stopped" else "ok"
-        return NodeHealth(ready=self.current_manifest is not None, checks=checks)
+        failure = self.egress.failure
+        checks["audit log"] = failure or "ok"
+        ready = self.current_manifest is not None and failure is None
+        return NodeHealth(ready=ready, checks=checks)
 
     def manifest(self) -> Manifest | None:
         return self.current_manifest
@@ -416,6 +419,18 @@ class OrgNode(NodeContext):
             config=self.config.engine,
             log=self.egress,
         )
+
+
+def _egress_log(identity: OrgIdentity, paths: NodePaths) -> EgressLog:
+    """The node's egress log, continued (a torn last record is cut and the repair
+    recorded); :class:`NodeError` in one line when the file cannot be continued."""
+    try:
+        return EgressLog(identity, paths.egress_log)
+    except (AuditError, OSError) as exc:
+        raise NodeError(
+            f"the egress log {paths.egress_log} cannot be continued: {exc} (`fedweave audit "
+            "verify` on it shows the first bad record; move the file aside to start a new log)"
+        ) from None
 
 
 def _debug_export(config: NodeConfig) -> Path | None:

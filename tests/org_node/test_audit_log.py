@@ -458,3 +458,105 @@ def test_any_log_verifies_and_any_rewritten_entry_is_caught(
     path.write_bytes(b"\n".join(lines))
     broken = verify_log(path)
     assert not broken.ok and broken.index == record["index"]
+
+
+# -- torn records and a full disk (a power cut, ENOSPC) -------------------------------------
+
+
+def _log_with(path: Path, n: int) -> OrgIdentity:
+    a = identity("a")
+    with EgressLog(a, path, clock=Clock()) as log:
+        for seq in range(1, n + 1):
+            env, wire = envelope(a, "b", "round.ready", b"k" * seq, seq=seq)
+            log.record(env, wire)
+        log.sign_head("run-1", 1)
+    return a
+
+
+@pytest.mark.parametrize("cut", [1, 37, 120])
+def test_a_torn_last_record_is_cut_and_the_repair_recorded(tmp_path: Path, cut: int) -> None:
+    """``truncate -s -37 audit/egress.jsonl`` (a power cut mid-write) used to stop the
+    node for good: the log is cut back to its last whole record, the org signs a repair
+    record naming what was cut, and the chain goes on; verification shows the repair."""
+    path = tmp_path / "a.log"
+    a = _log_with(path, 4)
+    whole = path.read_bytes()
+    path.write_bytes(whole[:-cut])
+    lines_kept = whole[:-cut].count(b"\n")
+    log = EgressLog(a, path, clock=Clock())
+    (repair,) = log.repairs
+    assert repair.after_line == lines_kept and repair.cut_bytes == len(whole[:-cut]) - len(
+        whole[:-cut][: whole[:-cut].rfind(b"\n") + 1]
+    )
+    assert repair.verify(a.public_key)
+    env, wire = envelope(a, "b", "round.share", b"s", seq=9)
+    log.record(env, wire)
+    log.sign_head("run-1", 2)
+    log.close()
+    result = verify_log(path)
+    assert result.ok, result.summary
+    assert f"1 repair(s): {repair.cut_bytes} bytes of a torn record cut after line" in (
+        result.summary
+    )
+    assert EgressLog(a, path).repairs == [repair]  # read back, not repaired again
+
+
+def test_a_forged_repair_record_fails_verification(tmp_path: Path) -> None:
+    path = tmp_path / "a.log"
+    a = _log_with(path, 2)
+    path.write_bytes(path.read_bytes()[:-5])
+    EgressLog(a, path).close()
+    text = path.read_bytes()
+    forged = re.sub(rb'"cut_bytes":\d+', b'"cut_bytes":999', text)
+    path.write_bytes(forged)
+    result = verify_log(path)
+    assert not result.ok and "repair record is not signed" in result.summary
+
+
+def test_a_full_disk_tears_nothing_and_the_log_heals(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ENOSPC in the middle of a record: the message is refused (not sent), the bytes
+    written are cut off again, the log says why it failed until a write succeeds, and
+    once space is back the chain goes on with no repair needed."""
+    import errno
+
+    path = tmp_path / "a.log"
+    a = _log_with(path, 2)
+    log = EgressLog(a, path)
+    before = path.read_bytes()
+    real_write = os.write
+    calls = {"n": 0}
+
+    def full(fd: int, data: bytes) -> int:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            return real_write(fd, data[: len(data) // 2])  # half a record reaches the disk
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full)  # the module calls os.write
+    env, wire = envelope(a, "b", "round.share", b"s", seq=7)
+    with pytest.raises(AuditError, match="No space left"):
+        log.record(env, wire)
+    assert path.read_bytes() == before  # nothing torn left behind
+    assert log.failure is not None and "No space left" in log.failure
+    assert len(log.entries) == 2
+    monkeypatch.setattr(os, "write", real_write)
+    log.record(env, wire)
+    assert log.failure is None
+    log.sign_head("run-1", 2)
+    log.close()
+    result = verify_log(path)
+    assert result.ok and "repair" not in result.summary
+
+
+def test_a_corrupt_record_in_the_middle_is_one_readable_line(tmp_path: Path) -> None:
+    path = tmp_path / "a.log"
+    a = _log_with(path, 3)
+    lines = path.read_bytes().splitlines(keepends=True)
+    lines[2] = b'{"type":"entry","index":1,' + lines[2][40:]
+    path.write_bytes(b"".join(lines))
+    with pytest.raises(AuditError) as info:
+        EgressLog(a, path)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("line 3:")
