@@ -317,7 +317,7 @@ class OrgNode(NodeContext):
         status = self.runs.engine_status() if self.loop is not None else "idle"
         checks["engine"] = "stopped" if status == "stopped" else "ok"
         failure = self.egress.failure
-        checks["audit log"] = failure or "ok"
+        checks["egress log"] = failure or "ok"
         ready = self.current_manifest is not None and failure is None
         return NodeHealth(ready=ready, checks=checks)
 

@@ -57,7 +57,7 @@ def test_a_node_that_cannot_write_its_log_is_not_ready_until_it_can(tmp_path: Pa
     node.egress.failure = "the egress log cannot be written: No space left on device"
     health = node.health()
     assert not health.ready
-    assert health.checks["audit log"] == node.egress.failure
+    assert health.checks["egress log"] == node.egress.failure
     node.egress.failure = None
     assert node.health().ready
 
