@@ -168,11 +168,14 @@ class EgressLog:
         path: Path | str | None = None,
         *,
         fsync_every: int = 1,
+        commit_within_s: float | None = None,
         store: EgressStore | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if isinstance(fsync_every, bool) or not isinstance(fsync_every, int) or fsync_every < 1:
             raise ValueError(f"fsync_every must be an integer >= 1, got {fsync_every!r}")
+        if commit_within_s is not None and not 0 < commit_within_s <= 1:
+            raise ValueError(f"commit_within_s must be in (0, 1], got {commit_within_s!r}")
         self.identity = identity
         self.path = Path(path) if path is not None else None
         self.fsync_every = fsync_every
@@ -189,6 +192,10 @@ class EgressLog:
         self._lock = threading.Lock()
         self._unsynced = 0
         self._fd: int | None = None
+        self.commit_within_s = commit_within_s
+        self._dirty = threading.Event()
+        self._closing = False
+        self._committer: threading.Thread | None = None
         self.header: dict[str, Any] = {
             "type": "header",
             "version": LOG_VERSION,
@@ -198,6 +205,11 @@ class EgressLog:
         }
         if self.path is not None:
             self._open(self.path)
+            if commit_within_s is not None:
+                self._committer = threading.Thread(
+                    target=self._commit_loop, name="egress-log-commit", daemon=True
+                )
+                self._committer.start()
         self.genesis = genesis_hash(self.header)
 
     @property
@@ -266,9 +278,11 @@ class EgressLog:
             while written < len(data):
                 written += os.write(self._fd, data[written:])
             self._unsynced += 1
-            if sync or self._unsynced >= self.fsync_every:
+            if sync or (self._committer is None and self._unsynced >= self.fsync_every):
                 os.fsync(self._fd)
                 self._unsynced = 0
+            elif self._committer is not None:
+                self._dirty.set()
         except OSError as exc:
             with contextlib.suppress(OSError):
                 os.ftruncate(self._fd, self._size)
@@ -290,8 +304,33 @@ class EgressLog:
                 os.fsync(self._fd)
                 self._unsynced = 0
 
+    def _commit_loop(self) -> None:
+        """Group commit: at most ``commit_within_s`` after a record is written, one fsync
+        makes it and every record written meanwhile durable, on this thread (the writer,
+        the node's event loop, never waits for the disk)."""
+        while True:
+            self._dirty.wait()
+            if self._closing:
+                return
+            time.sleep(self.commit_within_s or 0)
+            self._dirty.clear()
+            with self._lock:
+                fd, pending = self._fd, self._unsynced
+                self._unsynced = 0
+            if fd is None or not pending:
+                continue
+            try:
+                os.fsync(fd)
+            except OSError as exc:
+                self.failure = f"the egress log cannot be committed: {exc.strerror or exc}"
+
     def close(self) -> None:
         """Flush and close the mirror; the in-memory log stays readable."""
+        if self._committer is not None:
+            self._closing = True
+            self._dirty.set()
+            self._committer.join()
+            self._committer = None
         self.flush()
         with self._lock:
             if self._fd is not None:

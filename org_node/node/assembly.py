@@ -94,6 +94,10 @@ __all__ = [
 
 logger = logging.getLogger("org_node.node")
 
+EGRESS_COMMIT_S = 0.005
+"""Group commit of the egress log: a record is fsynced at most this long after it is
+written, by one fsync for every record written meanwhile (``docs/SECURITY.md``)."""
+
 HARNESS_EXPORT_ENV = "FEDWEAVE_HARNESS_DEBUG_EXPORT"
 """Test harnesses only: a directory for each round's plaintext update (see
 :mod:`org_node.engine`); refused unless the config says ``[debug] harness = true``."""
@@ -425,7 +429,7 @@ def _egress_log(identity: OrgIdentity, paths: NodePaths) -> EgressLog:
     """The node's egress log, continued (a torn last record is cut and the repair
     recorded); :class:`NodeError` in one line when the file cannot be continued."""
     try:
-        return EgressLog(identity, paths.egress_log)
+        return EgressLog(identity, paths.egress_log, commit_within_s=EGRESS_COMMIT_S)
     except (AuditError, OSError) as exc:
         raise NodeError(
             f"the egress log {paths.egress_log} cannot be continued: {exc} (`fedweave audit "

@@ -560,3 +560,42 @@ def test_a_corrupt_record_in_the_middle_is_one_readable_line(tmp_path: Path) -> 
         EgressLog(a, path)
     message = str(info.value)
     assert "\n" not in message and message.startswith("line 3:")
+
+
+def test_group_commit_fsyncs_off_the_writers_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``commit_within_s`` the writer (the node's event loop) never fsyncs an entry
+    itself: a committer thread makes every entry written meanwhile durable with one
+    fsync; a head is still fsynced before ``sign_head`` returns, and close commits all."""
+    import threading
+
+    a = identity("a")
+    synced_by: list[int] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced_by.append(threading.get_ident())
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    path = tmp_path / "a.log"
+    log = EgressLog(a, path, commit_within_s=0.01)
+    synced_by.clear()  # the header's
+    me = threading.get_ident()
+    for seq in range(1, 21):
+        env, wire = envelope(a, "b", "round.ready", b"k", seq=seq)
+        log.record(env, wire)
+    assert me not in synced_by  # not one fsync on the writer's thread
+    for _ in range(500):
+        if synced_by:
+            break
+        threading.Event().wait(0.01)
+    assert synced_by and me not in synced_by
+    assert len(synced_by) < 20  # grouped: fewer fsyncs than entries
+    log.sign_head("run-1", 1)
+    assert synced_by[-1] == me  # a head is durable before it is returned (and sent)
+    log.close()
+    assert verify_log(path).ok
+    with pytest.raises(ValueError, match="commit_within_s"):
+        EgressLog(a, commit_within_s=0)
