@@ -225,7 +225,7 @@ class RunEngine:
         trainer: LocalTrainer,
         state_dir: Path,
         checkpoint: Checkpoint | None = None,
-        on_round: Callable[[RoundReport], None] | None = None,
+        on_round: Callable[[RoundReport], Awaitable[None] | None] | None = None,
         debug_export: Path | None = None,
         catch_up: CatchUp | None = None,
         ckks: SecureSum | None = None,
@@ -556,7 +556,7 @@ class RunEngine:
         )
         self.state.model = new_model
         self.state.round = r + 1
-        data = self.save_state()
+        data = await asyncio.to_thread(self.save_state)  # it fsyncs: off the loop
         every = self.config.checkpoint_every
         if self.checkpoint is not None and every and (r + 1) % every == 0:
             self._doing("checkpointing")
@@ -582,7 +582,9 @@ class RunEngine:
             bytes_sent=agg.bytes_sent,
         )
         if self.on_round is not None:
-            self.on_round(report)
+            done = self.on_round(report)
+            if done is not None:
+                await done
         return report
 
     async def try_catch_up(self) -> bool:

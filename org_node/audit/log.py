@@ -310,19 +310,18 @@ class EgressLog:
         the node's event loop, never waits for the disk)."""
         while True:
             self._dirty.wait()
-            if self._closing:
-                return
             time.sleep(self.commit_within_s or 0)
             self._dirty.clear()
             with self._lock:
                 fd, pending = self._fd, self._unsynced
                 self._unsynced = 0
-            if fd is None or not pending:
-                continue
-            try:
-                os.fsync(fd)
-            except OSError as exc:
-                self.failure = f"the egress log cannot be committed: {exc.strerror or exc}"
+            if fd is not None and pending:
+                try:
+                    os.fsync(fd)
+                except OSError as exc:
+                    self.failure = f"the egress log cannot be committed: {exc.strerror or exc}"
+            if self._closing:  # checked after each pass: close() set it, then woke us
+                return
 
     def close(self) -> None:
         """Flush and close the mirror; the in-memory log stays readable."""

@@ -60,11 +60,12 @@ class AuditHeads:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    def after_round(self, run_key: str, round: int) -> None:
-        """Sign the head for ``(run_key, round)`` now (a report of the round needs it)
-        and send it to every member in the background (the round does not wait)."""
+    async def after_round(self, run_key: str, round: int) -> None:
+        """Sign the head for ``(run_key, round)`` now (off the loop: it fsyncs; a report
+        of the round needs it) and send it to every member in the background (the round
+        does not wait for the peers)."""
         try:
-            head = self.ctx.egress.sign_head(run_key, round)
+            head = await asyncio.to_thread(self.ctx.egress.sign_head, run_key, round)
         except (AuditError, OSError) as exc:
             logger.error(
                 "%s: the head of round %d could not be signed: %s", self.ctx.me, round, exc

@@ -104,8 +104,8 @@ class Runs:
         self.ctx = ctx
         self.trainer_factory: TrainerFactory = trainer_factory or self._worker_trainer
         self.debug_export = debug_export
-        self.on_round_done: Callable[[str, int], None] = lambda run_key, round: None
-        """Called after each completed round (the node signs and sends its log head)."""
+        self.on_round_done: Callable[[str, int], Awaitable[None]] = _nothing_for
+        """Awaited after each completed round (the node signs and sends its log head)."""
         self.settle_heads: Callable[[], Awaitable[None]] = _nothing
         """Awaited before a run's end is recorded (the last round's head is sent)."""
         self.active: _ActiveRun | None = None
@@ -437,7 +437,10 @@ class Runs:
             run_id, "state", {"state": new.value, "version": version, "reason": reason}
         )
 
-    def _on_round(self, run_id: str, report: RoundReport) -> None:
+    async def _on_round(self, run_id: str, report: RoundReport) -> None:
+        """Record a completed round: its metrics and the run's round (the database), its
+        log head (signed, sent to every member), the round log, this node's shards of the
+        new global model; every write off the loop."""
         values: dict[str, float] = dict(report.metrics)
         values |= {
             "examples": float(report.examples),
@@ -448,21 +451,9 @@ class Runs:
         }
         if report.epsilon_spent is not None:
             values["epsilon_spent"] = report.epsilon_spent
-        with Session(self.ctx.db) as session:
-            for name, value in sorted(values.items()):
-                session.add(
-                    RunMetric(run_id=run_id, round=report.round, name=name[:100], value=value)
-                )
-            session.execute(
-                update(Run).where(Run.id == run_id).values(current_round=report.round)  # type: ignore[arg-type]
-            )
-            session.commit()
-        self.on_round_done(report.run_key, report.round)
-        try:
-            record_round(self.ctx.paths.run_dir(report.run_key), report, self.participants)
-        except (OSError, AuditError) as exc:
-            logger.warning("%s: round %d not added to the round log: %s", run_id, report.round, exc)
-        self._share_model(report)
+        await asyncio.to_thread(self._record_round, run_id, report, values)
+        await self.on_round_done(report.run_key, report.round)
+        await self._share_model(report)
         self.ctx.events.publish(
             run_id,
             "round",
@@ -475,18 +466,40 @@ class Runs:
         )
         self.ctx.events.publish(run_id, "metric", {"round": report.round, **values})
 
-    def _share_model(self, report: RoundReport) -> None:
-        """Keep this node's shards of the new global model and gossip its content hash,
-        so that a node back from a crash can rebuild it and rejoin."""
-        active = self.active
-        if active is None or self.ctx.history is None or self.ctx.gossip is None:
-            return
-        data = model_to_bytes(active.engine.state.model)
-        sha = hashlib.sha256(data).hexdigest()
+    def _record_round(self, run_id: str, report: RoundReport, values: Mapping[str, float]) -> None:
+        with Session(self.ctx.db) as session:
+            for name, value in sorted(values.items()):
+                session.add(
+                    RunMetric(run_id=run_id, round=report.round, name=name[:100], value=value)
+                )
+            session.execute(
+                update(Run).where(Run.id == run_id).values(current_round=report.round)  # type: ignore[arg-type]
+            )
+            session.commit()
         try:
-            self.ctx.history.add_version(report.round, data, sha, members=report.survivors)
-        except (ShardError, OSError) as exc:
-            logger.warning("%s: global model history: %s", self.ctx.me, exc)
+            record_round(self.ctx.paths.run_dir(report.run_key), report, self.participants)
+        except (OSError, AuditError) as exc:
+            logger.warning("%s: round %d not added to the round log: %s", run_id, report.round, exc)
+
+    async def _share_model(self, report: RoundReport) -> None:
+        """Keep this node's shards of the new global model (coded and sealed off the loop)
+        and gossip its content hash, so that a node back from a crash can rebuild it and
+        rejoin."""
+        active, history = self.active, self.ctx.history
+        if active is None or history is None or self.ctx.gossip is None:
+            return
+        model = active.engine.state.model
+
+        def keep() -> str:
+            data = model_to_bytes(model)
+            sha = hashlib.sha256(data).hexdigest()
+            try:
+                history.add_version(report.round, data, sha, members=report.survivors)
+            except (ShardError, OSError) as exc:
+                logger.warning("%s: global model history: %s", self.ctx.me, exc)
+            return sha
+
+        sha = await asyncio.to_thread(keep)
         self.ctx.gossip.publish(MODEL_TOPIC, f"{report.run_key}/{report.round}", sha.encode())
 
     async def _catch_up(self, run_key: str, round: int) -> tuple[int, dict[str, Any]] | None:
@@ -622,6 +635,10 @@ class Runs:
 
 async def _nothing() -> None:
     return None
+
+
+async def _nothing_for(run_key: str, round: int) -> None:
+    del run_key, round
 
 
 def _portable(binding: RunBinding) -> dict[str, Any]:
