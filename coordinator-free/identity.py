@@ -16,12 +16,12 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import os
-import stat
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
 from coordinator_free.errors import IdentityError
+from coordinator_free.files import require_private
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
@@ -229,12 +229,7 @@ class OrgIdentity:
         directory = Path(directory)
         key_path, cert_path = directory / KEY_FILE, directory / CERT_FILE
         try:
-            mode = key_path.stat().st_mode
-            if mode & (stat.S_IRWXG | stat.S_IRWXO):
-                raise IdentityError(
-                    f"{key_path.name} is accessible by group or others "
-                    f"(mode {stat.S_IMODE(mode):o}); chmod 600 it"
-                )
+            require_private(key_path, IdentityError)
             key_pem = key_path.read_bytes()
             cert_pem = cert_path.read_bytes()
         except OSError as exc:

@@ -19,7 +19,8 @@ The secret lives offline in a :class:`RecoveryBackup` file, together with the or
 its identity key (PKCS#8 PEM, optionally passphrase-encrypted) and certificate, the
 federation id, the manifest hash it last knew and its peers' endpoints. With a
 passphrase, the secret is also encrypted (AES-GCM under a scrypt key, RFC 7914). The
-file is written atomically (temporary file, fsync, rename) with mode 0600.
+file is written atomically (temporary file, fsync, rename: :mod:`coordinator_free.files`)
+with mode 0600.
 """
 
 from __future__ import annotations
@@ -27,16 +28,16 @@ from __future__ import annotations
 import hmac
 import json
 import os
-import stat
 import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from coordinator_free.address import PeerAddress
 from coordinator_free.errors import CoordinatorFreeError, IdentityError
+from coordinator_free.files import atomic_write, require_private
 from coordinator_free.identity import OrgIdentity
-from coordinator_free.tls import PeerAddress
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -227,32 +228,6 @@ def unpack_parts(data: bytes) -> dict[str, bytes]:
     return parts
 
 
-def atomic_write(path: Path, data: bytes | bytearray | memoryview, mode: int = 0o600) -> None:
-    """Write ``data`` to ``path`` all-or-nothing: temporary file, fsync, rename, fsync dir."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    try:
-        try:
-            os.fchmod(fd, mode)
-            view = memoryview(data)
-            while view:
-                written = os.write(fd, view)
-                view = view[written:]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
 @dataclass(frozen=True)
 class RecoveryBackup:
     """Everything a wiped org needs to rebuild itself from its peers.
@@ -346,12 +321,7 @@ class RecoveryBackup:
         """Read a backup; refuses a file readable by group or others."""
         path = Path(path)
         try:
-            mode = path.stat().st_mode
-            if mode & (stat.S_IRWXG | stat.S_IRWXO):
-                raise BackupError(
-                    f"{path.name} is accessible by group or others "
-                    f"(mode {stat.S_IMODE(mode):o}); chmod 600 it"
-                )
+            require_private(path, BackupError)
             obj = json.loads(path.read_bytes())
         except OSError as exc:
             raise BackupError(f"cannot read the recovery backup: {exc}") from None

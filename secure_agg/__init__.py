@@ -8,8 +8,11 @@ The masked-sum path::
     peer = SecAggPeer(ProtocolConfig(ctx, participants, threshold, len(x)), me, sign, verify)
     ... advertise_keys / share_keys / masked_input(codec.encode(x, rng)) / unmask / finalize
 
-The CKKS path lives in :mod:`secure_agg.ckks` (imported on demand: it loads TenSEAL),
-and :mod:`secure_agg.backend` puts both behind one ``AggregationBackend`` interface.
+The masked-sum protocol is the package :mod:`secure_agg.protocol` (its docstring lists
+its modules). The CKKS path lives in :mod:`secure_agg.ckks` (imported on demand: it
+loads TenSEAL), and :mod:`secure_agg.backend` puts both behind one
+``AggregationBackend`` interface. Nothing here imports a fedweave layer above it
+(``coordinator_free``, ``org_node``, ``api``).
 """
 
 from secure_agg.codec import FixedPointCodec

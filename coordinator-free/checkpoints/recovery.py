@@ -29,7 +29,8 @@ from coordinator_free.erasure import (
     decode_set,
 )
 from coordinator_free.errors import TransportError
-from coordinator_free.sealed import RecoverySecret, atomic_write, open_sealed
+from coordinator_free.files import atomic_write
+from coordinator_free.sealed import RecoverySecret, open_sealed
 
 __all__ = ["RecoveredCheckpoint", "recover", "sources_of", "survey"]
 

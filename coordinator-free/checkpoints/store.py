@@ -26,7 +26,7 @@ from pathlib import Path
 
 from coordinator_free.checkpoints.errors import QuotaExceeded, ShardNotFound
 from coordinator_free.erasure import ManifestInvalid, ShardSetManifest
-from coordinator_free.sealed import atomic_write
+from coordinator_free.files import atomic_write
 
 __all__ = ["ShardStore", "StoredSet"]
 

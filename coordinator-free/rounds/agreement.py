@@ -160,11 +160,15 @@ class Agreement:
         proposal: frozenset[str],
         flag: bool = True,
     ) -> Settled:
-        """Agree on a set with the members of ``base``: by the token, and by the view
-        agreement when the token stalls."""
-        settled = await self.token_agree(state, counters, tag, base, proposal, flag)
-        if settled is not None:
-            return settled
+        """Agree on a set with the members of ``base``: by one token passed along their
+        ring (:class:`~coordinator_free.rounds.token.TokenAgreement`), and by the view
+        agreement when the token stalls or there is no ring of two."""
+        order = ring_order(frozenset(base), state.round)
+        if self.me in order and len(order) >= 2:
+            token = TokenAgreement(self, state, counters, tag, order, proposal, flag)
+            settled = await token.run()
+            if settled is not None:
+                return settled
         state.agreement.stalled.add(tag)  # a decision that comes from now on is not settled on
         self.net.observe("retry", state.run, state.round, tag, detail="token stalled: views")
         return await self.agree(state, counters, tag, proposal, flag)
@@ -268,23 +272,6 @@ class Agreement:
         return {o: decode_view(p) for o, p in got.items()}, failed
 
     # -- by the token -------------------------------------------------------------------
-
-    async def token_agree(
-        self,
-        state: RoundState,
-        counters: Counters,
-        tag: str,
-        base: Iterable[str],
-        proposal: frozenset[str],
-        flag: bool,
-    ) -> Settled | None:
-        """Agree on ``(members, flag)`` by one token passed along a ring (see
-        :class:`~coordinator_free.rounds.token.TokenAgreement`); ``None`` when the
-        token stalls (fall back to views)."""
-        order = ring_order(frozenset(base), state.round)
-        if self.me not in order or len(order) < 2:
-            return None
-        return await TokenAgreement(self, state, counters, tag, order, proposal, flag).run()
 
     async def pass_on_held(self, state: RoundState, tag: str, members: frozenset[str]) -> None:
         """Once this node's ring attempt completed, a token of that attempt that reached

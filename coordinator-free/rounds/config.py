@@ -93,24 +93,12 @@ class RoundConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"RoundConfig.{name} must be at least 1")
 
-        if self.secagg_plus_above is not None and (
-            isinstance(self.secagg_plus_above, bool)
-            or not isinstance(self.secagg_plus_above, int)
-            or self.secagg_plus_above < 3
-        ):
-            raise ValueError(
-                "RoundConfig.secagg_plus_above must be None or an int >= 3, "
-                f"got {self.secagg_plus_above!r}"
-            )
-        if self.owner_unmask_from is not None and (
-            isinstance(self.owner_unmask_from, bool)
-            or not isinstance(self.owner_unmask_from, int)
-            or self.owner_unmask_from < 3
-        ):
-            raise ValueError(
-                "RoundConfig.owner_unmask_from must be None or an int >= 3, "
-                f"got {self.owner_unmask_from!r}"
-            )
+        for name in ("secagg_plus_above", "owner_unmask_from"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 3
+            ):
+                raise ValueError(f"RoundConfig.{name} must be None or an int >= 3, got {value!r}")
         if self.topology not in ("ring", "star"):
             raise ValueError(
                 f"RoundConfig.topology must be 'ring' or 'star', got {self.topology!r}"

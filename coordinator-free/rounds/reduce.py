@@ -32,10 +32,9 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TypedDict
 
 import numpy as np
-from coordinator_free.ring import RingBroken, RingReducer, RingStats, Scattered, ring_order
+from coordinator_free.ring import RingBroken, RingReducer, Scattered, StarOptions, ring_order
 from coordinator_free.rounds.agreement import Agreement
 from coordinator_free.rounds.config import RoundConfig
 from coordinator_free.rounds.context import StageContext
@@ -47,17 +46,6 @@ from secure_agg.errors import SecAggError
 __all__ = ["ReduceStage", "owner_unmask"]
 
 logger = logging.getLogger(__name__)
-
-
-class _RingAttempt(TypedDict):
-    """What every ring variant is told about the attempt it runs."""
-
-    run: str
-    round: int
-    attempt: int
-    timeout: float
-    stats: RingStats
-    start_grace: float
 
 
 class ReduceStage:
@@ -133,7 +121,7 @@ class ReduceStage:
         """The ring itself: the reduce-scatter (owner unmasking), the star, or the
         all-reduce."""
         cfg, masked, order = ctx.config, ctx.masked_input(), ctx.order
-        attempt = _RingAttempt(
+        attempt = StarOptions(
             run=ctx.run,
             round=ctx.round,
             attempt=ctx.attempt,

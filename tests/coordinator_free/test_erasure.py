@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 import zfec
-from coordinator_free import erasure
 from coordinator_free.erasure import (
     CodeParams,
     CorruptShard,
@@ -26,6 +25,7 @@ from coordinator_free.erasure import (
     encode_shards_message,
     merkle_root,
 )
+from coordinator_free.erasure import codec as erasure
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

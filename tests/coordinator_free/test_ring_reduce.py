@@ -408,7 +408,7 @@ def test_star_baseline_gives_the_same_sum_with_a_busy_hub() -> None:
 
 
 def test_large_chunks_travel_in_frames(monkeypatch: pytest.MonkeyPatch) -> None:
-    import coordinator_free.ring as ring_module
+    import coordinator_free.ring.wire as ring_module
 
     monkeypatch.setattr(ring_module, "MAX_FRAME_BYTES", 400)  # 100 uint32 per message
     n, length = 3, 3000  # chunks of 1000 elements: 10 frames each

@@ -44,7 +44,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from secure_agg.codec import FixedPointCodec
-from secure_agg.protocol import _ed25519_identities
+from secure_agg.protocol.simulate import _ed25519_identities
 
 # ring_min_chunk=1: even short test vectors take the chunked ring, step by step
 FAST = RoundConfig(

@@ -1,0 +1,392 @@
+"""The ring all-reduce of one node: :class:`RingReducer`, its handlers and its variants.
+
+The reducer registers ``agg.chunk``, ``agg.sum``, ``agg.abort`` and ``agg.ping`` on the
+node's endpoint and keeps, per open round, the chunks that arrived before anyone waited
+for them. Each variant (:meth:`~RingReducer.allreduce`, its halves
+:meth:`~RingReducer.reduce_scatter` and :meth:`~RingReducer.all_gather_sum`, and
+:meth:`~RingReducer.star_allreduce`) is told about its attempt by the same keyword
+options (:class:`RingCall`), runs its steps (:mod:`.steps`) over a :class:`~.link.Link`
+and, when the ring breaks, tells every member to abort, naming whom it blames.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Required, TypedDict, TypeVar, Unpack
+
+import numpy as np
+from coordinator_free.endpoint import Endpoint
+from coordinator_free.errors import RefusalReason, Refused, TransportError
+from coordinator_free.ring import steps
+from coordinator_free.ring.link import ChunkKey, Link, RingBroken, RingStats, RoundBox
+from coordinator_free.ring.steps import Place, StepHook
+from coordinator_free.ring.wire import (
+    ACK,
+    HEADER,
+    KIND_ABORT,
+    KIND_CHUNK,
+    KIND_PING,
+    KIND_SUM,
+    PHASE_SUM,
+    PHASES,
+    VERSION,
+    ring_id,
+)
+from coordinator_free.wire import Envelope
+
+__all__ = [
+    "GatherOptions",
+    "RingCall",
+    "RingOptions",
+    "RingReducer",
+    "Scattered",
+    "StarOptions",
+]
+
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class RingCall:
+    """What every ring variant is told about the attempt it runs (its keyword options).
+
+    run, round: the round the chunks belong to (it must be open, or is opened).
+    attempt: the attempt number, bound with the ordered members into the ring id.
+    stage: the stage the chunks are sent in (the envelope's, for the audit log).
+    timeout: bounds each step's wait for the predecessor's chunk and each send.
+    stats: counts what this member sends (a fresh :class:`RingStats` by default).
+    on_step: ``on_step(phase, step)``, awaited before each step: the simulator's
+        fault-injection seam.
+    start_grace: added to the first wait: the members do not all start at the same
+        moment (each leaves the previous stage when it has heard enough).
+    alive: ``alive(org)``, the membership layer's view: a wait pings a sender as soon
+        as it is no longer believed alive (see :meth:`~.link.Link.receive`).
+    """
+
+    run: str
+    round: int
+    attempt: int = 0
+    stage: str = "reduce"
+    timeout: float = 10.0
+    stats: RingStats | None = None
+    on_step: StepHook | None = None
+    start_grace: float = 0.0
+    alive: Callable[[str], bool] | None = None
+
+
+class _AttemptOptions(TypedDict, total=False):
+    run: Required[str]
+    round: Required[int]
+    attempt: int
+    stage: str
+    timeout: float
+    stats: RingStats | None
+
+
+class StarOptions(_AttemptOptions, total=False):
+    """The options of :meth:`RingReducer.star_allreduce` (see :class:`RingCall`)."""
+
+    start_grace: float
+
+
+class GatherOptions(_AttemptOptions, total=False):
+    """The options of :meth:`RingReducer.all_gather_sum` (see :class:`RingCall`)."""
+
+    on_step: StepHook | None
+    alive: Callable[[str], bool] | None
+
+
+class RingOptions(StarOptions, GatherOptions, total=False):
+    """The options of :meth:`RingReducer.allreduce` and :meth:`RingReducer.reduce_scatter`."""
+
+
+@dataclass(frozen=True)
+class Scattered:
+    """What :meth:`RingReducer.reduce_scatter` leaves a member.
+
+    acc: a vector of the input's length in which chunk ``own`` holds the complete sum
+    that this member reduced and chunk ``held`` the complete sum its predecessor
+    reduced (a copy, so a chunk outlives one of its holders); the other chunks hold
+    partial sums, meaningless. bounds: the chunks' ``[lo, hi)``, from
+    :func:`~.wire.chunk_bounds`. filled: the chunks complete so far (``own`` and
+    ``held``, then each one :meth:`RingReducer.all_gather_sum` receives).
+    """
+
+    acc: np.ndarray
+    own: int
+    held: int
+    bounds: list[tuple[int, int]]
+    filled: set[int] = field(default_factory=set)
+
+
+class RingReducer:
+    """Ring all-reduce for one node: registers ``agg.chunk`` / ``agg.abort`` on its endpoint.
+
+    A round is opened with :meth:`open` before any member can send its chunks (the
+    round engine does it before its ``ready``), so early chunks are buffered, up to
+    ``max_buffered_bytes`` per round; chunks of rounds not open are refused.
+    """
+
+    def __init__(self, endpoint: Endpoint, *, max_buffered_bytes: int = 1 << 30) -> None:
+        self.endpoint = endpoint
+        self.max_buffered_bytes = max_buffered_bytes
+        self._boxes: dict[tuple[str, int], RoundBox] = {}
+        endpoint.on(KIND_CHUNK, self._on_chunk)
+        endpoint.on(KIND_SUM, self._on_chunk)
+        endpoint.on(KIND_ABORT, self._on_abort)
+        endpoint.on(KIND_PING, self._on_ping)
+
+    # -- round bookkeeping -------------------------------------------------------
+
+    def open(self, run: str, round: int) -> None:
+        """Accept chunks for ``(run, round)`` from now on."""
+        self._boxes.setdefault((run, round), RoundBox())
+
+    def close(self, run: str, round: int) -> None:
+        """Drop everything buffered for ``(run, round)``; later chunks are refused."""
+        box = self._boxes.pop((run, round), None)
+        if box is not None:
+            for fut in box.chunks.values():
+                if not fut.done():
+                    fut.cancel()
+
+    def suspects(self, run: str, round: int, order: Sequence[str], attempt: int) -> frozenset[str]:
+        """The members of a ring that aborts received so far blame."""
+        box = self._boxes.get((run, round))
+        if box is None:
+            return frozenset()
+        return frozenset(box.suspects.get(ring_id(order, attempt), set()) & set(order))
+
+    def is_open(self, run: str, round: int) -> bool:
+        return (run, round) in self._boxes
+
+    # -- handlers ------------------------------------------------------------------
+
+    def _box_of(self, env: Envelope) -> RoundBox:
+        box = self._boxes.get((env.run, env.round))
+        if box is None:
+            raise Refused(RefusalReason.STALE, f"no open round {env.run!r}/{env.round}")
+        return box
+
+    async def _on_chunk(self, env: Envelope) -> bytes:
+        box = self._box_of(env)
+        if len(env.payload) < HEADER.size:
+            raise Refused(RefusalReason.MALFORMED, "chunk shorter than its header")
+        version, phase, _bits, step, _index, frame, _count, rid = HEADER.unpack_from(env.payload)
+        if version != VERSION or phase not in PHASES:
+            raise Refused(RefusalReason.MALFORMED, "unknown chunk version or phase")
+        if (phase == PHASE_SUM) != (env.kind == KIND_SUM):
+            # the kind names what the bytes are (masked or summed) for the audit log
+            raise Refused(RefusalReason.MALFORMED, f"a {env.kind} message of phase {phase}")
+        key: ChunkKey = (env.run, env.round, rid, phase, step, frame, env.sender)
+        fut = box.chunks.get(key)
+        if fut is not None and fut.done():
+            # a second chunk for the same slot never overwrites the first
+            raise Refused(RefusalReason.REPLAY, "duplicate chunk")
+        if fut is None and box.buffered + len(env.payload) > self.max_buffered_bytes:
+            raise Refused(RefusalReason.OVERSIZED, "too many chunks buffered")
+        box.buffered += len(env.payload)
+        box.slot(key).set_result(env.payload)
+        return ACK
+
+    async def _on_ping(self, env: Envelope) -> bytes:
+        self._box_of(env)
+        return ACK
+
+    async def _on_abort(self, env: Envelope) -> bytes:
+        box = self._box_of(env)
+        rid, blamed = env.payload[:16], env.payload[16:]
+        if len(rid) != 16 or len(blamed) > 1024:
+            raise Refused(RefusalReason.MALFORMED, "abort is a 16-byte ring id and a suspect")
+        try:
+            suspect = blamed.decode("utf-8")
+        except UnicodeDecodeError:
+            raise Refused(RefusalReason.MALFORMED, "abort suspect is not UTF-8") from None
+        if suspect:
+            box.suspects.setdefault(rid, set()).add(suspect)
+        box.aborts.setdefault(rid, asyncio.Event()).set()
+        return ACK
+
+    # -- the algorithms ----------------------------------------------------------------
+
+    def _link(self, order: Sequence[str], vector: np.ndarray, call: RingCall) -> Link:
+        """Check the ring and the vector, open the round, and link this member to it."""
+        me = self.endpoint.org_id
+        if me not in order:
+            raise ValueError(f"{me} is not in the ring {list(order)}")
+        if len(set(order)) != len(order):
+            raise ValueError("ring members must be distinct")
+        if vector.ndim != 1 or vector.dtype not in (np.dtype(np.uint32), np.dtype(np.uint64)):
+            raise ValueError("the ring reduces 1-D uint32 or uint64 arrays")
+        self.open(call.run, call.round)
+        box = self._boxes[(call.run, call.round)]
+        rid = ring_id(order, call.attempt)
+        return Link(
+            endpoint=self.endpoint,
+            run=call.run,
+            round=call.round,
+            stage=call.stage,
+            rid=rid,
+            box=box,
+            abort=box.aborts.setdefault(rid, asyncio.Event()),
+            timeout=call.timeout,
+            stats=call.stats if call.stats is not None else RingStats(),
+            dtype=vector.dtype,
+            alive=call.alive,
+        )
+
+    async def _run(self, order: Sequence[str], link: Link, work: Awaitable[_T]) -> _T:
+        """``work``'s result; when the ring breaks, every member is told to abort."""
+        try:
+            return await work
+        except RingBroken as exc:
+            raise await self._broken(order, link, exc) from exc
+
+    async def allreduce(
+        self,
+        order: Sequence[str],
+        vector: np.ndarray,
+        *,
+        min_chunk: int = 1024,
+        **options: Unpack[RingOptions],
+    ) -> np.ndarray:
+        """The ring sum of every member's ``vector``, mod ``2^b``; a fresh array.
+
+        ``order`` is the ring (every member passes the same list, e.g. from
+        :func:`~.wire.ring_order`); ``options`` describe the attempt (:class:`RingCall`).
+        Raises :class:`RingBroken` on a failure of this node's neighbours or an abort
+        from any member, after telling every member to abort.
+
+        A vector shorter than ``n * min_chunk`` elements is latency-bound, not
+        bandwidth-bound: it is summed along the ring as a chain instead (reduce from
+        the first member to the last, then pass the total on), ``2 (n - 1)`` messages
+        in all rather than ``2 n (n - 1)``, and still at most two vectors sent per node.
+        A long wait pings the sender each ``timeout``, so a dead member is blamed at once.
+        """
+        call = RingCall(**options)
+        link = self._link(order, vector, call)
+        acc = np.array(vector, copy=True)
+        n = len(order)
+        if n == 1:
+            return acc
+        place = Place.of(order, self.endpoint.org_id, acc.shape[0])
+        if acc.shape[0] < n * min_chunk:
+            await self._run(
+                order, link, steps.chain(link, acc, place, call.on_step, call.start_grace)
+            )
+        else:
+            await self._run(order, link, self._scatter_gather(link, acc, place, call, n - 1))
+        return acc
+
+    @staticmethod
+    async def _scatter_gather(
+        link: Link, acc: np.ndarray, place: Place, call: RingCall, gather_steps: int
+    ) -> None:
+        """The reduce-scatter, then the first ``gather_steps`` steps of the all-gather."""
+        await steps.reduce_scatter(link, acc, place, call.on_step, call.start_grace)
+        await steps.all_gather(link, acc, place, call.on_step, range(gather_steps))
+
+    async def reduce_scatter(
+        self, order: Sequence[str], vector: np.ndarray, **options: Unpack[RingOptions]
+    ) -> Scattered:
+        """The first half of :meth:`allreduce`, and one step of the second.
+
+        The ``n - 1`` reduce-scatter steps leave this member with the complete sum of
+        one chunk; it then sends that chunk to its successor and receives its
+        predecessor's (the all-gather's first step, ``on_step("gather", 0)``), so
+        every complete chunk is held by two members. The round engine unmasks the
+        chunks a member holds and sends the unmasked sum on with
+        :meth:`all_gather_sum`: each member unmasks ``2 / n`` of the vector instead of
+        all of it. Same options and failures as :meth:`allreduce`; the vector is
+        always cut in ``n`` chunks (no chain).
+        """
+        call = RingCall(**options)
+        link = self._link(order, vector, call)
+        n = len(order)
+        if n < 2:
+            raise ValueError("a reduce-scatter needs at least 2 members")
+        acc = np.array(vector, copy=True)
+        place = Place.of(order, self.endpoint.org_id, acc.shape[0])
+        await self._run(order, link, self._scatter_gather(link, acc, place, call, 1))
+        own, pos = (place.pos + 1) % n, place.pos
+        return Scattered(acc=acc, own=own, held=pos, bounds=place.bounds, filled={own, pos})
+
+    async def all_gather_sum(
+        self, order: Sequence[str], scattered: Scattered, **options: Unpack[GatherOptions]
+    ) -> np.ndarray:
+        """The rest of the all-gather after :meth:`reduce_scatter`, over the unmasked sum.
+
+        ``scattered.acc`` must hold the unmasked sum in chunks ``own`` and ``held``
+        (each member unmasked the two it holds); steps ``1 .. n - 2`` pass the chunks
+        on (kind ``agg.sum``: what travels is the federation's sum, no one org's
+        input) and fill ``scattered.acc`` in place, which is returned complete. A
+        member that died since its chunk was copied breaks it: :class:`RingBroken`
+        after the abort, as in :meth:`allreduce`; the engine then fetches the
+        chunks it lacks from members that hold them.
+        """
+        call = RingCall(**options)
+        acc = scattered.acc
+        link = self._link(order, acc, call)
+        place = Place(order, order.index(self.endpoint.org_id), scattered.bounds)
+        gather = steps.all_gather(
+            link,
+            acc,
+            place,
+            call.on_step,
+            range(1, place.n - 1),
+            phase=PHASE_SUM,
+            filled=scattered.filled,
+        )
+        await self._run(order, link, gather)
+        return acc
+
+    async def star_allreduce(
+        self, order: Sequence[str], vector: np.ndarray, **options: Unpack[StarOptions]
+    ) -> np.ndarray:
+        """The same sum through one hub, ``order[0]``: the star baseline of the benchmarks.
+
+        Every member sends its vector to the hub, the hub adds them and sends the
+        total back to each: the hub sends
+        ``n - 1`` vectors where a ring member sends ``2 (n - 1) / n``.
+        """
+        call = RingCall(**options)
+        link = self._link(order, vector, call)
+        acc = np.array(vector, copy=True)
+        if len(order) == 1:
+            return acc
+        place = Place.of(order, self.endpoint.org_id, acc.shape[0])
+        await self._run(order, link, steps.star(link, acc, place, call.start_grace))
+        return acc
+
+    async def _broken(self, order: Sequence[str], link: Link, exc: RingBroken) -> RingBroken:
+        """Tell the members to abort; the error to raise, with every suspect known."""
+        await self._broadcast_abort(
+            order, link.rid, exc.suspect, run=link.run, round=link.round, timeout=link.timeout
+        )
+        known = frozenset(link.box.suspects.get(link.rid, set()) & set(order))
+        return RingBroken(exc.reason, exc.suspect, known)
+
+    async def _broadcast_abort(
+        self,
+        order: Sequence[str],
+        rid: bytes,
+        suspect: str | None,
+        *,
+        run: str,
+        round: int,
+        timeout: float,
+    ) -> None:
+        """Tell every other member to stop waiting on this ring, and whom it blames."""
+        me = self.endpoint.org_id
+        payload = rid + (suspect or "").encode("utf-8")
+
+        async def one(peer: str) -> None:
+            with contextlib.suppress(TransportError):
+                await self.endpoint.send(
+                    peer, KIND_ABORT, payload, run=run, round=round, stage="reduce", timeout=timeout
+                )
+
+        await asyncio.gather(*(one(p) for p in order if p not in (me, suspect)))

@@ -1,0 +1,101 @@
+"""Serverless masked-sum secure aggregation: one state machine per participant.
+
+This is the protocol of Bonawitz et al., *Practical Secure Aggregation for
+Privacy-Preserving Machine Learning*, CCS'17, §4 (Fig. 4), with two changes:
+
+* **No server.** Every participant plays the server's part for itself: it collects
+  every other participant's messages, and any party (the overlay, along a ring) adds
+  the masked vectors. Every survivor ends with the same sum of the inputs of U3.
+* **SecAgg+ neighbourhoods** (Bell et al., CCS'20, §3): with ``neighbours=k`` a
+  participant agrees pairwise masks with, and Shamir-shares ``b_i`` and ``s_sk_i``
+  among, only its ``k`` neighbours of a deterministic graph seeded by the round
+  (:mod:`secure_agg.graph`). ``neighbours=None`` is the complete graph of Bonawitz.
+
+Stages (``Stage``), each closed explicitly when the overlay's deadline passes::
+
+    ADVERTISE_KEYS  advertise_keys()      receive(AdvertiseKeys)  close_advertise() -> U1
+    SHARE_KEYS      share_keys()          receive(ShareKeys)      close_shares()    -> U2
+    MASKED_INPUT    masked_input(x) -> y                          unmask(U3)        -> UnmaskShares
+    UNMASK          self_seed() -> b      receive(UnmaskShares)   finalize(sum)     -> sum of x over U3
+                                          receive_seed(owner, b)
+    DONE | ABORTED
+
+``y_i = x_i + PRG(b_i) + sum_{j in U2, j ~ i} sign(i, j) PRG(s_ij)`` with
+``sign(i, j) = +1`` when i precedes j in the ring order and ``-1`` otherwise, so the
+pairwise masks of two survivors cancel in any sum, added in any order or by chunks.
+
+Without a server nobody hands out one U2: each peer's U2 is the set of orgs whose
+ShareKeys reached it, and an org that dropped half-way through sending its shares
+leaves views that differ. UnmaskShares therefore carries its sender's U2 view, and
+finalize removes a dropped org's pairwise mask exactly for the survivors that report
+holding its shares. A survivor that stays silent in UNMASK is assumed to share the
+reporters' view; when the reporters disagree about that dropped org, finalize aborts
+rather than guess. (A partial send that reached only silent survivors goes
+undetected: the overlay should deliver each ShareKeys batch whole or not at all.)
+
+Every input is validated completely before any state changes: a rejected message or
+call raises a specific :class:`~secure_agg.errors.ProtocolError` and leaves the peer
+exactly as it was. A round that can no longer finish with at least ``t`` orgs moves
+to ``ABORTED`` (raising :class:`~.errors.RoundAborted`) and releases nothing further.
+
+Modules, each importing only those listed before it (and the rest of
+:mod:`secure_agg`, numpy and cryptography: no I/O, no networking):
+
+* :mod:`.errors`: the refusal of each kind (``ProtocolError`` subclasses).
+* :mod:`.config`: :class:`ProtocolConfig`, the round everyone agrees on; ``share_aad``.
+* :mod:`.unmasking`: the secrets finalize reconstructs and the masks it removes.
+* :mod:`.shares`: ShareKeys sealed and opened, UnmaskShares checked.
+* :mod:`.state`: what a peer holds and the checks every call and message meets first.
+* :mod:`.peer`: :class:`SecAggPeer`, the stages.
+* :mod:`.simulate`: a whole round in memory (:func:`simulate_round`, :func:`run_round`),
+  for tests and benchmarks.
+"""
+
+from secure_agg.messages import MalformedMessage, Stage
+from secure_agg.protocol.config import (
+    ProtocolConfig,
+    RandomBytes,
+    SignFn,
+    VerifyFn,
+    share_aad,
+)
+from secure_agg.protocol.errors import (
+    BadSignature,
+    BadVector,
+    DoubleRelease,
+    DuplicateMessage,
+    InconsistentView,
+    InvalidShare,
+    OutOfStage,
+    RoundAborted,
+    UnknownSender,
+    WrongRecipient,
+    WrongRound,
+)
+from secure_agg.protocol.peer import SecAggPeer
+from secure_agg.protocol.simulate import RoundResult, run_round, simulate_round
+
+__all__ = [
+    "BadSignature",
+    "BadVector",
+    "DoubleRelease",
+    "DuplicateMessage",
+    "InconsistentView",
+    "InvalidShare",
+    "MalformedMessage",
+    "OutOfStage",
+    "ProtocolConfig",
+    "RandomBytes",
+    "RoundAborted",
+    "RoundResult",
+    "SecAggPeer",
+    "SignFn",
+    "Stage",
+    "UnknownSender",
+    "VerifyFn",
+    "WrongRecipient",
+    "WrongRound",
+    "run_round",
+    "share_aad",
+    "simulate_round",
+]

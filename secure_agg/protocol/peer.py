@@ -1,0 +1,435 @@
+"""The state machine of one participant of a masked-sum round: :class:`SecAggPeer`.
+
+Its stages, calls and messages are those of the package docstring
+(:mod:`secure_agg.protocol`). The peer moves through the stages; what it holds
+and the checks every call makes first are its base, :class:`~.state.PeerState`; what
+it seals, opens and checks of the shares in transit is :mod:`.shares`; what finalize
+reconstructs and removes is :mod:`.unmasking`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+
+from secure_agg import prg, shamir
+from secure_agg.errors import ConfigError, RingError
+from secure_agg.keys import agree, generate_keypair, pairwise_mask_seed
+from secure_agg.messages import (
+    AdvertiseKeys,
+    MalformedMessage,
+    Message,
+    ShareKeys,
+    Stage,
+    UnmaskShares,
+    decode,
+)
+from secure_agg.protocol.config import (
+    SEED_BYTES,
+    ProtocolConfig,
+    ShareKind,
+    usable_public_key,
+)
+from secure_agg.protocol.errors import (
+    BadVector,
+    DoubleRelease,
+    DuplicateMessage,
+    InconsistentView,
+    InvalidShare,
+    OutOfStage,
+    UnknownSender,
+    WrongRecipient,
+)
+from secure_agg.protocol.shares import check_release, open_shares, seal_shares
+from secure_agg.protocol.state import OwnSecrets, PeerState
+from secure_agg.protocol.unmasking import (
+    CannotUnmask,
+    Mask,
+    UnmaskPlan,
+    plan_unmasking,
+    removal_masks,
+)
+from secure_agg.ring import check_ring
+
+__all__ = ["SecAggPeer"]
+
+
+class SecAggPeer(PeerState):
+    """The state machine of one participant ``me`` (package docstring: stages and calls).
+
+    sign: signs bytes with ``me``'s identity key.
+    verify: ``verify(sender, data, signature)`` checks a participant's signature.
+    rng: ``rng(k) -> k random bytes`` for keys, seeds, Shamir coefficients and nonces;
+        default ``os.urandom``. Pass a deterministic one only for test vectors.
+    """
+
+    # ---------------------------------------------------------------- dispatch
+
+    def receive(self, msg: Message | bytes) -> None:
+        """Take in one message (decoded or raw bytes); ProtocolError leaves the state unchanged."""
+        if isinstance(msg, bytes | bytearray | memoryview):
+            msg = decode(bytes(msg))
+        if isinstance(msg, AdvertiseKeys):
+            self.receive_advertise(msg)
+        elif isinstance(msg, ShareKeys):
+            self.receive_shares(msg)
+        elif isinstance(msg, UnmaskShares):
+            self.receive_unmask(msg)
+        else:
+            raise MalformedMessage(f"expected a protocol message, got {type(msg).__name__}")
+
+    # ---------------------------------------------------------------- stage 0
+
+    def advertise_keys(self) -> AdvertiseKeys:
+        """Round 0: draw the round's c and s key pairs and the self-mask seed b; advertise."""
+        self._require_stage(Stage.ADVERTISE_KEYS, action="advertise_keys()")
+        if self._secrets is not None:
+            raise OutOfStage(f"{self.me} already advertised its keys this round")
+        c = generate_keypair(self._rand(SEED_BYTES))
+        s = generate_keypair(self._rand(SEED_BYTES))
+        b = self._rand(SEED_BYTES)
+        if c.public == s.public:
+            raise ConfigError("rng returned the same bytes for both key pairs")
+        msg = AdvertiseKeys(
+            self._header(Stage.ADVERTISE_KEYS),
+            c_pk=c.public,
+            s_pk=s.public,
+            b_commitment=shamir.commitment(b),
+        ).signed(self._sign)
+        self._secrets = OwnSecrets(c=c, s=s, b=b)
+        self._adverts[self.me] = msg
+        return msg
+
+    def receive_advertise(self, msg: AdvertiseKeys, *, authenticated: bool = False) -> None:
+        self._authenticate(msg, authenticated)
+        self._require_stage(Stage.ADVERTISE_KEYS, action="receiving AdvertiseKeys")
+        if msg.sender in self._adverts:
+            raise DuplicateMessage(f"second AdvertiseKeys from {msg.sender!r}")
+        if msg.sender in self.neighbours:  # the keys this peer agrees with before finalize
+            for name, key in (("c_pk", msg.c_pk), ("s_pk", msg.s_pk)):
+                if not usable_public_key(key):
+                    raise MalformedMessage(f"{name} of {msg.sender!r} is not a usable X25519 key")
+        self._adverts[msg.sender] = msg
+
+    def close_advertise(self) -> frozenset[str]:
+        """The AdvertiseKeys deadline passed: fix U1 (every advertiser, this peer included)."""
+        self._require_stage(Stage.ADVERTISE_KEYS, action="close_advertise()")
+        self._own()
+        u1 = frozenset(self._adverts)
+        holders = self.config.graph.closed(self.me) & u1
+        self._need_threshold(len(holders), f"of {self.me}'s share holders advertised keys")
+        self._u1 = u1
+        self._stage = Stage.SHARE_KEYS
+        return u1
+
+    # ---------------------------------------------------------------- stage 1
+
+    def _holders(self) -> list[str]:
+        assert self._u1 is not None
+        return sorted(self.config.graph.neighbours(self.me) & self._u1)
+
+    def share_keys(self) -> dict[str, ShareKeys]:
+        """Round 1: Shamir-share b and s_sk t-of-(holders), encrypt each pair to its holder."""
+        self._require_stage(Stage.SHARE_KEYS, action="share_keys()")
+        if self._shared:
+            raise OutOfStage(f"{self.me} already sent its shares this round")
+        own = self._own()
+        cfg = self.config
+        holders = self._holders()
+        top = max(cfg.index(h) for h in [*holders, self.me]) + 1
+        s_sk = own.s.private.private_bytes_raw()
+        b_shares = shamir.split(own.b, cfg.threshold, top, rng=self._rand)
+        s_shares = shamir.split(s_sk, cfg.threshold, top, rng=self._rand)
+        out: dict[str, ShareKeys] = {}
+        for h in holders:
+            i = cfg.index(h)
+            pair = (b_shares[i], s_shares[i])
+            blob = seal_shares(
+                cfg, self.me, h, own.c.private, self._adverts[h].c_pk, pair, self._rand(12)
+            )
+            out[h] = ShareKeys(self._header(Stage.SHARE_KEYS), recipient=h, ciphertext=blob).signed(
+                self._sign
+            )
+        mine = cfg.index(self.me)
+        self._held[self.me] = (b_shares[mine], s_shares[mine])
+        self._shared = True
+        return out
+
+    def receive_shares(self, msg: ShareKeys, *, authenticated: bool = False) -> None:
+        self._authenticate(msg, authenticated)
+        self._require_stage(Stage.SHARE_KEYS, action="receiving ShareKeys")
+        sender = msg.sender
+        assert self._u1 is not None
+        if sender not in self._u1:
+            raise UnknownSender(
+                f"{sender!r} did not advertise keys before the deadline (not in U1)"
+            )
+        if sender not in self.neighbours:
+            raise UnknownSender(f"{sender!r} is not a neighbour of {self.me} in the SecAgg+ graph")
+        if msg.recipient != self.me:
+            raise WrongRecipient(
+                f"ShareKeys from {sender!r} is addressed to {msg.recipient!r}, not {self.me}"
+            )
+        if sender in self._held:
+            raise DuplicateMessage(f"second ShareKeys from {sender!r}")
+        own = self._own()
+        c_pk = self._adverts[sender].c_pk
+        self._held[sender] = open_shares(
+            self.config, sender, self.me, own.c.private, c_pk, msg.ciphertext
+        )
+
+    def close_shares(self) -> frozenset[str]:
+        """The ShareKeys deadline passed: fix U2, the orgs whose shares this peer holds."""
+        self._require_stage(Stage.SHARE_KEYS, action="close_shares()")
+        if not self._shared:
+            raise OutOfStage("share_keys() must be called before close_shares()")
+        u2 = frozenset(self._held)
+        self._need_threshold(len(u2), f"orgs of {self.me}'s neighbourhood shared keys")
+        self._u2 = u2
+        self._stage = Stage.MASKED_INPUT
+        return u2
+
+    # ---------------------------------------------------------------- stage 2
+
+    def masked_input(self, x: np.ndarray, *, out: np.ndarray | None = None) -> np.ndarray:
+        """Round 2: ``y = x + PRG(b) + sum_j sign PRG(s_ij)`` over neighbours j in U2.
+
+        ``y`` is a new array unless ``out`` is given: a C-contiguous, writeable ring
+        array of ``x``'s dtype and length (``x`` itself masks in place), which receives
+        ``y`` and is returned. A caller that owns its encoded vector (the round engine
+        does) saves the allocation and first-touch of a vector-sized array that way.
+        """
+        self._require_stage(Stage.MASKED_INPUT, action="masked_input()")
+        if self._masked:
+            raise OutOfStage(f"{self.me} already produced its masked input this round")
+        cfg = self.config
+        in_place = _masks_in_place(self.me, cfg, x, out)
+        own = self._own()
+        assert self._u2 is not None
+        masks: list[Mask] = [(own.b, 1)]
+        for j in sorted(self._u2 - {self.me}):
+            seed = pairwise_mask_seed(
+                agree(own.s.private, self._adverts[j].s_pk), cfg.ctx, self.me, j
+            )
+            masks.append((seed, cfg.mask_sign(self.me, j)))
+        y = np.empty_like(x) if out is None else out
+        prg.add_masks(y, masks, base=None if in_place else x)
+        self._masked = True
+        return y
+
+    # ---------------------------------------------------------------- stage 3
+
+    def unmask(self, survivors: Iterable[str]) -> UnmaskShares:
+        """Round 4: release b-shares of survivors U3 and s_sk-shares of dropped holders-of-shares.
+
+        May be called again in UNMASK with a revised survivor set; it then refuses
+        (:class:`DoubleRelease`) to release the other kind of share for any org.
+        """
+        self._require_stage(Stage.MASKED_INPUT, Stage.UNMASK, action="unmask()")
+        cfg = self.config
+        u3 = frozenset(survivors)
+        assert self._u1 is not None and self._u2 is not None
+        unknown = sorted(u3 - self._u1)
+        if unknown:
+            raise InconsistentView(f"survivors {unknown} never advertised keys (not in U1)")
+        if self.me in u3:
+            if not self._masked:
+                raise InconsistentView(
+                    f"{self.me} is listed as a survivor but produced no masked input"
+                )
+            missing = sorted((u3 & self.neighbours) - self._u2)
+            if missing:
+                raise InconsistentView(
+                    f"survivors {missing} sent no shares to {self.me}: their masks with it would not cancel"
+                )
+        if self._seeds and u3 != self._u3:
+            raise DoubleRelease(
+                f"{self.me} refuses another survivor set: the self-mask seeds of "
+                f"{sorted(self._seeds)} were revealed for the agreed one"
+            )
+        t = cfg.threshold
+        release: dict[str, ShareKind] = {}
+        for owner in self._held:
+            release[owner] = "b" if owner in u3 else "s"
+        for owner, kind in release.items():
+            earlier = self._released.get(owner)
+            if earlier is not None and earlier != kind:
+                raise DoubleRelease(
+                    f"{self.me} refuses to release the {'b' if kind == 'b' else 's_sk'}-share of {owner!r}: "
+                    f"its {'b' if earlier == 'b' else 's_sk'}-share was already released"
+                )
+        if len(u3) < t:
+            raise self._abort(
+                f"only {len(u3)} survivors, threshold is {t}: the sum would expose too few orgs"
+            )
+        msg = UnmaskShares(
+            self._header(Stage.UNMASK),
+            survivors=tuple(sorted(u3)),
+            received_from=tuple(sorted(self._u2)),
+            b_shares=tuple((o, self._held[o][0]) for o in sorted(release) if release[o] == "b"),
+            s_shares=tuple((o, self._held[o][1]) for o in sorted(release) if release[o] == "s"),
+        ).signed(self._sign)
+        self._released.update(release)
+        if self._u3 != u3:
+            self._unmasks = {}
+        self._u3 = u3
+        self._unmasks[self.me] = msg
+        self._stage = Stage.UNMASK
+        return msg
+
+    def receive_unmask(self, msg: UnmaskShares, *, authenticated: bool = False) -> None:
+        self._authenticate(msg, authenticated)
+        self._require_stage(Stage.UNMASK, action="receiving UnmaskShares")
+        assert self._u1 is not None and self._u3 is not None
+        check_release(self.config, msg, u1=self._u1, u3=self._u3, heard=self._unmasks)
+        self._unmasks[msg.sender] = msg
+
+    def self_seed(self) -> bytes:
+        """This survivor's own self-mask seed ``b``, to reveal to the other survivors.
+
+        Bonawitz et al. reconstruct ``b_i`` of every survivor from ``t`` released
+        shares; the owner revealing ``b_i`` itself gives every survivor the same value
+        (checked against the commitment advertised in round 0) for one message instead
+        of ``t``, and no reconstruction. It is allowed only in UNMASK, after
+        :meth:`unmask` fixed a survivor set that contains this peer: from then on no
+        honest holder releases this peer's ``s_sk``-share, and :meth:`unmask` refuses
+        any other survivor set (:class:`DoubleRelease`), so ``b_i`` and ``s_sk_i`` are
+        never both known, as with released shares.
+        """
+        self._require_stage(Stage.UNMASK, action="self_seed()")
+        assert self._u3 is not None
+        if self.me not in self._u3:
+            raise InconsistentView(f"{self.me} is not a survivor: its self mask is not removed")
+        b = self._own().b
+        self._seeds[self.me] = b
+        return b
+
+    def receive_seed(self, owner: str, seed: bytes) -> bool:
+        """Take a survivor's revealed self-mask seed; ``False`` when already held.
+
+        The seed may come relayed by any survivor: it is checked against the
+        commitment ``owner`` advertised in round 0 (:class:`InvalidShare` otherwise),
+        which binds it. Raises :class:`InconsistentView` for an owner that is not a
+        survivor. A refused seed changes nothing.
+        """
+        self._require_stage(Stage.UNMASK, action="receiving a self-mask seed")
+        assert self._u3 is not None
+        if not isinstance(seed, bytes) or len(seed) != SEED_BYTES:
+            raise MalformedMessage(f"a self-mask seed is {SEED_BYTES} bytes")
+        if owner not in self._u3:
+            raise InconsistentView(f"a self-mask seed of {owner!r}, which is not a survivor")
+        held = self._seeds.get(owner)
+        if held is not None:
+            if held != seed:
+                raise InvalidShare(f"a second, different self-mask seed of {owner!r}")
+            return False
+        if shamir.commitment(seed) != self._adverts[owner].b_commitment:
+            raise InvalidShare(f"the self-mask seed of {owner!r} does not match its commitment")
+        self._seeds[owner] = seed
+        return True
+
+    @property
+    def seeds(self) -> Mapping[str, bytes]:
+        """The survivors' self-mask seeds held so far (revealed, never reconstructed)."""
+        return dict(self._seeds)
+
+    def _plan(self) -> UnmaskPlan:
+        """Which secrets to reconstruct and which (survivor, dropped) masks to remove."""
+        assert self._u3 is not None
+        return plan_unmasking(self.config, self.me, self._u3, self._unmasks, self._seeds)
+
+    def missing_shares(self) -> dict[str, int]:
+        """Per org whose secret finalize needs: how many more shares must still arrive."""
+        self._require_stage(Stage.UNMASK, action="missing_shares()")
+        return self._plan().missing(self.config.threshold)
+
+    def finalize(self, masked_sum: np.ndarray, *, in_place: bool = False) -> np.ndarray:
+        """Remove every mask from the sum of the survivors' masked inputs; return sum x over U3.
+
+        Takes b_j for j in U3 as revealed (:meth:`receive_seed`) or reconstructs it,
+        and s_sk_k for each dropped k some survivor masked with, checks them against
+        the advertised commitment and public key, then
+        subtracts ``PRG(b_j)`` and each dangling ``sign PRG(s_jk)`` with
+        :func:`secure_agg.prg.add_masks` (chunked, no full-size temporary). A missing
+        share or a reconstruction that fails its check aborts the round.
+        """
+        self._require_stage(Stage.UNMASK, action="finalize()")
+        cfg = self.config
+        try:
+            check_ring(masked_sum, cfg.bits, cfg.vector_length)
+        except RingError as exc:
+            raise BadVector(f"masked sum: {exc}") from None
+        masks = self._removal()
+        if in_place:
+            z = masked_sum
+            prg.add_masks(z, masks)
+        else:  # one pass from the sum into a fresh array: no copy first
+            z = np.empty_like(masked_sum)
+            prg.add_masks(z, masks, base=masked_sum)
+        self._stage = Stage.DONE
+        return z
+
+    def finalize_part(self, masked_part: np.ndarray, offset: int) -> np.ndarray:
+        """Elements ``[offset, offset + len(masked_part))`` of the unmasked sum, a new array.
+
+        The same masks as :meth:`finalize` removes, expanded from ``offset`` on only
+        (:func:`secure_agg.prg.add_masks`), so each org of a ring can unmask the chunk
+        of the masked sum it holds for ``len / n`` of the work of the whole vector and
+        the plain chunks travel on (``coordinator_free.rounds``). It may be called for
+        several parts, before or after :meth:`finalize`; the secrets are reconstructed
+        once, from the releases taken by the first call.
+        """
+        self._require_stage(Stage.UNMASK, Stage.DONE, action="finalize_part()")
+        cfg = self.config
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+            raise BadVector(f"offset must be a non-negative int, got {offset!r}")
+        try:
+            check_ring(masked_part, cfg.bits)
+        except RingError as exc:
+            raise BadVector(f"masked part: {exc}") from None
+        if offset + masked_part.shape[0] > cfg.vector_length:
+            raise BadVector(
+                f"part [{offset}, {offset + masked_part.shape[0]}) runs past the "
+                f"vector's {cfg.vector_length} elements"
+            )
+        z = np.empty_like(masked_part)
+        prg.add_masks(z, self._removal(), base=np.ascontiguousarray(masked_part), offset=offset)
+        return z
+
+    def _removal(self) -> list[Mask]:
+        """The ``(seed, sign)`` of every mask the sum still carries, reconstructed from
+        the releases taken so far and checked; computed once per round."""
+        if self._removal_masks is not None:
+            return self._removal_masks
+        known = dict(self._seeds)
+        if self._u3 is not None and self.me in self._u3:
+            known[self.me] = self._own().b
+        try:
+            masks = removal_masks(self.config, self._plan(), known, self._adverts)
+        except (InconsistentView, CannotUnmask) as exc:
+            raise self._abort(str(exc)) from None
+        self._removal_masks = masks
+        return masks
+
+
+def _masks_in_place(me: str, config: ProtocolConfig, x: np.ndarray, out: np.ndarray | None) -> bool:
+    """Check ``masked_input``'s input and ``out`` (:class:`BadVector`); whether ``out``
+    is ``x`` itself, so that the masks are added in place."""
+    try:
+        check_ring(x, config.bits, config.vector_length)
+        if out is not None:
+            check_ring(out, config.bits, config.vector_length)
+    except RingError as exc:
+        raise BadVector(f"input of {me}: {exc}") from None
+    if out is None:
+        return False
+    if out.dtype != x.dtype or not out.flags.c_contiguous or not out.flags.writeable:
+        raise BadVector(f"out for {me} must be a C-contiguous, writeable {x.dtype} array")
+    in_place = out is x or (
+        out.__array_interface__["data"][0] == x.__array_interface__["data"][0]
+        and out.strides == x.strides
+    )
+    if not in_place and np.may_share_memory(out, x):
+        raise BadVector(f"out for {me} overlaps the input without being it")
+    return in_place
