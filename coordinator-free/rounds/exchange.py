@@ -16,13 +16,27 @@ import asyncio
 import contextlib
 import hashlib
 from collections.abc import Callable, Iterable, Mapping, Set
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from coordinator_free.errors import RefusalReason, Refused
+from coordinator_free.rounds.inbox import Inbox
+from coordinator_free.rounds.results import Counters
 
 if TYPE_CHECKING:
     from coordinator_free.rounds.messenger import Messenger
-    from coordinator_free.rounds.state import Counters, RoundState
+
+
+class RoundView(Protocol):
+    """What an exchange reads of its round (a
+    :class:`~coordinator_free.rounds.state.RoundState`, which holds the exchanges)."""
+
+    run: str
+    round: int
+    me: str
+    started: float | None
+    inbox: Inbox
+    equivocal: set[str]
+
 
 __all__ = ["PairwiseExchange", "Unwrap", "initiator"]
 
@@ -54,7 +68,7 @@ class PairwiseExchange:
     that still need a request from it (:meth:`targets`, :meth:`send`).
     """
 
-    def __init__(self, state: RoundState, key: tuple[str, ...]) -> None:
+    def __init__(self, state: RoundView, key: tuple[str, ...]) -> None:
         self.state = state
         self.key = key
         # this node's own message (one for every peer, or one per peer), once it has it

@@ -16,8 +16,7 @@ from typing import Any
 from coordinator_free.endpoint import Endpoint
 from coordinator_free.errors import RefusalReason, Refused, TransportError
 from coordinator_free.rounds.config import RoundConfig
-from coordinator_free.rounds.results import RoundObservation, RoundObserver
-from coordinator_free.rounds.state import Counters
+from coordinator_free.rounds.results import Counters, RoundObservation, RoundObserver
 
 from secure_agg.errors import SecAggError
 

@@ -11,13 +11,15 @@ raises :class:`ModelHashMismatch`.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from coordinator_free.errors import CoordinatorFreeError
+from coordinator_free.ring import RingStats
 
 __all__ = [
     "OBSERVATION_KINDS",
+    "Counters",
     "ModelHashMismatch",
     "RoundFailed",
     "RoundObservation",
@@ -139,3 +141,16 @@ class RoundResult:
     ring_attempts: int
     stage_times: dict[str, float]
     neighbours: int | None = None
+
+
+@dataclass
+class Counters:
+    """What this node's engine sent in one round, the ring's chunks apart."""
+
+    bytes_sent: int = 0
+    messages_sent: int = 0
+    ring: RingStats = field(default_factory=RingStats)
+
+    def sent(self) -> int:
+        """Payload bytes sent, the ring's included."""
+        return self.bytes_sent + self.ring.bytes_sent

@@ -14,26 +14,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from coordinator_free.errors import RefusalReason, Refused
-from coordinator_free.ring import RingReducer, RingStats
+from coordinator_free.ring import RingReducer
 from coordinator_free.rounds.config import RoundConfig
 from coordinator_free.rounds.exchange import PairwiseExchange
 from coordinator_free.rounds.inbox import Inbox
-from coordinator_free.rounds.results import RoundProgress
+from coordinator_free.rounds.results import Counters, RoundProgress
 
 __all__ = ["AgreementRecord", "Counters", "RoundState", "RoundTable", "keep_latest"]
-
-
-@dataclass
-class Counters:
-    """What this node's engine sent in one round, the ring's chunks apart."""
-
-    bytes_sent: int = 0
-    messages_sent: int = 0
-    ring: RingStats = field(default_factory=RingStats)
-
-    def sent(self) -> int:
-        """Payload bytes sent, the ring's included."""
-        return self.bytes_sent + self.ring.bytes_sent
 
 
 @dataclass

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import Protocol
 
 from coordinator_free.errors import PeerUnreachable, RefusalReason, Refused, TransportError
+from coordinator_free.rounds.config import RoundConfig
 from coordinator_free.rounds.messenger import Messenger
 from coordinator_free.rounds.results import RoundFailed
 from coordinator_free.rounds.state import Counters, RoundState
@@ -31,13 +33,27 @@ from coordinator_free.rounds.wire import (
     view_hash,
 )
 
-if TYPE_CHECKING:
-    from coordinator_free.rounds.agreement import Agreement
-
-__all__ = ["Settled", "TokenAgreement", "pass_token", "send_token"]
+__all__ = ["Settled", "Settling", "TokenAgreement", "pass_token", "send_token"]
 
 Settled = tuple[frozenset[str], bool]
 """What an agreement settles: the members and the flag."""
+
+
+class Settling(Protocol):
+    """What the token needs of the view agreement it falls back to (a
+    :class:`~coordinator_free.rounds.agreement.Agreement`, which runs the token)."""
+
+    net: Messenger
+    config: RoundConfig
+
+    @property
+    def me(self) -> str: ...
+
+    def settled(self, state: RoundState, tag: str, members: frozenset[str], ok: bool) -> None: ...
+
+    def settle_held(
+        self, state: RoundState, tag: str, members: frozenset[str], holders: Iterable[str]
+    ) -> Settled: ...
 
 
 async def send_token(
@@ -116,7 +132,7 @@ class TokenAgreement:
 
     def __init__(
         self,
-        agreement: Agreement,
+        agreement: Settling,
         state: RoundState,
         counters: Counters,
         tag: str,
