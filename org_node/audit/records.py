@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from coordinator_free.identity import verify_signature
 
@@ -166,29 +166,41 @@ class EgressEntry:
         return entry_hash(self.prev_hash, self.to_dict())
 
 
-@dataclass(frozen=True)
-class LogRepair:
-    """A torn last record cut from the log when the log was opened again: a write cut
-    short (a full disk, a power loss) left ``cut_bytes`` bytes (SHA-256 ``cut_sha256``)
-    after line ``after_line``, the last whole record. The org signs it, so that
-    verification shows every repair and who made it."""
+class _Signed:
+    """A record the org signs: the domain tag and the canonical JSON of every field of
+    ``FIELDS`` but the signature (Ed25519, RFC 8032)."""
 
-    after_line: int
-    cut_bytes: int
-    cut_sha256: str
-    time: str
-    signature: str = ""
+    DOMAIN: ClassVar[bytes]
+    FIELDS: ClassVar[tuple[str, ...]]
+    signature: str
 
     def signing_bytes(self) -> bytes:
-        body = {k: getattr(self, k) for k in REPAIR_FIELDS if k != "signature"}
-        return REPAIR_DOMAIN + canonical(body)
+        body = {k: getattr(self, k) for k in self.FIELDS if k != "signature"}
+        return self.DOMAIN + canonical(body)
 
     def verify(self, public_key: bytes) -> bool:
+        """Whether the signature is the org's (under ``public_key``)."""
         try:
             signature = bytes.fromhex(self.signature)
         except ValueError:
             return False
         return verify_signature(public_key, self.signing_bytes(), signature)
+
+
+@dataclass(frozen=True)
+class LogRepair(_Signed):
+    """A torn last record cut from the log when the log was opened again: a write cut
+    short (a full disk, a power loss) left ``cut_bytes`` bytes (SHA-256 ``cut_sha256``)
+    after line ``after_line``, the last whole record. The org signs it, so that
+    verification shows every repair and who made it."""
+
+    DOMAIN: ClassVar[bytes] = REPAIR_DOMAIN
+    FIELDS: ClassVar[tuple[str, ...]] = REPAIR_FIELDS
+    after_line: int
+    cut_bytes: int
+    cut_sha256: str
+    time: str
+    signature: str = ""
 
     def to_record(self) -> dict[str, Any]:
         return {"type": "repair", **{k: getattr(self, k) for k in REPAIR_FIELDS}}
@@ -207,12 +219,14 @@ class LogRepair:
 
 
 @dataclass(frozen=True)
-class SignedHead:
+class SignedHead(_Signed):
     """A signed chain head: ``org``'s log holds entries ``0..index`` ending in ``head_hash``.
 
     ``index`` is -1 for an empty log, whose head is the genesis hash.
     """
 
+    DOMAIN: ClassVar[bytes] = HEAD_DOMAIN
+    FIELDS: ClassVar[tuple[str, ...]] = HEAD_FIELDS
     org: str
     index: int
     head_hash: str
@@ -220,19 +234,6 @@ class SignedHead:
     round: int
     time: str
     signature: str = ""
-
-    def signing_bytes(self) -> bytes:
-        """Domain tag and the canonical JSON of every field but the signature."""
-        body = {k: getattr(self, k) for k in HEAD_FIELDS if k != "signature"}
-        return HEAD_DOMAIN + canonical(body)
-
-    def verify(self, public_key: bytes) -> bool:
-        """Whether the signature is ``org``'s (Ed25519 under ``public_key``)."""
-        try:
-            signature = bytes.fromhex(self.signature)
-        except ValueError:
-            return False
-        return verify_signature(public_key, self.signing_bytes(), signature)
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in HEAD_FIELDS}

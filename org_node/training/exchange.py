@@ -26,13 +26,12 @@ import contextlib
 import hashlib
 import io
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from coordinator_free import files
 
 from org_node.training.errors import (
     JobFailedError,
@@ -99,22 +98,7 @@ def atomic_write(path: Path, data: bytes) -> None:
     The directory is made if missing, never its parents: a job whose work tree was
     removed under it (its node's data directory wiped) fails instead of rebuilding it."""
     path.parent.mkdir(exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    files.atomic_write(path, data)
 
 
 def npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
