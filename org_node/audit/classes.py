@@ -44,6 +44,7 @@ __all__ = [
     "PrivacyClass",
     "UnclassifiedKind",
     "classify",
+    "is_head_message",
 ]
 
 REPLY_SUFFIX = ".reply"
@@ -197,3 +198,9 @@ def classify(kind: str) -> PrivacyClass:
     if found is None:
         raise UnclassifiedKind(kind)
     return found
+
+
+def is_head_message(kind: str) -> bool:
+    """Whether ``kind`` is a signed log head sent to a peer, or the reply to one: an
+    ``audit.head`` message carries no data of the run it names."""
+    return kind in ("audit.head", "audit.head" + REPLY_SUFFIX)

@@ -45,7 +45,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from org_node.audit.classes import FORBIDDEN_CLASSES
+from org_node.audit.classes import FORBIDDEN_CLASSES, is_head_message
 from org_node.audit.log import (
     AuditError,
     EgressEntry,
@@ -288,7 +288,16 @@ def run_segment(records: Sequence[tuple[str, Any]], run: str) -> list[tuple[str,
     first = next((i for i, (t, v) in enumerate(records) if t == "entry" and v.run == run), None)
     if first is None:
         raise UnknownRun(run)
-    last_entry = max(i for i, (t, v) in enumerate(records) if t == "entry" and v.run == run)
+    # head messages carry no data of the run; those after its last head (a peer's head
+    # answered, this org's last head sent) are covered by the log's next head
+    last_entry = max(
+        (
+            i
+            for i, (t, v) in enumerate(records)
+            if t == "entry" and v.run == run and not is_head_message(v.kind)
+        ),
+        default=first,
+    )
     end = max((i for i, (t, v) in enumerate(records) if t == "head" and v.run == run), default=-1)
     if end < last_entry:
         raise ReportError(f"no signed head of run {run!r} covers its last message yet")

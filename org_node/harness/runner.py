@@ -196,6 +196,23 @@ def _pause_due(obs: Observation, wipe: Wipe) -> bool:
     return any(node.state == "running" and node.round >= wipe.round for node in obs.nodes.values())
 
 
+def _hold_next_round(obs: Observation, wipe: Wipe) -> None:
+    """Before pausing for a held wipe, hold every live org at the round after
+    ``wipe.round`` (before it sends anything of it): a pause that arrives once an org has
+    entered that round (a fast round) acts only after it, but the hold stops the org
+    there all the same, so every org stays at round ``wipe.round`` until released."""
+    for org, node in obs.nodes.items():
+        if not node.down:
+            hold = round_hold(obs, org, wipe.round)
+            hold.parent.mkdir(parents=True, exist_ok=True)
+            hold.touch()
+
+
+def _unhold_next_round(obs: Observation, wipe: Wipe) -> None:
+    for org in obs.nodes:
+        round_hold(obs, org, wipe.round).unlink(missing_ok=True)
+
+
 def _paused_between_rounds(nodes: list[NodeProcess], wipe: Wipe) -> bool:
     """Whether every paused org finished the same round, ``wipe.round`` or later."""
     for node in nodes:
@@ -344,6 +361,8 @@ def _inject_wipe(
             _release(obs, held, node, record)
         if hold is not None:  # the restarted org goes on with the others
             hold.unlink(missing_ok=True)
+        if paused is not None:
+            _unhold_next_round(obs, wipe)
 
 
 def _recover_and_restart(
@@ -448,6 +467,7 @@ def _follow(
                 if wipe.hold:
                     if wipe not in holds:
                         if _pause_due(obs, wipe):
+                            _hold_next_round(obs, wipe)
                             holds[wipe] = (time.monotonic(), _pause_all(obs))
                         continue
                     since, paused = holds[wipe]

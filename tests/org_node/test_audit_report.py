@@ -443,3 +443,16 @@ def test_recorded_rounds_win_over_observed_ones() -> None:
     assert [r.round for r in merged] == [1, 2]
     assert merged[0].model_hash == "ab" * 32 and merged[0].loss == 0.9
     assert merged[1] == observed[1]
+
+
+def test_head_messages_after_the_last_head_do_not_hold_the_report_back(tmp_path: Path) -> None:
+    """A head sent (or answered) after the run's last signed head carries no data of the
+    run: the report builds; a data message there still refuses it."""
+    log, _ = populated_log(tmp_path)
+    send(log, "b", "audit.head", b"head", "r", 1)
+    send(log, "c", "audit.head.reply", b"ok", "r", 1)
+    report = build_report(log, facts())
+    assert report["traffic"]["window"]["first_index"] == 1
+    send(log, "b", "agg.chunk", b"late", "r", 1)
+    with pytest.raises(ReportError, match="covers its last message"):
+        build_report(log, facts())
