@@ -68,7 +68,7 @@ from org_node.harness.setup import (
     start_run,
 )
 
-__all__ = ["run_harness"]
+__all__ = ["run_harness", "wait_converged", "wipe_and_recover"]
 
 _TERMINAL = {"completed", "failed", "aborted", "declined"}
 _TOKEN = re.compile(r"token[^:]*:\s*(\S+)")
@@ -553,3 +553,20 @@ def run_harness(
                     relays.stop()
     obs.elapsed_s = round(time.monotonic() - obs.t0, 2)
     return obs
+
+
+# --------------------------------------------------------------------------- steps for others
+
+
+def wait_converged(nodes: list[NodeProcess], timeout: float = 60.0) -> bool:
+    """Wait until each of ``nodes`` sees every other one alive; whether they did."""
+    return _wait_converged(nodes, timeout)
+
+
+def wipe_and_recover(procs: Processes, obs: Observation, org: str) -> dict[str, Any]:
+    """``kill -9`` ``org``, wipe its data directory, ``fedweave recover`` it from its
+    peers and its offline backup, restart it and bring its trainer and data back (the
+    others go on meanwhile); the recovery's record (``outcome``, ``recovered_round``)."""
+    node = obs.nodes[org]
+    _inject_wipe(procs, obs, Wipe(org, max(node.round, 1)))
+    return obs.recoveries[-1]
