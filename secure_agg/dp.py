@@ -20,11 +20,9 @@ import numpy as np
 
 from .errors import ConfigError, RingError
 from .ring import check_ring
+from .skellam import MU_MAX, skellam
 
 __all__ = ["DistributedSkellam", "add_signed", "clip_l2"]
-
-# numpy's Poisson sampler refuses larger means.
-_POISSON_LAM_MAX = 9.2e18
 
 
 def clip_l2(x: np.ndarray, bound: float) -> tuple[np.ndarray, float]:
@@ -81,7 +79,7 @@ class DistributedSkellam:
         n = self.n_orgs
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ConfigError(f"n_orgs must be an int >= 1, got {n!r}")
-        if self.mu_org > _POISSON_LAM_MAX:
+        if self.mu_org > MU_MAX:
             raise ConfigError(
                 "per-org Skellam mean is too large to sample; lower scale (frac_bits) "
                 "or noise_multiplier"
@@ -98,14 +96,9 @@ class DistributedSkellam:
         return (self.sigma_sum * self.scale) ** 2 / (2 * self.n_orgs)
 
     def org_noise(self, size: int, rng: np.random.Generator) -> np.ndarray:
-        """``size`` int64 samples of ``Skellam(mu_org)`` = Poisson - Poisson."""
-        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-            raise ConfigError(f"size must be a non-negative int, got {size!r}")
-        if not isinstance(rng, np.random.Generator):
-            raise ConfigError("rng must be a numpy.random.Generator")
-        noise = rng.poisson(self.mu_org, size).astype(np.int64, copy=False)
-        noise -= rng.poisson(self.mu_org, size).astype(np.int64, copy=False)
-        return noise
+        """``size`` int64 samples of ``Skellam(mu_org)`` = Poisson - Poisson, exact at any
+        mean (:mod:`secure_agg.skellam`)."""
+        return skellam(self.mu_org, size, rng)
 
     def accountant_params(self, dim: int | None = None) -> dict[str, float]:
         """What an RDP accountant needs for the summed Skellam mechanism.
