@@ -106,7 +106,7 @@ from org_node.strategies import (
 )
 from org_node.training.exchange import LocalResult, npz_bytes
 from secure_agg.codec import FixedPointCodec
-from secure_agg.dp import DistributedSkellam
+from secure_agg.dp import DistributedSkellam, clip_l2
 from secure_agg.errors import SecAggError
 
 __all__ = [
@@ -412,6 +412,8 @@ class RunEngine:
             packed = pack_weighted(update, weight)
         if not np.isfinite(packed).all():
             raise UpdateRejected("update", "the packed update holds NaN or Inf")
+        if self.dp is not None:  # DP clips anyway: first, so the range check sees the clip
+            packed, _factor = clip_l2(packed, self.dp.l2_clip)
         bound = self.secure_sum.bound_per_participant(len(self.plan.participants))
         if float(np.max(np.abs(packed))) > bound:
             raise UpdateRejected(

@@ -560,3 +560,30 @@ def test_statistics_beyond_the_ckks_range_are_refused_with_the_way_out(tmp_path:
     )
     with pytest.raises(UpdateRejected, match=r"CKKS sum's range.*masked backend"):
         asyncio.run(engine.prepare())
+
+
+def test_finding_3_a_dp_run_clips_before_the_range_check(tmp_path: Path) -> None:
+    """Issue 21, finding 3: at noise multiplier 200 an update far beyond ``engine.clip``
+    is clipped to the L2 bound that DP applies anyway, and the run completes, instead of
+    failing the range check that ran before the clip."""
+
+    async def scenario() -> list[Any]:
+        fed = Federation()
+        await fed.start()
+        trainers = {o: FixedTrainer(5.0e6) for o in ORGS}
+        engines = make_engines(
+            fed,
+            tmp_path,
+            trainers,
+            plan(rounds=2, epsilon=10.0),
+            fast(weighting="uniform", l2_clip=1.0, noise_multiplier=200.0),
+        )
+        try:
+            return list(await asyncio.gather(*(e.run() for e in engines.values())))
+        finally:
+            await fed.close()
+
+    outcomes = asyncio.run(scenario())
+    assert {o.status for o in outcomes} == {"completed"}
+    assert {o.rounds_done for o in outcomes} == {2}
+    assert len({o.model_hash for o in outcomes}) == 1
