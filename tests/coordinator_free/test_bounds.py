@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Collection
+from collections.abc import Awaitable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +28,9 @@ from coordinator_free.ring.wire import HEADER, KIND_CHUNK, PHASE_SCATTER, VERSIO
 from coordinator_free.rounds import KIND_PERMIT, KIND_READY, KIND_SEED, RoundConfig, RoundEngine
 from coordinator_free.rounds.ckks import KIND_CKKS_PARTIAL, CkksAggregator
 from coordinator_free.rounds.inbox import ENTRY_OVERHEAD, InboxLimits
+from coordinator_free.rounds.state import Admission
 from coordinator_free.transport import SEQUENCE_SLACK_US
+from coordinator_free.wire import Envelope
 
 from tests.coordinator_free.transport_support import FEDERATION, identity, signed
 
@@ -48,7 +50,7 @@ class Scene:
     net: InMemoryNetwork
 
 
-def _admit(participants: Collection[str]) -> object:
+def _admit(participants: Collection[str]) -> Admission:
     def admit(run: str) -> Collection[str] | None:
         return participants if run.partition(":")[0] == RUN else None
 
@@ -62,15 +64,15 @@ async def _scene(participants: Collection[str] = ("a", "b")) -> Scene:
     eps = {o: Endpoint(ids[o], FEDERATION, net.transport(o), lambda: keys) for o in ids}
     engines = {o: RoundEngine.secure(eps[o], lambda: ["a", "b"], FAST) for o in ("a", "b")}
     for engine in engines.values():
-        engine._table.admit = _admit(participants)  # type: ignore[assignment]
+        engine._table.admit = _admit(participants)
     for ep in eps.values():
         await ep.start()
     return Scene(engines["a"], engines["b"], eps["m"], net)
 
 
-async def _refusal(send: object) -> RefusalReason:
+async def _refusal(send: Awaitable[bytes]) -> RefusalReason:
     with pytest.raises(Refused) as info:
-        await send  # type: ignore[misc]
+        await send
     return info.value.reason
 
 
@@ -241,10 +243,10 @@ def test_finding_4_far_future_sequence_does_not_poison_the_replay_window() -> No
         members = {"a": alice.public_key, "b": bob.public_key}
         honest = Endpoint(bob, FEDERATION, net.transport("b"), lambda: members)
 
-        async def echo(env: object) -> bytes:
+        async def echo(env: Envelope) -> bytes:
             return b"ok"
 
-        honest.on("echo", echo)  # type: ignore[arg-type]
+        honest.on("echo", echo)
         await honest.start()
         raw = net.transport("a")
         now = time.time()
