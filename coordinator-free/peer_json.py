@@ -3,9 +3,10 @@
 Python's :func:`json.loads` recurses once per nested array or object, so a few
 thousand ``[`` in a peer's payload raise :class:`RecursionError` out of a handler (an
 answer of 500 rather than a refusal). Every payload a peer sends as JSON (SWIM,
-checkpoint shards, shard-set headers, gossiped manifests, audit heads) goes through
-:func:`loads_bounded`, which measures the nesting with one flat pass over the bytes
-first and refuses deeper documents as ``Refused(MALFORMED)`` without decoding them.
+checkpoint shards, shard-set headers, gossiped manifests, run proposals, audit heads)
+goes through :func:`loads_bounded`, which measures the nesting with one flat pass
+over the bytes first and refuses deeper documents as ``Refused(MALFORMED)`` without
+decoding them.
 """
 
 from __future__ import annotations
@@ -64,4 +65,4 @@ def loads_bounded(data: bytes | str, *, max_depth: int = MAX_JSON_DEPTH, what: s
     try:
         return json.loads(data)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise Refused(RefusalReason.MALFORMED, f"{what} is not valid JSON: {exc}") from None
+        raise Refused(RefusalReason.MALFORMED, f"{what} is not JSON: {exc}") from None
