@@ -10,6 +10,7 @@ network; its messages pass every envelope check.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Awaitable, Collection
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from coordinator_free.endpoint import Endpoint
 from coordinator_free.errors import RefusalReason, Refused
 from coordinator_free.membership.messages import decode_message
 from coordinator_free.memory import InMemoryNetwork
-from coordinator_free.peer_json import MAX_JSON_DEPTH, json_depth, loads_bounded
+from coordinator_free.peer_json import json_depth, loads_bounded
 from coordinator_free.ring.wire import HEADER, KIND_CHUNK, PHASE_SCATTER, VERSION
 from coordinator_free.rounds import KIND_PERMIT, KIND_READY, KIND_SEED, RoundConfig, RoundEngine
 from coordinator_free.rounds.ckks import KIND_CKKS_PARTIAL, CkksAggregator
@@ -31,6 +32,8 @@ from coordinator_free.rounds.inbox import ENTRY_OVERHEAD, InboxLimits
 from coordinator_free.rounds.state import Admission
 from coordinator_free.transport import SEQUENCE_SLACK_US
 from coordinator_free.wire import Envelope
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tests.coordinator_free.transport_support import FEDERATION, identity, signed
 
@@ -209,7 +212,7 @@ def test_finding_4_ring_chunks_are_bounded_per_member() -> None:
 
 def test_finding_4_nested_json_is_refused_not_a_recursion_error(tmp_path: Path) -> None:
     deep = b"[" * 100_000 + b"]" * 100_000
-    assert json_depth(deep) == MAX_JSON_DEPTH + 1
+    assert json_depth(deep) == 100_000
     with pytest.raises(Refused) as info:
         loads_bounded(deep)
     assert info.value.reason is RefusalReason.MALFORMED
@@ -262,3 +265,25 @@ def test_finding_4_far_future_sequence_does_not_poison_the_replay_window() -> No
         assert honest.guard.refusals == {RefusalReason.STALE: 2}
 
     asyncio.run(main())
+
+
+def _depth(value: object) -> int:
+    if isinstance(value, list):
+        return 1 + max(map(_depth, value), default=0)
+    if isinstance(value, dict):
+        return 1 + max(map(_depth, value.values()), default=0)
+    return 0
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(alphabet='[]{}"\\ab'),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner),
+    max_leaves=12,
+)
+
+
+@given(_JSON)
+def test_json_depth_is_the_nesting_of_the_decoded_value(value: object) -> None:
+    text = json.dumps(value)
+    assert json_depth(text) == json_depth(text.encode()) == _depth(value)
+    assert loads_bounded(text) == value
