@@ -138,6 +138,7 @@ class RoundEngine:
         codec: FixedPointCodec | None = None,
         hook: StageHook | None = None,
         live: Callable[[], Iterable[str]] | None = None,
+        admit: Admission | None = None,
     ) -> RoundEngine:
         """An engine running :mod:`secure_agg`'s masked sum, signed with the endpoint's
         identity; ``codec`` encodes float inputs (``codec.max_summands`` >= members)."""
@@ -148,6 +149,7 @@ class RoundEngine:
             config,
             hook=hook,
             live=live,
+            admit=admit,
         )
 
     @property

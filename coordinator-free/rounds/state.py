@@ -95,9 +95,11 @@ class RoundState:
 class RoundTable:
     """The rounds this node holds state for, the rounds it runs, and where each run is.
 
-    A round is refused when its run finished it already, when it lies more than
-    ``lookahead_rounds`` past the run's last finished round, or when too many rounds
-    are open; opening a round opens it on the ring too, and closing closes it there.
+    A round is refused when its run finished it already, or when it lies more than
+    ``lookahead_rounds`` past the run's last finished round; a peer's message is
+    refused too when its run is not admitted or it is no participant, and a round it
+    would open when it holds its quota (see the module docstring). Opening a round
+    opens it on the ring too, and closing closes it there.
     """
 
     def __init__(

@@ -65,9 +65,10 @@ async def _scene(participants: Collection[str] = ("a", "b")) -> Scene:
     ids = {o: identity(o) for o in ("a", "b", "m")}
     keys = {o: i.public_key for o, i in ids.items()}
     eps = {o: Endpoint(ids[o], FEDERATION, net.transport(o), lambda: keys) for o in ids}
-    engines = {o: RoundEngine.secure(eps[o], lambda: ["a", "b"], FAST) for o in ("a", "b")}
-    for engine in engines.values():
-        engine._table.admit = _admit(participants)
+    engines = {
+        o: RoundEngine.secure(eps[o], lambda: ["a", "b"], FAST, admit=_admit(participants))
+        for o in ("a", "b")
+    }
     for ep in eps.values():
         await ep.start()
     return Scene(engines["a"], engines["b"], eps["m"], net)

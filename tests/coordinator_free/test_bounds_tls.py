@@ -41,8 +41,7 @@ def test_finding_4_attacks_over_mutual_tls_are_refused_and_the_node_serves_on(
     def admit(run: str) -> Collection[str] | None:
         return {"a", "b"} if run == "accepted-run" else None
 
-    engine = RoundEngine.secure(server, lambda: ["a", "b"], RoundConfig())
-    engine._table.admit = admit
+    engine = RoundEngine.secure(server, lambda: ["a", "b"], RoundConfig(), admit=admit)
     ShardService(server, ShardStore(tmp_path / "shards"), lambda: members)
     asyncio.run(server.start())
     sock = bound_socket()
