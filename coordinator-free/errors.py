@@ -35,6 +35,8 @@ class RefusalReason(StrEnum):
     WRONG_FEDERATION = "wrong_federation"
     WRONG_RECIPIENT = "wrong_recipient"
     NO_HANDLER = "no_handler"
+    NOT_ADMITTED = "not_admitted"
+    QUOTA = "quota"
 
 
 class CoordinatorFreeError(Exception):

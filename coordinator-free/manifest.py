@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from coordinator_free.address import PeerAddress
-from coordinator_free.errors import IdentityError, ManifestError
+from coordinator_free.errors import IdentityError, ManifestError, Refused
 from coordinator_free.identity import (
     OrgIdentity,
     certificate_fingerprint,
@@ -32,6 +32,7 @@ from coordinator_free.identity import (
     load_certificate,
     verify_signature,
 )
+from coordinator_free.peer_json import loads_bounded
 from cryptography.hazmat.primitives import serialization
 
 __all__ = [
@@ -324,9 +325,9 @@ class Manifest:
     def from_json(cls, data: bytes) -> Manifest:
         """Parse one version; any malformed input is a ``ManifestError``."""
         try:
-            obj = json.loads(data)
-        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-            raise ManifestError(f"not JSON: {exc}") from None
+            obj = loads_bounded(data, what="manifest")
+        except Refused as exc:
+            raise ManifestError(exc.detail) from None
         _check_floats(obj)
         return cls.from_obj(obj)
 
@@ -538,9 +539,9 @@ def dump_chain(versions: Sequence[Manifest]) -> bytes:
 def load_chain(data: bytes) -> list[Manifest]:
     """Parse a chain written by :func:`dump_chain` (not verified: call ``verify_chain``)."""
     try:
-        obj = json.loads(data)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        raise ManifestError(f"not JSON: {exc}") from None
+        obj = loads_bounded(data, what="manifest chain")
+    except Refused as exc:
+        raise ManifestError(exc.detail) from None
     if not isinstance(obj, list):
         raise ManifestError("a chain is a JSON list")
     _check_floats(obj)

@@ -12,6 +12,12 @@ a message is refused when it is oversized, malformed, for another federation or
 another recipient, from a non-member, badly signed, stale, or replayed. Each refusal
 is logged at WARNING with its reason, counted in ``MessageGuard.refusals``, and leaves
 every other state untouched (a refused message never advances the replay window).
+
+Sequence numbers are drawn from a counter seeded with the clock in microseconds
+(:class:`SequenceCounter`), so a restarted sender continues above the numbers it used
+before. A sequence number further ahead of its envelope's send time than
+:data:`SEQUENCE_SLACK_US` could not have come from such a counter: it is refused as
+stale and does not move the window, so one envelope cannot lock its sender out.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from coordinator_free.wire import Envelope
 
 __all__ = [
     "PROCESS_SEQUENCE",
+    "SEQUENCE_SLACK_US",
     "MessageGuard",
     "RawHandler",
     "ReplayWindow",
@@ -91,6 +98,16 @@ class SequenceCounter:
 PROCESS_SEQUENCE = SequenceCounter()
 """The per-process counter every :class:`~coordinator_free.endpoint.Endpoint` draws from."""
 
+SEQUENCE_SLACK_US = 60_000_000
+"""How far (in counter steps, microseconds at the seed) a sequence number may lie ahead
+of its envelope's send time: a counter runs ahead of the clock only while its process
+sends more than a million messages a second."""
+
+
+def sequence_ceiling(sent_at: float) -> int:
+    """The highest sequence number a clock-seeded counter can draw at ``sent_at``."""
+    return int(sent_at * 1_000_000) + SEQUENCE_SLACK_US
+
 
 class ReplayWindow:
     """Per-sender replay protection: highest sequence seen plus a sliding window.
@@ -130,7 +147,8 @@ class MessageGuard:
 
     ``members()`` maps each current member's org id to its Ed25519 public key; it is
     called on every check so membership changes apply at once. Checks run in order:
-    size, format, federation, recipient, membership, signature, staleness, replay.
+    size, format, federation, recipient, membership, signature, staleness (of the send
+    time, and of a sequence number ahead of it), replay.
     """
 
     def __init__(
@@ -182,6 +200,10 @@ class MessageGuard:
         skew = abs(self.clock() - env.sent_at)
         if skew > self.max_skew_s:
             raise self.refuse(RefusalReason.STALE, f"from {env.sender!r}, {skew:.1f}s off")
+        if env.seq > sequence_ceiling(env.sent_at):
+            raise self.refuse(
+                RefusalReason.STALE, f"from {env.sender!r}, seq {env.seq} is ahead of its send time"
+            )
         with self._lock:
             if not self._replay.is_fresh(env.sender, env.seq):
                 raise self.refuse(RefusalReason.REPLAY, f"from {env.sender!r}, seq {env.seq}")

@@ -27,13 +27,14 @@ every org.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
 
+from coordinator_free.errors import Refused
 from coordinator_free.manifest import canonical_json
+from coordinator_free.peer_json import loads_bounded
 
 from org_node.policy import PolicyError, RunSpec
 from org_node.run_config import run_key
@@ -69,9 +70,9 @@ def from_ms(ms: int) -> datetime:
 
 def _load(data: bytes, what: str) -> dict[str, Any]:
     try:
-        value = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ProposalError(f"{what} is not JSON: {exc}") from None
+        value = loads_bounded(data, what=what)
+    except Refused as exc:
+        raise ProposalError(exc.detail) from None
     if not isinstance(value, dict) or value.get("v") != 1:
         raise ProposalError(f"{what} is not a version-1 object")
     return value

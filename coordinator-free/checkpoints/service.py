@@ -26,7 +26,6 @@ are the client side; they raise the holder's error as its
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Callable, Mapping, Sequence, Set
 from typing import Any
 
@@ -42,6 +41,7 @@ from coordinator_free.erasure import (
 )
 from coordinator_free.errors import RefusalReason, Refused
 from coordinator_free.manifest import canonical_json
+from coordinator_free.peer_json import loads_bounded
 from coordinator_free.wire import Envelope
 
 __all__ = [
@@ -83,10 +83,7 @@ def _json(obj: Any) -> bytes:
 def _request(
     payload: bytes, required: Set[str], optional: Set[str] = frozenset()
 ) -> dict[str, Any]:
-    try:
-        obj = json.loads(payload)
-    except (ValueError, UnicodeDecodeError):
-        raise Refused(RefusalReason.MALFORMED, "shard request is not JSON") from None
+    obj = loads_bounded(payload, what="shard request")
     if not isinstance(obj, dict) or not required <= set(obj) <= required | optional:
         raise Refused(RefusalReason.MALFORMED, "shard request has unexpected fields")
     return obj
@@ -109,9 +106,9 @@ def _unwrap(reply: bytes) -> memoryview:
     if reply[:1] == _OK:
         return memoryview(reply)[1:]
     try:
-        obj = json.loads(reply[1:])
+        obj = loads_bounded(bytes(reply[1:]), what="shard reply")
         code, message = str(obj["code"]), str(obj["message"])
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+    except (Refused, KeyError, TypeError):
         raise ShardRequestError("malformed reply from a shard holder") from None
     raise error_for_code(code)(message, code)
 
@@ -239,8 +236,11 @@ async def put_shards(
     reply = await endpoint.send(
         peer, PUT, encode_shards_message(manifest, shards), stage=STAGE, timeout=timeout
     )
-    stored = json.loads(bytes(_unwrap(reply)))["stored"]
-    return [int(i) for i in stored]
+    try:
+        stored = loads_bounded(bytes(_unwrap(reply)), what="shard reply")["stored"]
+        return [int(i) for i in stored]
+    except (Refused, KeyError, TypeError, ValueError) as exc:
+        raise ShardRequestError(f"{peer!r} sent a malformed reply: {exc}") from None
 
 
 async def get_shards(
@@ -279,14 +279,14 @@ async def list_shards(
         body["set_id"] = set_id
     reply = await endpoint.send(peer, LIST, _json(body), stage=STAGE, timeout=timeout)
     try:
-        entries = json.loads(bytes(_unwrap(reply)))["sets"]
+        entries = loads_bounded(bytes(_unwrap(reply)), what="shard list")["sets"]
         return [
             StoredSet(
                 ShardSetManifest.from_json(e["manifest"]), tuple(int(i) for i in e["indices"])
             )
             for e in entries
         ]
-    except (ValueError, KeyError, TypeError) as exc:
+    except (Refused, ValueError, KeyError, TypeError) as exc:
         raise ShardRequestError(f"{peer!r} sent a malformed list: {exc}") from None
 
 
@@ -306,4 +306,7 @@ async def delete_shards(
     if indices is not None:
         body["indices"] = list(indices)
     reply = await endpoint.send(peer, DELETE, _json(body), stage=STAGE, timeout=timeout)
-    return int(json.loads(bytes(_unwrap(reply)))["deleted"])
+    try:
+        return int(loads_bounded(bytes(_unwrap(reply)), what="shard reply")["deleted"])
+    except (Refused, KeyError, TypeError, ValueError) as exc:
+        raise ShardRequestError(f"{peer!r} sent a malformed reply: {exc}") from None

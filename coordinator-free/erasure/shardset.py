@@ -9,7 +9,6 @@ never the bulk data, whose integrity follows from the signed hashes.
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 import struct
 from collections.abc import Mapping, Sequence
@@ -24,8 +23,10 @@ from coordinator_free.erasure.codec import (
     sha256_digest,
 )
 from coordinator_free.erasure.errors import CorruptShard, ManifestInvalid, NotEnoughShards
+from coordinator_free.errors import Refused
 from coordinator_free.identity import OrgIdentity, verify_signature
 from coordinator_free.manifest import canonical_json
+from coordinator_free.peer_json import loads_bounded
 
 __all__ = [
     "FORMAT",
@@ -174,9 +175,9 @@ class ShardSetManifest:
     def from_json(cls, data: bytes | str) -> ShardSetManifest:
         """Parse a manifest; any malformation is :class:`ManifestInvalid`."""
         try:
-            obj = json.loads(data)
-        except (ValueError, UnicodeDecodeError):
-            raise ManifestInvalid("manifest is not JSON") from None
+            obj = loads_bounded(data, what="shard-set manifest")
+        except Refused as exc:
+            raise ManifestInvalid(exc.detail) from None
         expected = {
             "format",
             "owner",

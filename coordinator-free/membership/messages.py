@@ -16,6 +16,7 @@ from enum import StrEnum
 from typing import Any
 
 from coordinator_free.errors import RefusalReason, Refused
+from coordinator_free.peer_json import loads_bounded
 
 __all__ = [
     "PING",
@@ -109,10 +110,7 @@ def decode_message(payload: bytes, *, max_updates: int = 1024) -> SwimMessage:
     Payload: canonical JSON ``{"i": incarnation, "u": [[org, rank, incarnation], ...],
     "t": target?, "ok": outcome?}`` with ranks 0 alive, 1 suspect, 2 dead, 3 left.
     """
-    try:
-        body = json.loads(payload)
-    except (ValueError, UnicodeDecodeError):
-        raise Refused(RefusalReason.MALFORMED, "SWIM payload is not JSON") from None
+    body = loads_bounded(payload, what="SWIM payload")
     if not isinstance(body, dict) or not set(body) <= {"i", "u", "t", "ok"}:
         raise Refused(RefusalReason.MALFORMED, "SWIM payload has unexpected fields")
     incarnation, raw_updates = body.get("i"), body.get("u")

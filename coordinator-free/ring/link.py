@@ -78,6 +78,9 @@ class RoundBox:
     aborts: dict[bytes, asyncio.Event] = field(default_factory=dict)
     suspects: dict[bytes, set[str]] = field(default_factory=dict)
     buffered: int = 0
+    # bytes buffered per sender, and the most one sender may have buffered here
+    held: dict[str, int] = field(default_factory=dict)
+    member_cap: int = 64 << 20
 
     def slot(self, key: ChunkKey) -> asyncio.Future[bytes]:
         """The future of the chunk ``key``, made on first use by either side."""

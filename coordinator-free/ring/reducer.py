@@ -127,12 +127,21 @@ class RingReducer:
 
     A round is opened with :meth:`open` before any member can send its chunks (the
     round engine does it before its ``ready``), so early chunks are buffered, up to
-    ``max_buffered_bytes`` per round; chunks of rounds not open are refused.
+    ``max_buffered_bytes`` per round and ``member_bytes`` per sender and round (until
+    :meth:`expect` sizes that from the round's vector); chunks of rounds not open are
+    refused.
     """
 
-    def __init__(self, endpoint: Endpoint, *, max_buffered_bytes: int = 1 << 30) -> None:
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        *,
+        max_buffered_bytes: int = 1 << 30,
+        member_bytes: int = 64 << 20,
+    ) -> None:
         self.endpoint = endpoint
         self.max_buffered_bytes = max_buffered_bytes
+        self.member_bytes = member_bytes
         self._boxes: dict[tuple[str, int], RoundBox] = {}
         endpoint.on(KIND_CHUNK, self._on_chunk)
         endpoint.on(KIND_SUM, self._on_chunk)
@@ -143,7 +152,16 @@ class RingReducer:
 
     def open(self, run: str, round: int) -> None:
         """Accept chunks for ``(run, round)`` from now on."""
-        self._boxes.setdefault((run, round), RoundBox())
+        self._boxes.setdefault((run, round), RoundBox(member_cap=self.member_bytes))
+
+    def expect(self, run: str, round: int, vector_bytes: int, attempts: int) -> None:
+        """Size what one sender may buffer for ``(run, round)`` from the round's vector:
+        per ring attempt a member receives at most about three vectors' worth from any
+        one sender (scatter, gather and the unmasked sum; a star's hub one vector from
+        each), so ``4 * attempts`` vectors and a MiB of headers."""
+        box = self._boxes.get((run, round))
+        if box is not None:
+            box.member_cap = 4 * max(1, attempts) * vector_bytes + (1 << 20)
 
     def close(self, run: str, round: int) -> None:
         """Drop everything buffered for ``(run, round)``; later chunks are refused."""
@@ -188,6 +206,13 @@ class RingReducer:
             raise Refused(RefusalReason.REPLAY, "duplicate chunk")
         if fut is None and box.buffered + len(env.payload) > self.max_buffered_bytes:
             raise Refused(RefusalReason.OVERSIZED, "too many chunks buffered")
+        held = box.held.get(env.sender, 0) + len(env.payload)
+        if held > box.member_cap:
+            raise Refused(
+                RefusalReason.OVERSIZED,
+                f"{env.sender!r} would have more than {box.member_cap} bytes of chunks buffered",
+            )
+        box.held[env.sender] = held
         box.buffered += len(env.payload)
         box.slot(key).set_result(env.payload)
         return ACK

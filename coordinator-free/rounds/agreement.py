@@ -74,7 +74,7 @@ class Agreement:
     async def on_view(self, env: Envelope) -> bytes:
         """A peer's view of a stage: filed for its agreement, and answered with this
         node's settled view when it settled the stage already."""
-        state = self.table.state(env.run, env.round)
+        state = self.table.state(env.run, env.round, env.sender)
         try:
             view = decode_view(env.payload)
         except ValueError as exc:
@@ -88,7 +88,7 @@ class Agreement:
 
     async def on_token(self, env: Envelope) -> bytes:
         """A token of a stage's agreement: a probe, the collecting token, the decision."""
-        state = self.table.state(env.run, env.round)
+        state = self.table.state(env.run, env.round, env.sender)
         try:
             token = Token.from_bytes(env.payload)
         except ValueError as exc:

@@ -8,6 +8,12 @@ signed :class:`~coordinator_free.endpoint.Endpoint`, with three message kinds, a
 privacy class ``ciphertext`` in the audit log: ``ckks.context`` (public CKKS
 contexts), ``ckks.partial`` (running sums along the chain, the aggregate last) and
 ``ckks.result`` (the sum, encrypted under the recipient's own key).
+
+What peers make it keep is bounded: with an ``admit`` callable (the node's runs whose
+backend is CKKS, and their participants) a message of any other run, or from a
+non-participant, is refused before its payload is kept (``Refused(NOT_ADMITTED)``:
+so a node whose runs use the masked backend keeps no ciphertext at all), and each
+sender may have at most ``member_bytes`` kept (``Refused(OVERSIZED)``).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from coordinator_free.errors import RefusalReason, Refused, TransportError
 from coordinator_free.rounds.model_hash import ModelHashes
 from coordinator_free.rounds.results import RoundFailed
 from coordinator_free.rounds.secure_sum import SumResult
+from coordinator_free.rounds.state import Admission
 from coordinator_free.wire import Envelope
 
 from secure_agg.ckks import (
@@ -82,22 +89,47 @@ class CkksAggregator:
         model_hashes: ModelHashes,
         params: CkksParams | None = None,
         timeout: float = 30.0,
+        admit: Admission | None = None,
+        member_bytes: int = 192 << 20,
     ) -> None:
         self.endpoint = endpoint
         self.model_hashes = model_hashes
         self.params = params or CkksParams()
         self.timeout = timeout
+        self.admit = admit
+        self.member_bytes = member_bytes
         self._inbox: dict[tuple[str, int, str], dict[str, bytes]] = {}
         self._events: dict[tuple[str, int, str], asyncio.Event] = {}
         for kind in (KIND_CKKS_CONTEXT, KIND_CKKS_PARTIAL, KIND_CKKS_RESULT):
             endpoint.on(kind, self._receive)
 
+    def held(self, sender: str) -> int:
+        """The bytes of ``sender``'s messages this aggregator keeps."""
+        return sum(len(box.get(sender, b"")) for box in self._inbox.values())
+
+    def _check_admitted(self, env: Envelope) -> None:
+        if self.admit is None:
+            return
+        participants = self.admit(env.run)
+        if participants is None:
+            raise Refused(RefusalReason.NOT_ADMITTED, f"no CKKS run {env.run!r} here")
+        if env.sender not in participants:
+            raise Refused(
+                RefusalReason.NOT_ADMITTED, f"{env.sender!r} is not a participant of {env.run!r}"
+            )
+
     async def _receive(self, env: Envelope) -> bytes:
+        self._check_admitted(env)
         key = (env.run, env.round, env.kind)
-        box = self._inbox.setdefault(key, {})
+        box = self._inbox.get(key, {})
         if env.sender in box:
             raise Refused(RefusalReason.REPLAY, f"second {env.kind} for this round")
-        box[env.sender] = env.payload
+        if self.held(env.sender) + len(env.payload) > self.member_bytes:
+            raise Refused(
+                RefusalReason.OVERSIZED,
+                f"{env.sender!r} would have more than {self.member_bytes} bytes kept",
+            )
+        self._inbox.setdefault(key, box)[env.sender] = env.payload
         self._events.setdefault(key, asyncio.Event()).set()
         while len(self._inbox) > 64:  # bound what peers can make this node hold
             oldest = min(self._inbox, key=lambda k: k[1])

@@ -56,7 +56,7 @@ from coordinator_free.rounds.results import (
 )
 from coordinator_free.rounds.session import SessionFactory, endpoint_signer, secagg_sessions
 from coordinator_free.rounds.share import ShareStage
-from coordinator_free.rounds.state import Counters, RoundTable
+from coordinator_free.rounds.state import Admission, Counters, RoundTable
 from coordinator_free.rounds.sums import SumServer
 from coordinator_free.rounds.unmask import UnmaskStage
 from coordinator_free.wire import Envelope
@@ -77,7 +77,9 @@ class RoundEngine:
     a ring step pings a predecessor it waits on as soon as that one leaves the view.
     hook: the simulator's fault-injection seam. observer: called with each
     :class:`RoundObservation` (stage times, arrivals, refusals, dropouts); more can be
-    added with :meth:`add_observer`.
+    added with :meth:`add_observer`. admit: the runs peers may open rounds of, and
+    their participants (:data:`~coordinator_free.rounds.state.Admission`); ``None``
+    admits every run of every member.
     """
 
     def __init__(
@@ -91,6 +93,7 @@ class RoundEngine:
         hook: StageHook | None = None,
         live: Callable[[], Iterable[str]] | None = None,
         observer: RoundObserver | None = None,
+        admit: Admission | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.observers: list[RoundObserver] = [observer] if observer is not None else []
@@ -102,7 +105,7 @@ class RoundEngine:
         self.live = live
         self.ring = RingReducer(endpoint)
         self._net = Messenger(endpoint, self.config, self.observers)
-        self._table = RoundTable(endpoint.org_id, self.config, self.ring)
+        self._table = RoundTable(endpoint.org_id, self.config, self.ring, admit)
         self._agreement = Agreement(self._net, self._table, self.config)
         self._sums = SumServer(self._net, self._table, self.config)
         self._ready = ReadyStage(self._table, endpoint.federation, peers, session_factory)
@@ -135,6 +138,7 @@ class RoundEngine:
         codec: FixedPointCodec | None = None,
         hook: StageHook | None = None,
         live: Callable[[], Iterable[str]] | None = None,
+        admit: Admission | None = None,
     ) -> RoundEngine:
         """An engine running :mod:`secure_agg`'s masked sum, signed with the endpoint's
         identity; ``codec`` encodes float inputs (``codec.max_summands`` >= members)."""
@@ -145,6 +149,7 @@ class RoundEngine:
             config,
             hook=hook,
             live=live,
+            admit=admit,
         )
 
     @property
@@ -193,6 +198,9 @@ class RoundEngine:
         except Refused as exc:
             raise RoundFailed("ready", f"round {round} of {run!r} cannot start: {exc}") from None
         table.running.add((run, round))
+        # the masked vector travels as ring elements of at most 8 bytes
+        wire_bytes = max(vector.nbytes, 8 * vector.size)
+        self.ring.expect(run, round, wire_bytes, self.config.max_reduce_attempts)
         state.started = asyncio.get_running_loop().time()
         self._net.observe("round", run, round, "ready")
         try:
@@ -297,7 +305,7 @@ class RoundEngine:
         return observed
 
     async def _on_leave(self, env: Envelope) -> bytes:
-        state = self._table.state(env.run, env.round)
+        state = self._table.state(env.run, env.round, env.sender)
         state.inbox.put(("gone",), env.sender, b"")
         return b""
 

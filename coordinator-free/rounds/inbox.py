@@ -4,6 +4,10 @@ Every handler files what it takes under a key (``("ready",)``, ``("view", tag,
 attempt)``, ...); the stages wait until what they need is filed or a deadline
 passes. A wait names the key and the senders it expects, which is what
 :meth:`Inbox.missing` reports (:meth:`~coordinator_free.rounds.RoundEngine.progress`).
+
+What peers make an inbox keep is bounded (:class:`InboxLimits`): each message costs
+its payload plus :data:`ENTRY_OVERHEAD` bytes against its sender's share and the
+round's; a message past either cap is refused as ``Refused(OVERSIZED)`` and not kept.
 """
 
 from __future__ import annotations
@@ -11,9 +15,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+from collections import Counter
 from collections.abc import Callable, Iterable, Set
+from dataclasses import dataclass
 
-__all__ = ["Inbox"]
+from coordinator_free.errors import RefusalReason, Refused
+
+__all__ = ["ENTRY_OVERHEAD", "Inbox", "InboxLimits"]
+
+ENTRY_OVERHEAD = 256
+"""What one kept message costs beyond its payload (its key, sender and dict slots)."""
+
+
+@dataclass(frozen=True)
+class InboxLimits:
+    """Bytes one round's inbox keeps from peers: per sender, and in all.
+
+    A sender's share of a round (its ready, shares, views, tokens, releases and seeds)
+    is a few hundred bytes per member; 8 MiB holds that for thousands of members.
+    """
+
+    per_sender: int = 8 << 20
+    per_round: int = 256 << 20
+
 
 _EMPTY: dict[str, bytes] = {}
 
@@ -21,7 +45,10 @@ _EMPTY: dict[str, bytes] = {}
 class Inbox:
     """Messages of one round by key and sender; first message per (key, sender) wins."""
 
-    def __init__(self) -> None:
+    def __init__(self, owner: str = "", limits: InboxLimits | None = None) -> None:
+        self.owner = owner
+        self.limits = limits or InboxLimits()
+        self._held: Counter[str] = Counter()
         self._items: dict[tuple[str, ...], dict[str, bytes]] = {}
         self._events: dict[tuple[str, ...], asyncio.Event] = {}
         # what the round waits for now: an inbox key and whose message under it
@@ -34,10 +61,35 @@ class Inbox:
         key, wanted = self.awaiting
         return tuple(sorted(wanted - self.senders(key)))
 
+    def held(self, sender: str | None = None) -> int:
+        """The bytes kept from ``sender`` (from every peer when ``None``)."""
+        return self._held.total() if sender is None else self._held[sender]
+
     def put(self, key: tuple[str, ...], sender: str, payload: bytes) -> bool:
-        box = self._items.setdefault(key, {})
-        if sender in box:
+        """File ``payload``; ``False`` when ``sender`` filed under ``key`` already.
+
+        Raises ``Refused(OVERSIZED)`` (and keeps nothing) when a peer's message would
+        take its sender or the round past :class:`InboxLimits`; this node's own
+        messages (``owner``) are not counted.
+        """
+        box = self._items.get(key)
+        if box is not None and sender in box:
             return False
+        if sender != self.owner:
+            cost = len(payload) + ENTRY_OVERHEAD
+            if self._held[sender] + cost > self.limits.per_sender:
+                raise Refused(
+                    RefusalReason.OVERSIZED,
+                    f"{sender!r} would have more than {self.limits.per_sender} bytes kept "
+                    "in this round",
+                )
+            if self._held.total() + cost > self.limits.per_round:
+                raise Refused(
+                    RefusalReason.OVERSIZED,
+                    f"the round would keep more than {self.limits.per_round} bytes",
+                )
+            self._held[sender] += cost
+        box = self._items.setdefault(key, {})
         box[sender] = payload
         self._events.setdefault(key, asyncio.Event()).set()
         return True

@@ -50,7 +50,7 @@ class ReadyStage:
 
     async def on_ready(self, env: Envelope) -> bytes:
         """A peer's ready: filed, and answered with this node's own when it has one."""
-        state = self.table.state(env.run, env.round)
+        state = self.table.state(env.run, env.round, env.sender)
         return await state.exchange(READY).serve(env.sender, env.payload, "ready")
 
     async def run(self, ctx: StageContext) -> None:

@@ -59,7 +59,7 @@ class ShareStage:
     async def on_share(self, env: Envelope) -> bytes:
         """A peer's shares for this org: filed, and answered with this org's for it
         (held a little while this node still makes its own)."""
-        state = self.table.state(env.run, env.round)
+        state = self.table.state(env.run, env.round, env.sender)
         if len(env.payload) < HASH_BYTES:
             raise Refused(RefusalReason.MALFORMED, "share without a view hash")
         return await state.exchange(SHARES).serve(

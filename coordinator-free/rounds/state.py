@@ -5,11 +5,19 @@ arrives, so that a peer ahead of this node is buffered, not refused; it holds th
 round's :class:`~coordinator_free.rounds.inbox.Inbox`, its pairwise exchanges and
 what its agreements settled. :class:`RoundTable` opens the states, refuses rounds
 that are over or too far ahead, and closes them when the round ends.
+
+A peer opens a round only of a run the node admits (the :data:`Admission` callable
+the node gives: the run's participants when this org accepted it) and only when it
+is among that run's participants (``Refused(NOT_ADMITTED)``); each member may hold at
+most :meth:`RoundTable.member_quota` rounds open that this node does not run yet
+(``Refused(QUOTA)``), so no member can take the slots of another org's rounds.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,10 +25,14 @@ from coordinator_free.errors import RefusalReason, Refused
 from coordinator_free.ring import RingReducer
 from coordinator_free.rounds.config import RoundConfig
 from coordinator_free.rounds.exchange import PairwiseExchange
-from coordinator_free.rounds.inbox import Inbox
+from coordinator_free.rounds.inbox import Inbox, InboxLimits
 from coordinator_free.rounds.results import Counters, RoundProgress
 
-__all__ = ["AgreementRecord", "Counters", "RoundState", "RoundTable", "keep_latest"]
+__all__ = ["Admission", "AgreementRecord", "Counters", "RoundState", "RoundTable", "keep_latest"]
+
+Admission = Callable[[str], Collection[str] | None]
+"""``admit(run)``: the participants of ``run`` when this org takes part in it, else
+``None`` (a run this org never accepted, or one that is over)."""
 
 
 @dataclass
@@ -83,25 +95,48 @@ class RoundState:
 class RoundTable:
     """The rounds this node holds state for, the rounds it runs, and where each run is.
 
-    A round is refused when its run finished it already, when it lies more than
-    ``lookahead_rounds`` past the run's last finished round, or when too many rounds
-    are open; opening a round opens it on the ring too, and closing closes it there.
+    A round is refused when its run finished it already, or when it lies more than
+    ``lookahead_rounds`` past the run's last finished round; a peer's message is
+    refused too when its run is not admitted or it is no participant, and a round it
+    would open when it holds its quota (see the module docstring). Opening a round
+    opens it on the ring too, and closing closes it there.
     """
 
-    def __init__(self, me: str, config: RoundConfig, ring: RingReducer) -> None:
+    def __init__(
+        self,
+        me: str,
+        config: RoundConfig,
+        ring: RingReducer,
+        admit: Admission | None = None,
+        limits: InboxLimits | None = None,
+    ) -> None:
         self.me = me
         self.config = config
         self.ring = ring
+        self.admit = admit
+        self.limits = limits or InboxLimits()
         self._states: dict[tuple[str, int], RoundState] = {}
+        self._opened_by: dict[tuple[str, int], str] = {}
         self._last_done: dict[str, int] = {}
         self.running: set[tuple[str, int]] = set()
+
+    def member_quota(self) -> int:
+        """How many rounds one member may hold open here that this node does not run."""
+        return 2 * self.config.lookahead_rounds + 2
 
     def get(self, run: str, round: int) -> RoundState | None:
         """The state of ``(run, round)`` if this node holds one."""
         return self._states.get((run, round))
 
-    def state(self, run: str, round: int) -> RoundState:
-        """The state of ``(run, round)``, created on first contact; refuses wrong rounds."""
+    def state(self, run: str, round: int, sender: str | None = None) -> RoundState:
+        """The state of ``(run, round)``, created on first contact; refuses wrong rounds.
+
+        ``sender``: the peer whose message this is (``None``: this node runs the
+        round): it must be a participant of a run the node admits, and it may open
+        only :meth:`member_quota` rounds this node does not run.
+        """
+        if sender is not None:
+            self._check_admitted(run, sender)
         key = (run, round)
         state = self._states.get(key)
         if state is not None:
@@ -111,12 +146,49 @@ class RoundTable:
             raise Refused(RefusalReason.STALE, f"round {round} of {run!r} is over")
         if last is not None and round > last + self.config.lookahead_rounds:
             raise Refused(RefusalReason.STALE, f"round {round} of {run!r} is too far ahead")
-        if len(self._states) >= 2 * self.config.lookahead_rounds + 2:
-            raise Refused(RefusalReason.STALE, "too many rounds open")
-        state = RoundState(self.me, run, round)
+        if sender is not None:
+            self._check_quota(sender)
+            self._opened_by[key] = sender
+        state = RoundState(self.me, run, round, inbox=Inbox(self.me, self.limits))
         self._states[key] = state
         self.ring.open(run, round)
         return state
+
+    def _check_admitted(self, run: str, sender: str) -> None:
+        """Refuse a message of a run this node does not admit, or from a non-participant."""
+        if self.admit is None:
+            return
+        participants = self.admit(run)
+        if participants is None:
+            raise Refused(RefusalReason.NOT_ADMITTED, f"run {run!r} is not accepted here")
+        if sender not in participants:
+            raise Refused(
+                RefusalReason.NOT_ADMITTED, f"{sender!r} is not a participant of run {run!r}"
+            )
+
+    def _check_quota(self, sender: str) -> None:
+        """Drop the rounds of runs no longer admitted, then refuse ``sender`` when it
+        holds its quota of rounds this node does not run."""
+        if self.admit is not None:
+            for key in [
+                k for k in self._states if k not in self.running and self.admit(k[0]) is None
+            ]:
+                self._drop(key)
+        held = Counter(
+            self._opened_by[k]
+            for k, s in self._states.items()
+            if s.started is None and k in self._opened_by
+        )
+        if held[sender] >= self.member_quota():
+            raise Refused(
+                RefusalReason.QUOTA,
+                f"{sender!r} holds {held[sender]} rounds open here that this node does not run",
+            )
+
+    def _drop(self, key: tuple[str, int]) -> None:
+        del self._states[key]
+        self._opened_by.pop(key, None)
+        self.ring.close(*key)
 
     def last_done(self, run: str) -> int | None:
         """The newest round of ``run`` this node finished, if any."""
@@ -130,16 +202,14 @@ class RoundTable:
             for k in self._states
             if k[0] == run and not round <= k[1] <= round + self.config.lookahead_rounds
         ]:
-            del self._states[key]
-            self.ring.close(*key)
+            self._drop(key)
 
     def finish(self, run: str, round: int) -> None:
         """Close ``round`` of ``run`` and every earlier one: their messages are refused."""
         last = self._last_done.get(run)
         self._last_done[run] = round if last is None else max(last, round)
         for key in [k for k in self._states if k[0] == run and k[1] <= round]:
-            del self._states[key]
-            self.ring.close(*key)
+            self._drop(key)
 
     def progress(self, run: str) -> RoundProgress | None:
         """The newest round of ``run`` this node runs now, and what it waits for."""

@@ -96,7 +96,7 @@ class UnmaskStage:
             if env.payload[:HASH_BYTES] != h3:
                 raise Refused(RefusalReason.STALE, "a release for another survivor set")
             return data
-        state = self.table.state(env.run, env.round)
+        state = self.table.state(env.run, env.round, env.sender)
         exchange = state.exchange(("unmask", env.payload[:HASH_BYTES].hex()))
         return await exchange.serve(
             env.sender, env.payload[HASH_BYTES:], "release", defer_s=self.config.send_timeout / 4
@@ -106,13 +106,13 @@ class UnmaskStage:
         """The token starter's permit to reveal seeds for a survivor set (its hash)."""
         if len(env.payload) != HASH_BYTES:
             raise Refused(RefusalReason.MALFORMED, "a permit is the 32-byte hash of the survivors")
-        state = self.table.state(env.run, env.round)
+        state = self.table.state(env.run, env.round, env.sender)
         state.inbox.put(("permit", env.payload.hex()), env.sender, b"")
         return b""
 
     async def on_seed(self, env: Envelope) -> bytes:
         """The seeds a survivor holds at one step of the recursive doubling."""
-        state = self.table.state(env.run, env.round)
+        state = self.table.state(env.run, env.round, env.sender)
         payload = env.payload
         if len(payload) < HASH_BYTES + 1 or (len(payload) - HASH_BYTES - 1) % SEED_ENTRY.size:
             raise Refused(RefusalReason.MALFORMED, "seeds of the wrong size")

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 from coordinator_free.endpoint import Endpoint
 from coordinator_free.errors import RefusalReason, Refused, TransportError
+from coordinator_free.peer_json import loads_bounded
 from coordinator_free.wire import Envelope
 
 from org_node.audit.log import AuditError, EgressLog, LogFormatError, SignedHead
@@ -120,7 +121,7 @@ async def fetch_heads(
     async def one(peer: str) -> None:
         try:
             reply = await endpoint.send(peer, HEADS_KIND, b"", stage="audit", timeout=timeout)
-            for raw in json.loads(reply):
+            for raw in loads_bounded(reply, what="audit heads"):
                 head = SignedHead.from_dict(raw)
                 if head.org == endpoint.org_id and head.verify(public_key):
                     heads.append(head)

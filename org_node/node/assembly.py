@@ -211,6 +211,7 @@ class OrgNode(NodeContext):
         """Migrate the database, join the federation's overlay, resume a running run."""
         self.loop = asyncio.get_running_loop()
         await asyncio.to_thread(migrate, self.db)
+        await asyncio.to_thread(self.runs.admission.load, self.db)
         manifest = self.current_manifest
         if manifest is None:
             logger.info("%s: no federation installed yet", self.me)
@@ -262,12 +263,14 @@ class OrgNode(NodeContext):
             secagg_sessions(*endpoint_signer(endpoint)),
             self.round_config,
             live=self._live,
+            admit=self.runs.admission.for_backend("masked"),
         )
         self.observability.attach(self.rounds)
         self.ckks = CkksAggregator(
             endpoint,
             model_hashes=self.rounds.model_hashes,
             timeout=self.round_config.stage_timeout * 3,
+            admit=self.runs.admission.for_backend("ckks"),
         )
 
     def _build_checkpoints(self, endpoint: Endpoint, membership: Membership) -> None:

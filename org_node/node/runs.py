@@ -53,6 +53,7 @@ from org_node.engine import (
     model_from_bytes,
     model_to_bytes,
 )
+from org_node.node.admission import RunAdmission
 from org_node.node.context import NodeContext
 from org_node.policy import RunSpec
 from org_node.privacy import PrivacyError
@@ -118,6 +119,8 @@ class Runs:
         self._waiting: dict[str, tuple[str, Mapping[str, Any], tuple[str, ...] | None]] = {}
         """Runs left running that cannot resume yet (run id -> name, spec, members)."""
         self._reasons: dict[str, str] = {}
+        self.admission = RunAdmission()
+        """The runs whose rounds peers may open here (the round engine's ``admit``)."""
 
     def _node_config(self, binding: RunBinding) -> dict[str, Any]:
         """This org's Flower ``node_config``: its partition (demos) and bound dataset."""
@@ -193,6 +196,7 @@ class Runs:
 
     def on_run_accepted(self, run_id: str, spec: Mapping[str, Any]) -> None:
         self._check_spec(spec)
+        self.admission.admit_spec(self._run_name(run_id), spec)
 
     def on_run_declined(self, run_id: str, spec: Mapping[str, Any]) -> None:
         del run_id, spec
@@ -293,6 +297,7 @@ class Runs:
             plan = RunPlan.from_spec(name, spec, members)
         except EngineError as exc:
             raise ServiceRefused(str(exc)) from None
+        self.admission.admit(plan.run_key, spec["participants"], plan.backend)
         run_dir = self.ctx.paths.run_dir(plan.run_key)
         rounds = self.ctx.rounds
         if self._history_run != plan.run_key and self.ctx.store is not None:
@@ -358,6 +363,8 @@ class Runs:
         try:
             await self._drive_engine(active)
         finally:
+            # the run ended here (or the node stops): peers open no more of its rounds
+            self.admission.forget(active.engine.plan.run_key)
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(active.engine.close)
 

@@ -127,3 +127,11 @@ def test_records_round_trip_and_a_tampered_one_is_refused() -> None:
         Consent.from_record(silent.to_record(), "org-b")
     with pytest.raises(ProposalError, match="not JSON"):
         Consent.from_record(b"\xff", "org-b")
+
+
+def test_finding_4_deeply_nested_records_are_refused_not_a_recursion_error() -> None:
+    deep = b'{"v": 1, "spec": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    with pytest.raises(ProposalError, match="nests deeper"):
+        Proposal.from_record(deep, "org-a")
+    with pytest.raises(ProposalError, match="nests deeper"):
+        Consent.from_record(deep, "org-b")
