@@ -221,6 +221,29 @@ def test_ping_timeout_and_suspicion_follow_the_measured_round_trip() -> None:
     run(body)
 
 
+def test_an_ack_after_the_probe_gave_up_still_measures_the_round_trip() -> None:
+    """One probe each (a 10 s period): the 60 ms round trip misses the 12.5 ms floor, so
+    the probe fails and backs off, yet its ack, once it comes, is measured."""
+
+    async def body() -> None:
+        config = SwimConfig(period_s=10.0, ping_timeout_s=FLOOR, max_ping_timeout_s=1.0)
+        cluster = await SimCluster.start(2, seed=25, swim=config, latency_s=0.03)
+        try:
+            m = cluster.memberships["org-000"]
+            for _ in range(200):
+                if m.view()["org-001"].rtt is not None:
+                    break
+                await asyncio.sleep(0.01)
+            assert m.counters["pings"] == 1 and m.counters["acks_missed"] == 1
+            rtt = m.view()["org-001"].rtt
+            assert rtt is not None and rtt >= 0.06
+            assert m.ping_timeout("org-001") > rtt  # learnt from the late ack
+        finally:
+            await cluster.close()
+
+    run(body)
+
+
 def test_finding_7_delayed_members_are_not_suspected_once_measured_nor_declared_dead() -> None:
     """Every message takes 30 ms, a round trip 60 ms: more than a whole protocol period
     and almost five times the configured ping floor. Before this fix every direct and
