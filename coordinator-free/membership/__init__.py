@@ -13,8 +13,8 @@ with a few refinements from HashiCorp memberlist:
   backoff after a missed ack, never below ``ping_timeout_s`` nor above
   ``max_ping_timeout_s``); an ack that comes after the probe gave up is still
   measured. Lifeguard's local health multiplier (up to ``local_health_max``) grows when
-  this member misses acks, hears nothing from its ping-req helpers or must refute a
-  suspicion, shrinks with each successful probe, and scales the period, the ping
+  a probe fails with no helper to ask, when a ping-req helper does not answer at all
+  and when this member must refute a suspicion, shrinks with each successful probe, and scales the period, the ping
   timeouts and the suspicion timeout. A slow link is thus not a dead peer.
 * **Round-robin probe order (SWIM §4.3).** Targets are probed in a random
   permutation that is re-drawn at the end of every cycle, so each member is probed

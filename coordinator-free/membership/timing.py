@@ -13,9 +13,10 @@ other:
   again instead of being suspected round after round.
 * :class:`LocalHealth` is Lifeguard's local health multiplier (Dadgar, Phillips and
   Currey, *Lifeguard: Local Health Awareness for More Accurate Failure Detection*,
-  2018; memberlist's ``awareness``): a score in ``[0, max - 1]`` that grows when this
-  member misses acks, hears no answer from its ping-req helpers (Lifeguard's missed
-  nacks) or must refute a suspicion about itself, and shrinks with every successful
+  2018; memberlist's ``awareness``): a score in ``[0, max - 1]`` that grows when a
+  probe of this member fails with no helper to ask, for each ping-req helper that does
+  not answer at all (Lifeguard's missed nacks; a helper's nack vouches for us) and when
+  it must refute a suspicion about itself, and shrinks with every successful direct
   probe. Probe timeouts, the protocol period and suspicion timeouts are multiplied by
   ``score + 1``: a member that is itself slow (a loaded CPU, a stalled loop) gives
   others longer before it accuses them.
