@@ -9,10 +9,10 @@ with a few refinements from HashiCorp memberlist:
   ``indirect_k`` other members to ``ping-req`` the target; if none of them reports an
   ack by the end of the period, the target becomes SUSPECT.
 * **Timeouts that follow the network** (:mod:`.timing`). The ping timeout of each
-  peer follows its measured round trip (``srtt + 4 * rttvar`` as in TCP, Karn's
-  backoff after a missed ack, never below ``ping_timeout_s`` nor above
-  ``max_ping_timeout_s``); an ack that comes after the probe gave up is still
-  measured. Lifeguard's local health multiplier (up to ``local_health_max``) grows when
+  peer follows its measured round trip (``srtt + 4 * rttvar`` as in TCP, at least
+  twice ``srtt``, Karn's backoff after a missed ack, never below ``ping_timeout_s``
+  nor above ``max_ping_timeout_s``); an ack that comes after the probe gave up is
+  still measured. Lifeguard's local health multiplier (up to ``local_health_max``) grows when
   a probe fails with no helper to ask, when a ping-req helper does not answer at all
   and when this member must refute a suspicion, shrinks with each successful probe, and scales the period, the ping
   timeouts and the suspicion timeout. A slow link is thus not a dead peer.
@@ -21,7 +21,7 @@ with a few refinements from HashiCorp memberlist:
   once per cycle and detection time is bounded, not only expected.
 * **Suspicion (SWIM §4.2).** A SUSPECT member is declared DEAD when its suspicion
   times out (``suspicion_mult * max(1, log10 n) * period_s``, memberlist's rule, at
-  least ``suspicion_mult`` ping timeouts of the suspect, times the local health)
+  least ``suspicion_mult`` measured ping timeouts of the suspect, times the health)
   unless it refutes first. Every member that hears of a suspicion runs its own timer.
   The suspect refutes by raising its incarnation number and spreading ``alive``.
 * **Dissemination (SWIM §4.1).** Updates ride piggy-backed on ping, ack and

@@ -82,14 +82,14 @@ class SwimConfig:
         local health multiplier.
     ping_timeout_s: the floor of a direct ping's wait for its ack; at most
         ``period_s / 2`` so the indirect probes fit in the rest of the period. The wait
-        actually used follows the peer's measured round trip (``srtt + 4 * rttvar``),
-        doubled after each missed ack, times the local health multiplier, never below
-        this floor nor above ``max_ping_timeout_s``.
+        actually used follows the peer's measured round trip (``srtt + 4 * rttvar``, at
+        least ``2 * srtt``), doubled after each missed ack, times the local health
+        multiplier, never below this floor nor above ``max_ping_timeout_s``.
     max_ping_timeout_s: the cap of every ping's adaptive wait.
     local_health_max: Lifeguard's largest local health multiplier (1 turns it off).
     indirect_k: how many members are asked to ping-req a target that missed its ack.
     suspicion_mult: suspicion timeout, in periods, per ``max(1, log10 n)``; never
-        shorter than ``suspicion_mult`` ping timeouts of the suspect, and scaled by
+        shorter than ``suspicion_mult`` measured ping timeouts of the suspect, scaled by
         the local health multiplier.
     retransmit_mult: each update is piggy-backed at most
         ``retransmit_mult * ceil(log10(n + 1))`` times by each member (lambda log n).

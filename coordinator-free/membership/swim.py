@@ -241,11 +241,14 @@ class Membership:
 
     def suspicion_timeout(self, org_id: str) -> float:
         """How long a suspicion of ``org_id`` lasts if it is raised now: the configured
-        timeout for this many members, at least ``suspicion_mult`` round-trip timeouts
-        of the suspect (room for its refutation to come back), times the local health."""
+        timeout for this many members, at least ``suspicion_mult`` measured round-trip
+        timeouts of the suspect (room for its refutation to come back; backoff left
+        out), times the local health."""
         member = self._members.get(org_id)
-        rto = self.config.ping_timeout_s if member is None else member.rtt.rto
-        base = max(self.config.suspicion_timeout(self._n()), self.config.suspicion_mult * rto)
+        measured = None if member is None else member.rtt.measured
+        base = self.config.suspicion_timeout(self._n())
+        if measured is not None:
+            base = max(base, self.config.suspicion_mult * measured)
         return self.health.scale(base)
 
     def _retransmit_limit(self) -> int:

@@ -6,8 +6,13 @@ other:
 * :class:`RttEstimator` measures each peer's round trip from its acks, the way TCP
   does (Jacobson and Karels, *Congestion Avoidance and Control*, 1988; RFC 6298): a
   smoothed RTT ``srtt`` and its mean deviation ``rttvar``, updated with gains 1/8 and
-  1/4, give a retransmission timeout ``srtt + 4 * rttvar``. The ping timeout for the
-  peer is that, never below the configured floor and never above the configured cap.
+  1/4, give a retransmission timeout ``srtt + 4 * rttvar``. On a steady link
+  ``rttvar`` shrinks towards nothing and any jitter would then miss the timeout (why
+  TCP keeps a minimum RTO), so the deviation counted is at least a quarter of ``srtt``:
+  the timeout is at least twice the smoothed round trip. Before the first sample the
+  timeout is 1 s (RFC 6298's initial value: no accusation before a measurement). The
+  ping timeout for the peer is that, never below the configured floor and never above
+  the configured cap.
   An ack that never came doubles the timeout for the next ping (Karn's backoff, up to
   the cap) until a new sample resets it, so a peer whose link got slower is measured
   again instead of being suspected round after round.
@@ -29,11 +34,15 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["LocalHealth", "RttEstimator"]
+__all__ = ["INITIAL_TIMEOUT_S", "LocalHealth", "RttEstimator"]
 
 _ALPHA = 1 / 8  # gain of the smoothed RTT (RFC 6298)
 _BETA = 1 / 4  # gain of the RTT variation (RFC 6298)
 _K = 4  # deviations added to the smoothed RTT for the timeout
+_MIN_DEVIATION = 1 / 4  # of srtt: the timeout is at least 2 * srtt
+
+INITIAL_TIMEOUT_S = 1.0
+"""The timeout before any round trip was measured (RFC 6298), within floor and cap."""
 
 
 class RttEstimator:
@@ -41,13 +50,15 @@ class RttEstimator:
 
     floor_s: the smallest timeout handed out (the configured ping timeout).
     cap_s: the largest timeout handed out, backoff included.
+    initial_s: the timeout before the first sample.
     """
 
-    def __init__(self, floor_s: float, cap_s: float) -> None:
+    def __init__(self, floor_s: float, cap_s: float, initial_s: float = INITIAL_TIMEOUT_S) -> None:
         if not (math.isfinite(floor_s) and math.isfinite(cap_s)) or not 0 < floor_s <= cap_s:
             raise ValueError(f"need 0 < floor ({floor_s}) <= cap ({cap_s})")
         self.floor_s = floor_s
         self.cap_s = cap_s
+        self.initial_s = min(max(initial_s, floor_s), cap_s)
         self.srtt: float | None = None
         """Smoothed round-trip time in seconds; None before the first sample."""
         self.rttvar: float = 0.0
@@ -72,12 +83,20 @@ class RttEstimator:
         self._backoff = min(self._backoff * 2, self.cap_s / self.floor_s)
 
     @property
+    def measured(self) -> float | None:
+        """``max(floor, srtt + 4 * max(rttvar, srtt / 4))``, capped, without backoff;
+        None before the first sample."""
+        if self.srtt is None:
+            return None
+        deviation = max(self.rttvar, _MIN_DEVIATION * self.srtt)
+        return min(max(self.floor_s, self.srtt + _K * deviation), self.cap_s)
+
+    @property
     def rto(self) -> float:
-        """``max(floor, srtt + 4 * rttvar)`` (the floor alone before any sample), times
-        the backoff, capped."""
-        base = self.floor_s
-        if self.srtt is not None:
-            base = max(base, self.srtt + _K * self.rttvar)
+        """The timeout of the next ping: :attr:`measured` (``initial_s`` before any
+        sample) times the backoff, capped."""
+        measured = self.measured
+        base = self.initial_s if measured is None else measured
         return min(base * self._backoff, self.cap_s)
 
 
