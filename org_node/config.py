@@ -7,6 +7,7 @@ One :class:`NodeConfig` holds one dataclass per TOML table::
     [training]    the local job (org_node.engine.TrainingConfig)
     [engine]      rounds, strategy, DP (org_node.engine.EngineConfig)
     [checkpoint]  erasure code k, m, retention, shard quota
+    [membership]  SWIM timing: period, ping timeout floor and cap, local health, ...
     [datasets]    roots under which datasets may be registered
     [trainers.N]  a trainer the org installs by config (kind, ref, sha256)
     [debug]       harness (test harnesses only)
@@ -26,6 +27,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from coordinator_free.membership import SwimConfig
 from coordinator_free.validate import check_integer, check_keys
 
 from org_node.run_config import EngineConfig, EngineError, TrainingConfig
@@ -256,6 +258,7 @@ class NodeConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    membership: SwimConfig = field(default_factory=SwimConfig)
     datasets: DatasetsSection = field(default_factory=DatasetsSection)
     trainers: Mapping[str, TrainerSection] = field(default_factory=dict)
     debug: DebugSection = field(default_factory=DebugSection)
@@ -284,6 +287,8 @@ class NodeConfig:
                 sections["training"] = TrainingConfig.from_mapping(_table(tables, "training"))
             if "engine" in tables:
                 sections["engine"] = EngineConfig.from_mapping(_table(tables, "engine"))
+            if "membership" in tables:
+                sections["membership"] = _membership(tables["membership"])
         except EngineError as exc:
             raise ConfigError(exc.field, str(exc).removeprefix(f"{exc.field}: ")) from None
         except TypeError as exc:
@@ -314,6 +319,7 @@ class NodeConfig:
             "training": asdict(self.training),
             "engine": asdict(self.engine),
             "checkpoint": asdict(self.checkpoint),
+            "membership": asdict(self.membership),
             "datasets": {"roots": list(self.datasets.roots)},
             "debug": asdict(self.debug),
         }
@@ -387,6 +393,18 @@ def _table(tables: Mapping[str, Any], name: str) -> dict[str, Any]:
     if not isinstance(value, Mapping):
         raise ConfigError(name, "must be a table")
     return {k: None if v == NONE else v for k, v in value.items()}
+
+
+def _membership(values: Any) -> SwimConfig:
+    """The ``[membership]`` table: :class:`SwimConfig`, its errors named ``membership.KEY``."""
+    values = _keys(SwimConfig, values, "membership")
+    try:
+        return SwimConfig(**values)
+    except (TypeError, ValueError) as exc:
+        message = str(exc).replace("SwimConfig.", "membership.")
+        key = next((k for k in sorted(values) if message.startswith(f"membership.{k}")), "")
+        field = f"membership.{key}" if key else "membership"
+        raise ConfigError(field, message.removeprefix(f"{field}: ")) from None
 
 
 def _trainers(values: Any) -> dict[str, TrainerSection]:

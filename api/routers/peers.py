@@ -1,5 +1,5 @@
 """``/v1/peers``: the live view of the federation's other members (SWIM status,
-incarnation, seconds since last heard from, last round-trip time)."""
+incarnation, seconds since last heard from, smoothed round-trip time)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ class PeerPublic(BaseModel):
     incarnation: int
     last_seen_s_ago: float | None
     latency_ms: float | None
+    """Smoothed round-trip time of direct pings (what SWIM's ping timeout follows)."""
 
 
 class PeersPublic(BaseModel):

@@ -5,14 +5,23 @@ Weakly-consistent Infection-style Process Group Membership Protocol* (DSN 2002),
 with a few refinements from HashiCorp memberlist:
 
 * **Failure detector (SWIM §3.1).** Every protocol period ``T'`` (``period_s``) a
-  member pings one target. Without an ack within ``ping_timeout_s`` it asks
+  member pings one target. Without an ack within the target's ping timeout it asks
   ``indirect_k`` other members to ``ping-req`` the target; if none of them reports an
   ack by the end of the period, the target becomes SUSPECT.
+* **Timeouts that follow the network** (:mod:`.timing`). The ping timeout of each
+  peer follows its measured round trip (``srtt + 4 * rttvar`` as in TCP, at least
+  twice ``srtt``, Karn's backoff after a missed ack, never below ``ping_timeout_s``
+  nor above ``max_ping_timeout_s``); an ack that comes after the probe gave up is
+  still measured. Lifeguard's local health multiplier (up to ``local_health_max``) grows when
+  a probe fails with no helper to ask, when a ping-req helper does not answer at all
+  and when this member must refute a suspicion, shrinks with each successful probe, and scales the period, the ping
+  timeouts and the suspicion timeout. A slow link is thus not a dead peer.
 * **Round-robin probe order (SWIM §4.3).** Targets are probed in a random
   permutation that is re-drawn at the end of every cycle, so each member is probed
   once per cycle and detection time is bounded, not only expected.
 * **Suspicion (SWIM §4.2).** A SUSPECT member is declared DEAD when its suspicion
-  times out (``suspicion_mult * max(1, log10 n) * period_s``, memberlist's rule)
+  times out (``suspicion_mult * max(1, log10 n) * period_s``, memberlist's rule, at
+  least ``suspicion_mult`` measured ping timeouts of the suspect, times the health)
   unless it refutes first. Every member that hears of a suspicion runs its own timer.
   The suspect refutes by raising its incarnation number and spreading ``alive``.
 * **Dissemination (SWIM §4.1).** Updates ride piggy-backed on ping, ack and
@@ -45,6 +54,7 @@ Modules, each importing only those listed before it (besides asyncio and
 ``coordinator_free``'s errors, envelope, endpoint, checks and periodic loop; nothing of
 ``secure_agg``, of the round engine or of the layers above):
 
+* :mod:`.timing`: the round-trip estimator and the local health (no other module).
 * :mod:`.messages`: the kinds, statuses, updates and their precedence, the payloads.
 * :mod:`.state`: events, member states, ``SwimConfig``, the piggy-back queue.
 * :mod:`.swim`: ``Membership``, the protocol.

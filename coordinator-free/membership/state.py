@@ -16,6 +16,7 @@ from enum import StrEnum
 from typing import Any
 
 from coordinator_free.membership.messages import MemberStatus, Update
+from coordinator_free.membership.timing import RttEstimator
 from coordinator_free.validate import check_integer, check_keys, check_number, field_error
 
 __all__ = [
@@ -46,7 +47,8 @@ class MemberState:
     status: ALIVE, SUSPECT, DEAD or LEFT.
     incarnation: the member's incarnation number the status refers to.
     last_seen: ``clock()`` time of the last message received from the member, or None.
-    rtt: seconds of the last direct ping round trip to the member, or None.
+    rtt: the member's smoothed round-trip time in seconds (from the acks of direct
+        pings, :class:`~coordinator_free.membership.timing.RttEstimator`), or None.
     since: ``clock()`` time of the last status change.
     """
 
@@ -76,11 +78,19 @@ _mistyped = field_error(TypeError)
 class SwimConfig:
     """Timing and dissemination parameters of the SWIM protocol.
 
-    period_s: the protocol period T' (SWIM §3.1); one probe per period.
-    ping_timeout_s: how long a direct ping waits for its ack; below ``period_s / 2``
-        so the indirect probes fit in the rest of the period.
+    period_s: the protocol period T' (SWIM §3.1); one probe per period, scaled by the
+        local health multiplier.
+    ping_timeout_s: the floor of a direct ping's wait for its ack; at most
+        ``period_s / 2`` so the indirect probes fit in the rest of the period. The wait
+        actually used follows the peer's measured round trip (``srtt + 4 * rttvar``, at
+        least ``2 * srtt``), doubled after each missed ack, times the local health
+        multiplier, never below this floor nor above ``max_ping_timeout_s``.
+    max_ping_timeout_s: the cap of every ping's adaptive wait.
+    local_health_max: Lifeguard's largest local health multiplier (1 turns it off).
     indirect_k: how many members are asked to ping-req a target that missed its ack.
-    suspicion_mult: suspicion timeout, in periods, per ``max(1, log10 n)``.
+    suspicion_mult: suspicion timeout, in periods, per ``max(1, log10 n)``; never
+        shorter than ``suspicion_mult`` measured ping timeouts of the suspect, scaled by
+        the local health multiplier.
     retransmit_mult: each update is piggy-backed at most
         ``retransmit_mult * ceil(log10(n + 1))`` times by each member (lambda log n).
     piggyback_max: most updates carried by one message.
@@ -90,6 +100,8 @@ class SwimConfig:
 
     period_s: float = 1.0
     ping_timeout_s: float = 0.3
+    max_ping_timeout_s: float = 5.0
+    local_health_max: int = 8
     indirect_k: int = 3
     suspicion_mult: float = 4.0
     retransmit_mult: int = 4
@@ -97,13 +109,14 @@ class SwimConfig:
     dead_probe_periods: int = 3
 
     def __post_init__(self) -> None:
-        for name in ("period_s", "ping_timeout_s", "suspicion_mult"):
+        for name in ("period_s", "ping_timeout_s", "max_ping_timeout_s", "suspicion_mult"):
             check_number(f"SwimConfig.{name}", getattr(self, name), _bad, type_error=_mistyped)
         for name, low in (
             ("indirect_k", 0),
             ("retransmit_mult", 1),
             ("piggyback_max", 1),
             ("dead_probe_periods", 0),
+            ("local_health_max", 1),
         ):
             check_integer(
                 f"SwimConfig.{name}", getattr(self, name), _bad, low=low, type_error=_mistyped
@@ -112,6 +125,11 @@ class SwimConfig:
             raise ValueError(
                 f"SwimConfig.ping_timeout_s ({self.ping_timeout_s}) must be at most half of "
                 f"period_s ({self.period_s}) so that indirect probes fit in the period"
+            )
+        if self.max_ping_timeout_s < self.ping_timeout_s:
+            raise ValueError(
+                f"SwimConfig.max_ping_timeout_s ({self.max_ping_timeout_s}) must be at least "
+                f"ping_timeout_s ({self.ping_timeout_s})"
             )
 
     @classmethod
@@ -123,6 +141,12 @@ class SwimConfig:
         """Seconds a suspicion lasts before the member is declared DEAD, for n members."""
         return self.suspicion_mult * max(1.0, math.log10(max(n, 1))) * self.period_s
 
+    def max_suspicion_timeout(self, n: int) -> float:
+        """The longest a suspicion can last for n members: the suspect's ping timeout at
+        its cap and this member's local health at its worst."""
+        longest = max(self.suspicion_timeout(n), self.suspicion_mult * self.max_ping_timeout_s)
+        return longest * self.local_health_max
+
     def retransmit_limit(self, n: int) -> int:
         """How many times each member piggy-backs one update, for n members."""
         return self.retransmit_mult * max(1, math.ceil(math.log10(n + 1)))
@@ -131,13 +155,14 @@ class SwimConfig:
 @dataclass
 class Member:
     """Another member in the local view, as the protocol updates it (see
-    :class:`MemberState`; ``suspect_deadline``: when a suspicion turns into DEAD)."""
+    :class:`MemberState`; ``rtt``: the estimator of its round trip and ping timeout;
+    ``suspect_deadline``: when a suspicion turns into DEAD)."""
 
     status: MemberStatus
     incarnation: int
     since: float
+    rtt: RttEstimator
     last_seen: float | None = None
-    rtt: float | None = None
     suspect_deadline: float | None = None
 
 

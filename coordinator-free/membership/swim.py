@@ -4,6 +4,8 @@ The protocol period, the direct and indirect probes, suspicion and its timeout, 
 refutation of claims about this member and the piggy-backing of updates, as the
 package docstring (:mod:`coordinator_free.membership`) describes them; the
 handlers of ``swim.ping`` and ``swim.ping_req``; the live view and its subscribers.
+Timeouts follow each peer's measured round trip and this member's local health
+(:mod:`coordinator_free.membership.timing`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from coordinator_free.membership.state import (
     MemberState,
     SwimConfig,
 )
+from coordinator_free.membership.timing import LocalHealth, RttEstimator
 from coordinator_free.periodic import run_periodically
 from coordinator_free.wire import Envelope
 
@@ -73,8 +76,10 @@ class Membership:
         self._incarnation = 0
         self._left = False
         self._members: dict[str, Member] = {
-            m: Member(MemberStatus.ALIVE, 0, now) for m in sorted(set(members)) if m != self.me
+            m: self._new_member(now) for m in sorted(set(members)) if m != self.me
         }
+        self.health = LocalHealth(config.local_health_max)
+        """Lifeguard's local health; its multiplier scales periods and timeouts."""
         self._broadcasts = Broadcasts()
         self._probe_order: list[str] = []
         self._subscribers: list[asyncio.Queue[MembershipEvent]] = []
@@ -115,12 +120,16 @@ class Membership:
         """Stop probing and answering (to others this member then looks failed)."""
         self._running = False
         self._stopping.set()
-        tasks = [t for t in (self._task, *self._side_tasks) if t is not None]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        while True:  # a task being cancelled may still have started a late-ack wait
+            tasks = [t for t in (self._task, *self._side_tasks) if t is not None and not t.done()]
+            if not tasks:
+                break
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            self._task = None
         self._task = None
         self._side_tasks.clear()
 
@@ -161,7 +170,7 @@ class Membership:
         """A snapshot of every member's state, this member included."""
         now = self._clock()
         out = {
-            org: MemberState(org, m.status, m.incarnation, m.last_seen, m.rtt, m.since)
+            org: MemberState(org, m.status, m.incarnation, m.last_seen, m.rtt.srtt, m.since)
             for org, m in self._members.items()
         }
         own = MemberStatus.LEFT if self._left else MemberStatus.ALIVE
@@ -206,13 +215,41 @@ class Membership:
             gone = self._members.pop(org)
             self._emit(EventKind.LEAVE, org, gone.incarnation, now)
         for org in sorted(wanted - set(self._members)):
-            self._members[org] = Member(MemberStatus.ALIVE, 0, now)
+            self._members[org] = self._new_member(now)
             self._emit(EventKind.JOIN, org, 0, now)
 
     # ------------------------------------------------------------------ rules
 
     def _n(self) -> int:
         return len(self._members) + 1
+
+    def _new_member(self, now: float) -> Member:
+        """A member as it joins the view: ALIVE at incarnation 0, its round trip unknown."""
+        rtt = RttEstimator(self.config.ping_timeout_s, self.config.max_ping_timeout_s)
+        return Member(MemberStatus.ALIVE, 0, now, rtt)
+
+    def period_s(self) -> float:
+        """The current protocol period: the configured one times the local health."""
+        return self.health.scale(self.config.period_s)
+
+    def ping_timeout(self, org_id: str) -> float:
+        """How long a direct ping to ``org_id`` waits for its ack now: the peer's
+        round-trip timeout times the local health, at most ``max_ping_timeout_s``."""
+        member = self._members.get(org_id)
+        base = self.config.ping_timeout_s if member is None else member.rtt.rto
+        return min(self.health.scale(base), self.config.max_ping_timeout_s)
+
+    def suspicion_timeout(self, org_id: str) -> float:
+        """How long a suspicion of ``org_id`` lasts if it is raised now: the configured
+        timeout for this many members, at least ``suspicion_mult`` measured round-trip
+        timeouts of the suspect (room for its refutation to come back; backoff left
+        out), times the local health."""
+        member = self._members.get(org_id)
+        measured = None if member is None else member.rtt.measured
+        base = self.config.suspicion_timeout(self._n())
+        if measured is not None:
+            base = max(base, self.config.suspicion_mult * measured)
+        return self.health.scale(base)
 
     def _retransmit_limit(self) -> int:
         return self.config.retransmit_limit(self._n())
@@ -245,7 +282,7 @@ class Membership:
             elif before in (MemberStatus.DEAD, MemberStatus.LEFT):
                 kind = EventKind.JOIN
         elif update.status is MemberStatus.SUSPECT:
-            member.suspect_deadline = now + self.config.suspicion_timeout(self._n())
+            member.suspect_deadline = now + self.suspicion_timeout(update.org_id)
             if before is not MemberStatus.SUSPECT:
                 kind = EventKind.SUSPECT
                 self.counters["suspected"] += 1
@@ -267,6 +304,7 @@ class Membership:
             return
         self._incarnation = update.incarnation + 1
         self.counters["refuted"] += 1
+        self.health.apply(+1)  # others could not hear from us in time: we may be slow
         self._broadcasts.put(Update(self.me, MemberStatus.ALIVE, self._incarnation))
 
     def _heard_from(self, sender: str, incarnation: int) -> None:
@@ -337,31 +375,55 @@ class Membership:
     async def _send(self, peer: str, kind: str, payload: bytes, timeout: float) -> bytes:
         return await self.endpoint.send(peer, kind, payload, stage=STAGE, timeout=timeout)
 
-    async def _ping(self, target: str, timeout: float | None = None) -> bool:
-        """Ping ``target`` directly; True on an ack."""
-        self.counters["pings"] += 1
+    async def _exchange(self, target: str, payload: bytes) -> bool:
+        """Send one ping and wait for its ack up to ``max_ping_timeout_s``; the ack's round
+        trip feeds the target's estimator and its updates apply, even when the probe that
+        sent it stopped waiting earlier (a late ack still teaches the round trip)."""
         started = time.perf_counter()
-        payload = encode_message(self._incarnation, self._outgoing(target))
         try:
-            reply = await self._send(target, PING, payload, timeout or self.config.ping_timeout_s)
+            reply = await self._send(target, PING, payload, self.config.max_ping_timeout_s)
             message = self._decode(reply)
         except (TransportError, Refused):
             return False
         member = self._members.get(target)
         if member is not None:
-            member.rtt = time.perf_counter() - started
+            member.rtt.sample(time.perf_counter() - started)
         self._absorb(target, message)
         return True
 
-    async def _ping_req(self, helper: str, target: str, timeout: float) -> bool:
-        """Ask ``helper`` to probe ``target`` for us (SWIM §3.1); True on an ack."""
+    async def _ping(self, target: str, timeout: float | None = None) -> bool:
+        """Ping ``target`` directly; True on an ack within ``timeout`` (default: the
+        target's adaptive :meth:`ping_timeout`). Without one, the target's next timeout
+        backs off and the ping goes on waiting in the background for a late ack."""
+        self.counters["pings"] += 1
+        wait = timeout or self.ping_timeout(target)
+        payload = encode_message(self._incarnation, self._outgoing(target))
+        exchange = asyncio.create_task(self._exchange(target, payload))
+        try:
+            done, _ = await asyncio.wait({exchange}, timeout=wait)
+        except asyncio.CancelledError:
+            exchange.cancel()
+            raise
+        if done:
+            return exchange.result()
+        member = self._members.get(target)
+        if member is not None:
+            member.rtt.missed()
+        self._side_tasks.add(exchange)
+        exchange.add_done_callback(self._side_tasks.discard)
+        return False
+
+    async def _ping_req(self, helper: str, target: str, timeout: float) -> bool | None:
+        """Ask ``helper`` to probe ``target`` for us (SWIM §3.1): True on an ack, False on
+        the helper's nack (it answered, the target did not), None when the helper did not
+        answer at all (Lifeguard's missed nack: a hint that we are the slow one)."""
         self.counters["ping_reqs"] += 1
         payload = encode_message(self._incarnation, self._outgoing(helper), target=target)
         try:
             reply = await self._send(helper, PING_REQ, payload, timeout)
             message = self._decode(reply)
         except (TransportError, Refused):
-            return False
+            return None
         self._absorb(helper, message)
         return bool(message.ok)
 
@@ -386,8 +448,10 @@ class Membership:
         return None
 
     async def _probe(self, target: str, started: float) -> None:
-        """One SWIM probe: direct ping, then indirect ping-req through k helpers."""
+        """One SWIM probe: direct ping, then indirect ping-req through k helpers; the
+        outcome adjusts the local health (Lifeguard)."""
         if await self._ping(target):
+            self.health.apply(-1)
             return
         self.counters["acks_missed"] += 1
         loop = asyncio.get_running_loop()
@@ -398,14 +462,28 @@ class Membership:
         ]
         chosen = self._rng.sample(helpers, min(self.config.indirect_k, len(helpers)))
         if chosen:
-            remaining = self.config.period_s - (loop.time() - started)
-            timeout = max(remaining, self.config.ping_timeout_s)
-            results = await asyncio.gather(*(self._ping_req(h, target, timeout) for h in chosen))
+            remaining = self.period_s() - (loop.time() - started)
+            results = await asyncio.gather(
+                *(
+                    self._ping_req(h, target, max(remaining, self._indirect_timeout(h, target)))
+                    for h in chosen
+                )
+            )
             if any(results):
                 return
+            # helpers that answered (nacks) vouch for our own health; silence does not
+            self.health.apply(sum(1 for r in results if r is None))
+        else:
+            self.health.apply(+1)
         member = self._members.get(target)
         if member is not None and member.status is MemberStatus.ALIVE:
             self._apply(Update(target, MemberStatus.SUSPECT, member.incarnation))
+
+    def _indirect_timeout(self, helper: str, target: str) -> float:
+        """How long a ping-req through ``helper`` may take: a round trip to the helper
+        and its own ping of the target (estimated by ours, doubled: the helper's estimate
+        may be longer than ours)."""
+        return self.ping_timeout(helper) + 2 * self.ping_timeout(target)
 
     def _expire_suspicions(self) -> None:
         now = self._clock()
@@ -424,11 +502,11 @@ class Membership:
         task.add_done_callback(self._side_tasks.discard)
 
     async def _run(self) -> None:
-        """A protocol period every ``config.period_s`` until :meth:`stop`; a bug in one
+        """A protocol period every :meth:`period_s` until :meth:`stop`; a bug in one
         period is logged and does not stop failure detection."""
         await run_periodically(
             self._period,
-            lambda: self.config.period_s,
+            self.period_s,
             self._stopping,
             logger=logger,
             describe=lambda: f"{self.me}: SWIM period {self.periods}",

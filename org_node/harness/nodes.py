@@ -131,6 +131,8 @@ class Observation:
     wiped_exports: dict[str, Path] = field(default_factory=dict)
     """org -> a copy of its exported updates taken when it was wiped."""
     timed_out: bool = False
+    membership_converged: bool | None = None
+    """Whether every node saw every other alive before the run (None: not checked yet)."""
     elapsed_s: float = 0.0
     listening: set[str] = field(default_factory=set)
     """Orgs whose event stream the harness reads."""

@@ -10,9 +10,11 @@
 2. **start** one ``fedweave run`` process per org (its own session, so that one
    ``kill -9`` of its process group is a crash of the whole node), on free loopback
    ports, with ``FEDWEAVE_HARNESS_DEBUG_EXPORT`` pointing at ``DIR/debug-export``;
-3. **propose** the run once at org1's REST API (the node sends the signed proposal to
-   every participant) and **accept** it at every org through its own API; the run
-   starts by itself at the time the consents agree on;
+3. **wait** until every node's membership view has every other org alive (when they
+   never do within 60 s, no run is started and the verdict says which org missed
+   which), then **propose** the run once at org1's REST API (the node sends the signed
+   proposal to every participant) and **accept** it at every org through its own API;
+   the run starts by itself at the time the consents agree on;
 4. **follow** every org's run until it ends (a progress bar of rounds), reading each
    org's event stream for the survivors of every round, and **inject** the faults of
    the scenario (:mod:`org_node.harness.scenario`);
@@ -229,21 +231,50 @@ def _alive_seen(node: NodeProcess) -> set[str]:
     return set()
 
 
+def _not_seen(nodes: list[NodeProcess]) -> list[str]:
+    """One line per node of ``nodes`` that does not see every other one alive (empty when
+    each does): which orgs it misses."""
+    names = {n.org for n in nodes}
+    lines = []
+    for node in nodes:
+        missing = sorted(names - {node.org} - _alive_seen(node))
+        if missing:
+            lines.append(f"{node.org} does not see {', '.join(missing)} alive")
+    return lines
+
+
 def _converged(nodes: list[NodeProcess]) -> bool:
     """Whether each of ``nodes`` sees every other one alive."""
-    names = {n.org for n in nodes}
-    return all(names - {n.org} <= _alive_seen(n) for n in nodes)
+    return not _not_seen(nodes)
 
 
-def _wait_converged(nodes: list[NodeProcess], timeout: float = 60.0) -> bool:
+CONVERGE_TIMEOUT_S = 60.0
+"""How long the harness waits for the nodes to see each other alive before the run."""
+
+
+def _wait_converged(nodes: list[NodeProcess], timeout: float = CONVERGE_TIMEOUT_S) -> list[str]:
     """Wait until each node sees every other one alive (a round started before that may
-    leave out an org whose view lags); whether they did within ``timeout``."""
+    leave out an org whose view lags); what was still not seen after ``timeout`` (empty
+    when they converged)."""
     end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if _converged(nodes):
-            return True
+    while True:
+        lacking = _not_seen(nodes)
+        if not lacking or time.monotonic() >= end:
+            return lacking
         time.sleep(0.2)
-    return False
+
+
+def _converge_or_explain(obs: Observation) -> bool:
+    """Wait for the membership views to converge before the run is proposed; when they
+    never do, say so as the harness's failure reason (no run is started)."""
+    lacking = _wait_converged(list(obs.nodes.values()), CONVERGE_TIMEOUT_S)
+    obs.membership_converged = not lacking
+    if lacking:
+        obs.errors.append(
+            f"the nodes never all saw each other alive within {CONVERGE_TIMEOUT_S:g} s, so no "
+            f"run was started (membership): {'; '.join(lacking)}"
+        )
+    return not lacking
 
 
 def _engine_round(obs: Observation, node: NodeProcess) -> int:
@@ -539,12 +570,12 @@ def run_harness(
                 wait_ready(node, out)
             if on_started is not None:
                 on_started(obs, procs.pids)
-            _wait_converged(list(obs.nodes.values()))
-            propose_and_accept(obs)
-            _listen(obs, stop)
-            start_run(obs)
-            _follow(procs, obs, limit, progress, stop)
-            _collect_metrics(obs)
+            if _converge_or_explain(obs):
+                propose_and_accept(obs)
+                _listen(obs, stop)
+                start_run(obs)
+                _follow(procs, obs, limit, progress, stop)
+                _collect_metrics(obs)
         finally:
             stop.set()
             with no_signals():

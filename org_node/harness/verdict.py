@@ -7,7 +7,9 @@ summary: ``ok``, ``orgs``, ``rounds_completed``, ``backend``, ``final_model_sha2
 (per org; equal for every surviving org), ``metrics`` (per org: final loss and
 accuracy), ``bytes_sent`` (per org, from its egress log), ``faults``, ``recoveries``,
 ``audit_verified`` (per org, :func:`org_node.audit.verify_path`, what
-``fedweave audit verify`` runs), ``audit_reports`` and ``harness_check``.
+``fedweave audit verify`` runs), ``audit_reports``, ``harness_check`` and
+``membership_converged`` (false when the nodes never all saw each other alive, so no
+run was started: then that is the one ``reason``).
 
 ``harness_check`` (:func:`plaintext_fedavg`) recomputes the run in the clear: from the
 round-0 model, for each round, the plain sum of the packed updates the survivors
@@ -358,6 +360,8 @@ def build_summary(obs: Observation) -> dict[str, Any]:
             reasons.append(f"audit verify failed at {org}: {result['summary']}")
     check = _harness_check(obs, surviving, models, rounds_done, reasons)
     reasons.extend(_check_recoveries(obs, states, rounds_done))
+    if obs.membership_converged is False:  # no run was started: its own reasons would mislead
+        reasons = list(obs.errors)
     return {
         "ok": not reasons,
         "orgs": list(s.names),
@@ -384,6 +388,7 @@ def build_summary(obs: Observation) -> dict[str, Any]:
         "audit_reports": reports,
         "harness_check": check,
         "scenario": s.to_dict(),
+        "membership_converged": obs.membership_converged,
         "elapsed_s": obs.elapsed_s,
         "reason": "; ".join(reasons) if reasons else "",
     }

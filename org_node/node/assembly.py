@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 from collections.abc import Mapping
@@ -155,10 +156,7 @@ class OrgNode(NodeContext):
             chain=list(chain or []),
         )
         self._transport = transport
-        fast = config.debug.fast_membership
-        self.swim = swim or (
-            SwimConfig(period_s=0.2, ping_timeout_s=0.08) if fast else SwimConfig()
-        )
+        self.swim = swim or _swim_config(config)
         self.round_config = round_config or RoundConfig(
             ready_timeout=config.engine.ready_timeout_s,
             lookahead_rounds=2 * ATTEMPTS,
@@ -438,6 +436,17 @@ def _egress_log(identity: OrgIdentity, paths: NodePaths) -> EgressLog:
             f"the egress log {paths.egress_log} cannot be continued: {exc} (`fedweave audit "
             "verify` on it shows the first bad record; move the file aside to start a new log)"
         ) from None
+
+
+def _swim_config(config: NodeConfig) -> SwimConfig:
+    """The ``[membership]`` table; with ``[debug] fast_membership`` (nodes on one host)
+    a 0.2 s period and an 80 ms ping floor, timeouts still growing with the measured
+    round trips up to 2 s."""
+    if not config.debug.fast_membership:
+        return config.membership
+    return dataclasses.replace(
+        config.membership, period_s=0.2, ping_timeout_s=0.08, max_ping_timeout_s=2.0
+    )
 
 
 def _debug_export(config: NodeConfig) -> Path | None:
