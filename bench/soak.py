@@ -172,7 +172,7 @@ class Soak:
         self.obs.nodes = create(self.obs.scenario, self.out)
 
     def start(self) -> None:
-        from org_node.harness.nodes import start, wait_ready
+        from org_node.harness.nodes import HarnessError, start, wait_ready
         from org_node.harness.runner import wait_converged
         from org_node.harness.setup import propose_and_accept, start_run
 
@@ -180,7 +180,9 @@ class Soak:
             start(self.procs, node, self.out)
         for node in self.obs.nodes.values():
             wait_ready(node, self.out)
-        wait_converged(list(self.obs.nodes.values()))
+        lacking = wait_converged(list(self.obs.nodes.values()))
+        if lacking:
+            raise HarnessError("membership never converged: " + "; ".join(lacking))
         propose_and_accept(self.obs)
         start_run(self.obs)
 

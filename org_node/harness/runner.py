@@ -589,8 +589,9 @@ def run_harness(
 # --------------------------------------------------------------------------- steps for others
 
 
-def wait_converged(nodes: list[NodeProcess], timeout: float = 60.0) -> bool:
-    """Wait until each of ``nodes`` sees every other one alive; whether they did."""
+def wait_converged(nodes: list[NodeProcess], timeout: float = CONVERGE_TIMEOUT_S) -> list[str]:
+    """Wait until each of ``nodes`` sees every other one alive; what was still not seen
+    after ``timeout`` (empty when they converged)."""
     return _wait_converged(nodes, timeout)
 
 
