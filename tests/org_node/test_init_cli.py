@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from org_node.cli import app
+from api.cli import app  # the console script's app: org_node's, with `run` on it
 from org_node.config import NodeConfig
 
 runner = CliRunner()
