@@ -79,7 +79,7 @@ from org_node.privacy import (
     skellam_codec,
 )
 from org_node.privacy import skellam_round_for as _skellam_round_for
-from org_node.quorum import QuorumWait, backoff_s
+from org_node.quorum import QuorumWait, back_off, backoff_s
 from org_node.run_config import (
     ATTEMPTS,
     EngineConfig,
@@ -542,22 +542,14 @@ class RunEngine:
             )
         self.quorum = wait
         self._doing("quorum")
-        delay = (
-            0.0
-            if superseded
-            else backoff_s(
-                wait.failures, self.config.quorum_backoff_s, self.config.quorum_backoff_max_s
-            )
+        cfg = self.config
+        delay = backoff_s(wait.failures, cfg.quorum_backoff_s, cfg.quorum_backoff_max_s)
+        wait.next_at = now + (0.0 if superseded else delay)
+        run, until = self.plan.run_key, base + ATTEMPTS
+        found = await back_off(
+            wait, self.clock, lambda: self.rounds.later_attempt(run, base + attempt, until)
         )
-        wait.next_at = now + delay
-        later = base + attempt
-        while self.clock() < wait.next_at:
-            found = self.rounds.later_attempt(self.plan.run_key, base + attempt, base + ATTEMPTS)
-            if found is not None:
-                later = found - 1  # a peer runs it already: join now
-                break
-            await asyncio.sleep(min(0.05, max(0.0, wait.next_at - self.clock())))
-        wait.next_at = None
+        later = base + attempt if found is None else found - 1  # a peer runs it: join
         return min(ATTEMPTS - 1, max(attempt + 1, self._later_attempt(later, base)))
 
     def _doing(self, what: str) -> None:

@@ -14,9 +14,11 @@ the round's report (``quorum_wait_s`` among its metrics).
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["QuorumWait", "backoff_s"]
+__all__ = ["QuorumWait", "back_off", "backoff_s"]
 
 
 def backoff_s(failures: int, base_s: float, cap_s: float) -> float:
@@ -46,3 +48,19 @@ class QuorumWait:
     def waited(self, now: float) -> float:
         """Seconds this round has waited so far."""
         return max(0.0, now - self.since)
+
+
+async def back_off(
+    wait: QuorumWait, clock: Callable[[], float], later: Callable[[], int | None]
+) -> int | None:
+    """Sleep until ``wait.next_at`` (clock time), unless ``later()`` finds an attempt
+    that peers already run first: that one is returned (None after a full backoff).
+    ``wait.next_at`` is None again afterwards (an attempt runs)."""
+    found = None
+    while wait.next_at is not None and clock() < wait.next_at:
+        found = later()
+        if found is not None:
+            break
+        await asyncio.sleep(min(0.05, max(0.0, wait.next_at - clock())))
+    wait.next_at = None
+    return found

@@ -38,6 +38,15 @@ _POLL_S = 0.1
 """How often a waiting ready stage looks again at membership and later attempts."""
 
 
+def _silent(ctx: StageContext, exchange: PairwiseExchange) -> set[str]:
+    """The members not heard from in this exchange, not answered, and not confirmed
+    dead (when there is a membership view)."""
+    silent = set(ctx.u0) - set(exchange.heard()) - exchange.served - {ctx.me}
+    if ctx.live is not None:
+        silent &= set(ctx.live())
+    return silent
+
+
 def wait_is_over(ctx: StageContext) -> bool:
     """Whether the ready stage may stop waiting before its deadline: every member of
     ``U0`` is ready, or at least ``t`` are and every missing one is confirmed dead by
@@ -121,16 +130,19 @@ class ReadyStage:
         pending: set[str] = set(exchange.targets(u0))
         retry_s = max(0.05, wait_s / 8)
         next_send = loop.time()
-        # past patience, a member still silent may not run this round (yet): this node
-        # sends its ready there too, so a member at another attempt learns where it is
-        widen_at: float | None = loop.time() + patience(ctx.config)
+        # past patience, a member still silent may run another attempt of this round:
+        # with numbered attempts, this node sends its ready there too (never to one
+        # confirmed dead), so that member learns where the others are
+        widen_at: float | None = None
+        if ctx.config.attempts_per_round is not None:
+            widen_at = loop.time() + patience(ctx.config)
         tries = 0
         while True:
             now = loop.time()
             if widen_at is not None and now >= widen_at:
                 widen_at = None
-                silent = set(u0) - set(exchange.heard()) - exchange.served - {ctx.me}
-                if silent - pending:
+                silent = _silent(ctx, exchange) - pending
+                if silent:
                     pending |= silent
                     next_send = now
             if pending and now >= next_send:
@@ -153,7 +165,7 @@ class ReadyStage:
         later = self.table.later_ready(ctx.run, ctx.round, ctx.config.attempts_end(ctx.round))
         if later is not None:
             raise RoundFailed(
-                "ready", f"superseded: peers already run attempt round {later} of this round"
+                "ready", f"superseded: peers already run protocol round {later} of this round"
             )
 
     def _take_readies(self, ctx: StageContext, h0: bytes) -> frozenset[str]:

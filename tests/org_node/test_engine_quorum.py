@@ -147,7 +147,7 @@ def test_finding_1_a_round_fails_the_run_only_after_quorum_wait_s(tmp_path: Path
     """org-c never comes: org-a and org-b keep trying for the spec's quorum_wait_s (2 s
     here, many more attempts than the old max_attempts), then fail with a reason."""
 
-    async def scenario() -> list[BaseException | Any]:
+    async def scenario() -> tuple[Any, ...]:
         _net, endpoints, rounds = federation(threshold=3)
         for e in endpoints.values():
             await e.start()
