@@ -141,7 +141,8 @@ STATE_FILE = "engine-state.bin"
 
 
 class RunFailed(Exception):
-    """The run stopped: a round failed every attempt, or the model hashes differ."""
+    """The run stopped: a round found no quorum within the spec's ``quorum_wait_s``
+    (or the statistics' sum failed ``max_attempts`` times), or the model hashes differ."""
 
 
 class _CaughtUp(Exception):
@@ -674,7 +675,7 @@ class RunEngine:
     async def run(self, *, paused: asyncio.Event | None = None) -> RunOutcome:
         """Run the remaining rounds; waits between rounds while ``paused`` is set.
 
-        Before each round, and when a round fails every attempt, the node catches up
+        Before each round, and when a round's attempt fails, the node catches up
         with a newer model the others agreed on (:meth:`try_catch_up`). Returns
         ``completed`` or ``budget_exhausted``; raises :class:`RunFailed`,
         :class:`UpdateRejected` or :class:`~coordinator_free.rounds.ModelHashMismatch`.
