@@ -505,6 +505,7 @@ class RunEngine:
             except RoundFailed as exc:
                 logger.warning("%s: round %d attempt %d failed: %s", self.org, round, attempt, exc)
                 if await self.try_catch_up():
+                    self.quorum = None
                     raise _CaughtUp from None
                 attempt = await self._wait_for_quorum(wait, base, attempt, exc)
                 continue
