@@ -333,7 +333,9 @@ def _tone(state: str, waiting: RunWaiting | None) -> str:
         return "bad"
     if state in PENDING_STATES:
         return "wait"
-    if waiting is not None and (waiting.what != "round" or waiting.orgs):
+    if waiting is not None and (
+        waiting.what != "round" or waiting.orgs or waiting.stage == "quorum"
+    ):
         return "wait"
     return "ok" if state == RunState.COMPLETED.value else "info"
 

@@ -116,6 +116,8 @@ def _print_run(row: dict[str, Any]) -> None:
         typer.echo("config: " + ", ".join(f"{k}={v}" for k, v in sorted(spec["config"].items())))
     needed = spec.get("quorum") or len(spec["participants"])
     typer.echo(f"participants: {', '.join(spec['participants'])} ({needed} must consent)")
+    if spec.get("quorum_wait_s") is not None:
+        typer.echo(f"quorum wait: a round waits up to {fmt(spec['quorum_wait_s'])} s for a quorum")
     if row.get("trainer_hash"):
         typer.echo(f"bound trainer: {spec['trainer']} {row['trainer_hash'][:12]}…")
     if row.get("dataset_name"):
@@ -279,6 +281,14 @@ def runs_propose(
         int | None,
         typer.Option("--quorum", help="Consents needed to start (default: every participant)."),
     ] = None,
+    quorum_wait: Annotated[
+        float | None,
+        typer.Option(
+            "--quorum-wait",
+            help="Seconds one round may wait for a quorum before the run fails "
+            "(default 3600, at most 86400).",
+        ),
+    ] = None,
     consent_timeout: Annotated[
         int, typer.Option("--consent-timeout", help="Seconds the participants have to consent.")
     ] = 3600,
@@ -301,6 +311,7 @@ def runs_propose(
         "threshold": threshold,
         "epsilon": epsilon,
         "quorum": quorum,
+        "quorum_wait_s": quorum_wait,
     }
     spec = _proposed_spec(spec_file, flags, data_kind, column or [], config or [])
     with client(url, token, data_dir) as api:

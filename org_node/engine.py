@@ -25,8 +25,10 @@ secure sum of its pre-training statistics:
 5. **aggregate** — the vector goes to the run's
    :class:`~coordinator_free.rounds.SecureSum` (masked backend: the leaderless
    :class:`~coordinator_free.rounds.RoundEngine`) and every survivor gets the same
-   sum; a failed attempt is retried under the next protocol round number
-   (``r * ATTEMPTS + attempt``), up to ``max_attempts``;
+   sum; a failed attempt is retried under a later protocol round number
+   (``r * ATTEMPTS + attempt``): a round without a quorum waits for one with a bounded
+   backoff, joins the attempt its peers run, and fails the run only after the run
+   spec's ``quorum_wait_s`` (:mod:`org_node.quorum`);
 6. **step** — the strategy runs on the decoded sum, identically on every node;
 7. **verify** — the new model's SHA-256 is exchanged with the survivors
    (:meth:`SecureSum.check_model_hash`): any difference stops the run;
@@ -77,6 +79,7 @@ from org_node.privacy import (
     skellam_codec,
 )
 from org_node.privacy import skellam_round_for as _skellam_round_for
+from org_node.quorum import QuorumWait, back_off, backoff_s
 from org_node.run_config import (
     ATTEMPTS,
     EngineConfig,
@@ -138,7 +141,8 @@ STATE_FILE = "engine-state.bin"
 
 
 class RunFailed(Exception):
-    """The run stopped: a round failed every attempt, or the model hashes differ."""
+    """The run stopped: a round found no quorum within the spec's ``quorum_wait_s``
+    (or the statistics' sum failed ``max_attempts`` times), or the model hashes differ."""
 
 
 class _CaughtUp(Exception):
@@ -169,6 +173,7 @@ class _Aggregate:
     dropped: tuple[str, ...]
     attempts: int
     bytes_sent: int
+    waited_s: float = 0.0
 
 
 Checkpoint = Callable[[bytes, int], Awaitable[Any]]
@@ -247,6 +252,8 @@ class RunEngine:
         self.clock = clock
         # what the engine does now and since when (clock time): see :attr:`activity`
         self.activity: tuple[str, float] = ("starting", clock())
+        # the round's wait for a quorum while one lasts (the ``quorum`` activity)
+        self.quorum: QuorumWait | None = None
         self.strategy: Strategy = make_strategy(config.strategy, config.strategy_options)
         self.codec, self.dp, self.budget = _privacy(plan, config)
         # the backend, chosen once: the round's sums and the statistics' go through it
@@ -478,33 +485,81 @@ class RunEngine:
             await asyncio.sleep(0.05)
 
     async def _aggregate(self, round: int, vector: np.ndarray) -> _Aggregate:
-        """The secure sum of this round (decoded), retried over fresh protocol rounds."""
-        last: RoundFailed | None = None
-        for attempt in range(self.config.max_attempts):
-            protocol_round = round * ATTEMPTS + attempt
+        """The secure sum of this round (decoded). An attempt that fails is tried again
+        under a later protocol round: at once when a peer already runs a later attempt
+        of this round (attempt alignment), otherwise after a bounded exponential
+        backoff; the run fails only once the round has waited the run spec's
+        ``quorum_wait_s`` (:mod:`org_node.quorum`)."""
+        base = round * ATTEMPTS
+        attempt = self._later_attempt(base - 1, base)  # join peers already further on
+        wait = QuorumWait(round + 1, self.clock(), self.plan.threshold)
+        while True:
+            wait.attempt = attempt + 1
             try:
                 summed = await self.secure_sum.run_round(
                     self.plan.run_key,
-                    protocol_round,
+                    base + attempt,
                     vector,
                     participants=self.plan.participants,
                     threshold=self.plan.threshold,
                     deadline=self.clock() + self.config.ready_timeout_s,
                 )
-                return _Aggregate(
-                    summed.total, summed.survivors, summed.dropped, attempt + 1, summed.bytes_sent
-                )
             except RoundFailed as exc:
                 logger.warning("%s: round %d attempt %d failed: %s", self.org, round, attempt, exc)
-                last = exc
                 if await self.try_catch_up():
+                    self.quorum = None
                     raise _CaughtUp from None
-        raise RunFailed(f"round {round} failed {self.config.max_attempts} times: {last}")
+                attempt = await self._wait_for_quorum(wait, base, attempt, exc)
+                continue
+            self.quorum = None
+            return _Aggregate(
+                summed.total,
+                summed.survivors,
+                summed.dropped,
+                attempt + 1,
+                summed.bytes_sent,
+                wait.waited(self.clock()) if wait.failures else 0.0,
+            )
+
+    def _later_attempt(self, after: int, base: int) -> int:
+        """The attempt (0-based) of the round at ``base`` that peers run after protocol
+        round ``after``, if their ``ready`` is buffered here; else ``after + 1 - base``."""
+        later = self.rounds.later_attempt(self.plan.run_key, after, base + ATTEMPTS)
+        return (after + 1 if later is None else later) - base
+
+    async def _wait_for_quorum(
+        self, wait: QuorumWait, base: int, attempt: int, failed: RoundFailed
+    ) -> int:
+        """After a failed attempt: fail the run once the round waited ``quorum_wait_s``,
+        otherwise back off (shown as the ``quorum`` activity) and return the next
+        attempt, joining at once a later one that peers run."""
+        superseded = failed.reason.startswith("superseded")
+        if not superseded:
+            wait.failures += 1
+            wait.missing, wait.reason = failed.missing, str(failed)
+        now = self.clock()
+        if wait.waited(now) >= self.plan.quorum_wait_s or attempt + 1 >= ATTEMPTS:
+            raise RunFailed(
+                f"round {wait.round} found no quorum of {wait.threshold} in "
+                f"{wait.waited(now):.0f} s ({wait.failures} attempts, quorum_wait_s "
+                f"{self.plan.quorum_wait_s:g}); last: {failed}"
+            )
+        self.quorum = wait
+        self._doing("quorum")
+        cfg = self.config
+        delay = backoff_s(wait.failures, cfg.quorum_backoff_s, cfg.quorum_backoff_max_s)
+        wait.next_at = now + (0.0 if superseded else delay)
+        run, until = self.plan.run_key, base + ATTEMPTS
+        found = await back_off(
+            wait, self.clock, lambda: self.rounds.later_attempt(run, base + attempt, until)
+        )
+        later = base + attempt if found is None else found - 1  # a peer runs it: join
+        return min(ATTEMPTS - 1, max(attempt + 1, self._later_attempt(later, base)))
 
     def _doing(self, what: str) -> None:
         """Note what the engine does from now on (``starting``, ``training``,
-        ``aggregating``, ``verifying``, ``checkpointing``, ``paused``), unless it
-        already does it."""
+        ``aggregating``, ``quorum`` (waiting for one: :attr:`quorum`), ``verifying``,
+        ``checkpointing``, ``paused``), unless it already does it."""
         if self.activity[0] != what:
             self.activity = (what, self.clock())
 
@@ -569,6 +624,7 @@ class RunEngine:
         metrics = {k: float(v) for k, v in result.metrics.items() if math.isfinite(v)}
         metrics.setdefault("local_compute_s", t_trained - t_round)
         metrics["secure_sum_s"] = secure_sum_s
+        metrics["quorum_wait_s"] = agg.waited_s
         metrics["round_s"] = time.monotonic() - t_round
         report = RoundReport(
             run_key=self.plan.run_key,
@@ -622,7 +678,7 @@ class RunEngine:
     async def run(self, *, paused: asyncio.Event | None = None) -> RunOutcome:
         """Run the remaining rounds; waits between rounds while ``paused`` is set.
 
-        Before each round, and when a round fails every attempt, the node catches up
+        Before each round, and when a round's attempt fails, the node catches up
         with a newer model the others agreed on (:meth:`try_catch_up`). Returns
         ``completed`` or ``budget_exhausted``; raises :class:`RunFailed`,
         :class:`UpdateRejected` or :class:`~coordinator_free.rounds.ModelHashMismatch`.

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from org_node.datasets import DataSpec, DataSpecError
+from org_node.run_config import QUORUM_WAIT_DEFAULT_S, QUORUM_WAIT_MAX_S
 
 __all__ = [
     "BACKENDS",
@@ -105,6 +106,9 @@ class RunSpec:
     quorum: how many participants must consent for the run to start (None: all of
         them); at least ``threshold``. With fewer than all, the run starts at the
         consent deadline with those that consented.
+    quorum_wait_s: how long one round may wait for a quorum (``threshold`` participants
+        ready) before the run fails; the round tries again with a bounded backoff
+        meanwhile. 1 s to one day, default one hour.
     """
 
     trainer: str
@@ -117,9 +121,16 @@ class RunSpec:
     data: DataSpec | None = None
     config: Mapping[str, bool | int | float | str] = field(default_factory=dict)
     quorum: int | None = None
+    quorum_wait_s: float = QUORUM_WAIT_DEFAULT_S
 
     def __post_init__(self) -> None:
         _trainer_name(self.trainer)
+        wait = _pos_float(self.quorum_wait_s, "quorum_wait_s")
+        if not 1.0 <= wait <= QUORUM_WAIT_MAX_S:
+            raise PolicyError(
+                f"quorum_wait_s must be between 1 and {QUORUM_WAIT_MAX_S:g} seconds (one day)"
+            )
+        object.__setattr__(self, "quorum_wait_s", wait)
         if self.trainer_hash is not None and not (
             isinstance(self.trainer_hash, str)
             and len(self.trainer_hash) == 64
@@ -184,6 +195,7 @@ class RunSpec:
             "data": None if self.data is None else self.data.to_dict(),
             "config": dict(self.config),
             "quorum": self.quorum,
+            "quorum_wait_s": self.quorum_wait_s,
         }
 
 

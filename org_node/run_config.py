@@ -17,6 +17,8 @@ from coordinator_free.validate import check_integer, check_keys, check_number
 
 __all__ = [
     "ATTEMPTS",
+    "QUORUM_WAIT_DEFAULT_S",
+    "QUORUM_WAIT_MAX_S",
     "WORKER_MODES",
     "EngineConfig",
     "EngineError",
@@ -26,9 +28,18 @@ __all__ = [
     "run_key",
 ]
 
-ATTEMPTS = 8
+ATTEMPTS = 4096
 """Protocol rounds reserved per training round: attempt ``a`` of round ``r`` runs as
-protocol round ``r * ATTEMPTS + a``; ``max_attempts`` may not exceed it."""
+protocol round ``r * ATTEMPTS + a`` (the one constant the engine, the node's round
+engine and the audit report share). A round waiting for a quorum makes at most this
+many attempts: with the backoff capped at ``quorum_backoff_max_s`` (30 s) that is more
+than a day, the longest ``quorum_wait_s`` a run spec may ask for."""
+
+QUORUM_WAIT_MAX_S = 86400.0
+"""The longest ``quorum_wait_s`` a run spec may ask for (one day)."""
+
+QUORUM_WAIT_DEFAULT_S = 3600.0
+"""How long one round waits for a quorum when the run spec does not say."""
 
 
 class EngineError(Exception):
@@ -64,7 +75,12 @@ class EngineConfig:
         of the sum it holds (``RoundConfig.owner_unmask_from``); 0 turns it off. Every
         participant must use the same.
     model_hash_timeout_s: how long the model-hash check waits for the survivors.
-    max_attempts: attempts per round before the run fails (at most ``ATTEMPTS``).
+    max_attempts: attempts of the secure sum of the pre-training statistics before the
+        run fails (at most ``ATTEMPTS``); a training round instead waits for a quorum
+        up to the run spec's ``quorum_wait_s``.
+    quorum_backoff_s / quorum_backoff_max_s: a round that found no quorum tries again
+        after ``quorum_backoff_s``, doubling each time up to ``quorum_backoff_max_s``
+        (at once when a peer already runs a later attempt).
     l2_clip / noise_multiplier / delta: org-level DP (only for runs with an epsilon):
         L2 bound of the packed vector, noise std of the sum over ``l2_clip``, and the
         delta at which epsilon is accounted.
@@ -83,6 +99,8 @@ class EngineConfig:
     owner_unmask_from: int = 8
     model_hash_timeout_s: float = 30.0
     max_attempts: int = 3
+    quorum_backoff_s: float = 1.0
+    quorum_backoff_max_s: float = 30.0
     l2_clip: float = 1.0e4
     noise_multiplier: float = 1.0
     delta: float = 1e-5
@@ -114,6 +132,10 @@ class EngineConfig:
         check_integer(f"{s}.max_attempts", self.max_attempts, EngineError, low=1)
         if self.max_attempts > ATTEMPTS:
             raise EngineError(f"{s}.max_attempts", f"at most {ATTEMPTS}")
+        check_number(f"{s}.quorum_backoff_s", self.quorum_backoff_s, EngineError)
+        check_number(f"{s}.quorum_backoff_max_s", self.quorum_backoff_max_s, EngineError)
+        if self.quorum_backoff_max_s < self.quorum_backoff_s:
+            raise EngineError(f"{s}.quorum_backoff_max_s", "must be at least quorum_backoff_s")
         check_number(f"{s}.l2_clip", self.l2_clip, EngineError)
         check_number(
             f"{s}.noise_multiplier", self.noise_multiplier, EngineError, low=0, open_low=False
@@ -220,6 +242,7 @@ class RunPlan:
     epsilon: float | None = None
     name: str = ""
     spec: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    quorum_wait_s: float = QUORUM_WAIT_DEFAULT_S
 
     @classmethod
     def from_spec(
@@ -248,6 +271,7 @@ class RunPlan:
             backend=str(spec.get("backend", "masked")),
             threshold=threshold,
             epsilon=None if spec.get("epsilon") is None else float(spec["epsilon"]),
+            quorum_wait_s=float(spec.get("quorum_wait_s") or QUORUM_WAIT_DEFAULT_S),
         )
 
 
@@ -268,6 +292,11 @@ def run_key(name: str, spec: Mapping[str, Any]) -> str:
     body["participants"] = sorted(body.get("participants", ()))
     if body.get("epsilon") is not None:
         body["epsilon"] = repr(float(body["epsilon"]))
+    wait = body.pop("quorum_wait_s", None)
+    if wait is not None and float(wait) != QUORUM_WAIT_DEFAULT_S:
+        # only a wait other than the default enters the key: a spec from before the
+        # field keeps its key
+        body["quorum_wait_s"] = repr(float(wait))
     if body.get("data") is not None:
         from org_node.datasets import DataSpec
 

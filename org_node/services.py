@@ -20,6 +20,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any, Protocol, runtime_checkable
 
 from coordinator_free.manifest import Manifest, Member
@@ -192,10 +193,15 @@ class RunEventBus:
 @dataclass(frozen=True)
 class RunActivity:
     """What a running run does at this node now: in round ``round`` (1-based), ``doing``
-    (``starting``, ``training``, ``aggregating``, ``verifying``, ``checkpointing``,
-    ``paused``), in the
+    (``starting``, ``training``, ``aggregating``, ``quorum``, ``verifying``,
+    ``checkpointing``, ``paused``), in the
     secure sum's ``stage`` (attempt ``attempt``) when aggregating, since ``since``
-    (seconds since the epoch), waiting for the messages of ``orgs``."""
+    (seconds since the epoch), waiting for the messages of ``orgs``.
+
+    ``quorum``: the round found fewer than ``threshold`` participants ready
+    ``failures`` times since ``since``; ``orgs`` are the members it missed last,
+    ``attempt`` the attempt it runs or runs next, at ``next_attempt`` (seconds since
+    the epoch; None while that attempt runs); the run fails at ``deadline``."""
 
     round: int
     doing: str
@@ -203,6 +209,10 @@ class RunActivity:
     stage: str = ""
     attempt: int = 0
     orgs: tuple[str, ...] = ()
+    failures: int = 0
+    threshold: int = 0
+    next_attempt: float | None = None
+    deadline: float | None = None
 
     @property
     def detail(self) -> str:
@@ -217,12 +227,33 @@ class RunActivity:
             return f"round {self.round}: erasure-coded checkpoint to the peers"
         if self.doing == "paused":
             return f"paused before round {self.round}"
+        if self.doing == "quorum":
+            return self._quorum_line()
         line = f"round {self.round}"
         if self.attempt > 1:
             line += f" (attempt {self.attempt})"
         line += f": secure sum, {self.stage or 'starting'}"
         if self.orgs:
             line += ", waiting for " + ", ".join(self.orgs)
+        return line
+
+    def _quorum_line(self) -> str:
+        """A round waiting for a quorum, as :attr:`detail` says it."""
+        line = (
+            f"round {self.round}: waiting for a quorum of {self.threshold} "
+            f"({self.failures} attempts failed"
+        )
+        if self.orgs:
+            line += "; missing " + ", ".join(self.orgs)
+        line += ")"
+        if self.next_attempt is None:
+            line += f", attempt {self.attempt} under way"
+        else:
+            at = datetime.fromtimestamp(self.next_attempt, tz=UTC).strftime("%H:%M:%S")
+            line += f", attempt {self.attempt} at {at} UTC"
+        if self.deadline is not None:
+            end = datetime.fromtimestamp(self.deadline, tz=UTC).strftime("%Y-%m-%d %H:%M:%S")
+            line += f"; the run fails if none by {end} UTC"
         return line
 
 

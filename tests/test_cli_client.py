@@ -351,6 +351,46 @@ def test_runs_show_says_whose_message_a_round_under_way_waits_for(
     assert "round 3: training on this org's data" in r.output
 
 
+def test_finding_1_runs_show_says_a_round_waits_for_a_quorum(
+    client_api: Api, tmp_path: Path
+) -> None:
+    """A round without a quorum: ``runs show`` says so, whom it misses, how many
+    attempts failed and when the next one starts; the spec's quorum wait is shown, and
+    ``runs propose --quorum-wait`` sets it (a wait out of range is refused)."""
+    from org_node.services import RunActivity
+
+    run_id = _propose(client_api, tmp_path)
+    assert invoke(client_api, "runs", "accept", "r1").exit_code == 0
+    assert invoke(client_api, "runs", "start", "r1").exit_code == 0
+    client_api.node.activity = RunActivity(
+        2,
+        "quorum",
+        1_800_000_000.0,
+        attempt=4,
+        orgs=("org-b",),
+        failures=3,
+        threshold=2,
+        next_attempt=1_800_000_090.0,
+        deadline=1_800_003_600.0,
+    )
+    r = invoke(client_api, "runs", "show", run_id[:8], role=Role.AUDITOR)
+    assert r.exit_code == 0, r.output
+    assert (
+        "waiting for: round 2: waiting for a quorum of 2 (3 attempts failed; missing org-b), "
+        "attempt 4 at 08:01:30 UTC; the run fails if none by 2027-01-15 09:00:00 UTC, "
+        "since 2027-01-15 08:00:00 UTC" in r.output
+    )
+    assert "quorum wait: a round waits up to 3600 s for a quorum" in r.output
+    base = ["runs", "propose", "--trainer", "tabular", "--rounds", "2"]
+    base += ["--participant", "org-a", "--participant", "org-b"]
+    r = invoke(client_api, *base, "--name", "waits", "--quorum-wait", "120")
+    assert r.exit_code == 0, r.output
+    shown = invoke(client_api, "runs", "show", "waits", role=Role.AUDITOR)
+    assert "quorum wait: a round waits up to 120 s for a quorum" in shown.output
+    r = invoke(client_api, *base, "--name", "never", "--quorum-wait", "0")
+    assert r.exit_code == 1 and "quorum_wait_s" in r.output
+
+
 def test_audit_verify_from_peers_catches_a_log_cut_short(client_api: Api, tmp_path: Path) -> None:
     """``audit verify --from-peers`` asks the node for the heads of its log that its peers
     hold: the whole log agrees with them and says how many entries follow the last; the

@@ -67,6 +67,8 @@ class RoundConfig:
     topology: str = "ring"
     owner_unmask_from: int | None = 8
     secagg_plus_above: int | None = 32
+    attempts_per_round: int | None = None
+    max_open_rounds: int | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -93,6 +95,24 @@ class RoundConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"RoundConfig.{name} must be at least 1")
 
+        if self.max_open_rounds is not None and (
+            isinstance(self.max_open_rounds, bool)
+            or not isinstance(self.max_open_rounds, int)
+            or self.max_open_rounds < 2
+        ):
+            raise ValueError(
+                f"RoundConfig.max_open_rounds must be None or an int >= 2, got "
+                f"{self.max_open_rounds!r}"
+            )
+        if self.attempts_per_round is not None and (
+            isinstance(self.attempts_per_round, bool)
+            or not isinstance(self.attempts_per_round, int)
+            or self.attempts_per_round < 1
+        ):
+            raise ValueError(
+                "RoundConfig.attempts_per_round must be None or a positive int, "
+                f"got {self.attempts_per_round!r}"
+            )
         for name in ("secagg_plus_above", "owner_unmask_from"):
             value = getattr(self, name)
             if value is not None and (
@@ -103,6 +123,19 @@ class RoundConfig:
             raise ValueError(
                 f"RoundConfig.topology must be 'ring' or 'star', got {self.topology!r}"
             )
+
+    def open_rounds_limit(self) -> int:
+        """How many rounds one member may hold open here that this node does not run
+        (see ``max_open_rounds``)."""
+        if self.max_open_rounds is not None:
+            return self.max_open_rounds
+        return 2 * self.lookahead_rounds + 2
+
+    def attempts_end(self, round: int) -> int:
+        """The protocol round after the last attempt of ``round``'s training round
+        (``round + 1`` when rounds are unrelated)."""
+        a = self.attempts_per_round
+        return round + 1 if a is None else (round // a + 1) * a
 
     def threshold_for(self, n_participants: int) -> int:
         """``t`` for a round with ``n_participants`` agreed participants."""

@@ -71,10 +71,11 @@ class RoundEngine:
 
     peers: the federation's members (the manifest's list, the same on every node: it
     is ``U0`` of the masked sum); this org may be among them. session_factory builds
-    this org's masked-sum session for a round. live: optionally, the members believed
-    alive (the membership layer's view): the ready stage stops waiting once all of
-    them are ready instead of waiting out the deadline for a member known dead, and
-    a ring step pings a predecessor it waits on as soon as that one leaves the view.
+    this org's masked-sum session for a round. live: optionally, the members not known
+    to have failed (the membership layer's view, suspects included): the ready stage
+    stops waiting before its deadline once at least ``t`` members are ready and every
+    missing one has left this view (confirmed dead), and a ring step pings a
+    predecessor it waits on as soon as that one leaves the view.
     hook: the simulator's fault-injection seam. observer: called with each
     :class:`RoundObservation` (stage times, arrivals, refusals, dropouts); more can be
     added with :meth:`add_observer`. admit: the runs peers may open rounds of, and
@@ -169,6 +170,13 @@ class RoundEngine:
         """The ``(run, round)`` pairs this engine holds state for (buffered or running)."""
         return self._table.open_rounds()
 
+    def later_attempt(self, run: str, after: int, until: int) -> int | None:
+        """The newest protocol round ``after < r < until`` of ``run`` that a peer runs
+        and this node does not, as the peer's ``ready`` buffered here says; None when
+        none. A caller that numbers the attempts of one of its rounds consecutively
+        finds the attempt its peers are at (attempt alignment)."""
+        return self._table.later_ready(run, after, until)
+
     # -- the round ----------------------------------------------------------------------
 
     async def run_round(
@@ -192,6 +200,7 @@ class RoundEngine:
         table = self._table
         if (run, round) in table.running:
             raise RoundFailed("ready", f"round {round} of {run!r} is already running here")
+        table.advance(run, round)  # a node that fell behind moves its window along
         table.keep_window(run, round)
         try:
             state = table.state(run, round)

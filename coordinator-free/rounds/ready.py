@@ -6,8 +6,9 @@ the same on every node) and exchanges with every member a signed ``round.ready``
 carrying the hash of ``U0`` and its ``AdvertiseKeys``: one request per pair
 (:class:`~coordinator_free.rounds.exchange.PairwiseExchange`). A peer it cannot reach
 (a partition, a peer still starting) is tried again a few times before the deadline,
-so a partition that heals in time costs nothing; the wait ends early once every member
-believed alive is ready. The orgs whose ``ready`` came with the same ``U0`` and an
+so a partition that heals in time costs nothing. The wait lasts until the deadline and
+ends early only when every member is ready, or when at least ``t`` are and every missing
+one is confirmed dead by membership (never merely suspect: latency is not death). The orgs whose ``ready`` came with the same ``U0`` and an
 advertisement the session takes are this node's ready set.
 """
 
@@ -17,6 +18,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Iterable
 
+from coordinator_free.rounds.config import patience
 from coordinator_free.rounds.context import StageContext
 from coordinator_free.rounds.exchange import PairwiseExchange
 from coordinator_free.rounds.results import RoundFailed
@@ -25,12 +27,38 @@ from coordinator_free.rounds.state import RoundTable
 from coordinator_free.rounds.wire import HASH_BYTES, KIND_READY, view_hash
 from coordinator_free.wire import Envelope
 
-__all__ = ["READY", "ReadyStage"]
+__all__ = ["READY", "ReadyStage", "wait_is_over"]
 
 logger = logging.getLogger(__name__)
 
 READY = ("ready",)
 """The inbox key of the ready exchange."""
+
+_POLL_S = 0.1
+"""How often a waiting ready stage looks again at membership and later attempts."""
+
+
+def _silent(ctx: StageContext, exchange: PairwiseExchange) -> set[str]:
+    """The members not heard from in this exchange, not answered, and not confirmed
+    dead (when there is a membership view)."""
+    silent = set(ctx.u0) - set(exchange.heard()) - exchange.served - {ctx.me}
+    if ctx.live is not None:
+        silent &= set(ctx.live())
+    return silent
+
+
+def wait_is_over(ctx: StageContext) -> bool:
+    """Whether the ready stage may stop waiting before its deadline: every member of
+    ``U0`` is ready, or at least ``t`` are and every missing one is confirmed dead by
+    the membership layer (``ctx.live()`` lists the members not known to have failed,
+    suspects included: a suspect is waited for, it may only be slow)."""
+    u0 = set(ctx.u0)
+    ready = set(ctx.state.inbox.senders(READY)) & u0
+    if ready >= u0:
+        return True
+    if ctx.live is None or len(ready) < ctx.t:
+        return False
+    return not (u0 - ready) & set(ctx.live())
 
 
 class ReadyStage:
@@ -88,31 +116,57 @@ class ReadyStage:
 
     async def _exchange(self, ctx: StageContext, exchange: PairwiseExchange) -> None:
         """Send this node's ready to the peers it initiates with and to those whose ready
-        came first, retrying the unreached; wait until the deadline or until every
-        member believed alive is ready."""
+        came first, retrying the unreached (past :func:`patience`, to every member still
+        silent too); wait until the deadline, or until
+        :func:`wait_is_over` says the wait may end early. A peer's ready for a later
+        attempt of the same training round ends this attempt at once
+        (``RoundConfig.attempts_per_round``): this node joins the others there."""
         loop = asyncio.get_running_loop()
-        inbox, u0 = ctx.state.inbox, ctx.u0
+        u0 = ctx.u0
         wait_s = (
             (ctx.deadline - ctx.clock()) if ctx.deadline is not None else ctx.config.ready_timeout
         )
         ready_end = loop.time() + max(0.0, wait_s)
         pending: set[str] = set(exchange.targets(u0))
         retry_s = max(0.05, wait_s / 8)
-        # the wait ends early once every member believed alive is ready
-        awaited = set(u0) if ctx.live is None else (set(ctx.live()) & set(u0)) | {ctx.me}
+        next_send = loop.time()
+        # past patience, a member still silent may run another attempt of this round:
+        # with numbered attempts, this node sends its ready there too (never to one
+        # confirmed dead), so that member learns where the others are
+        widen_at: float | None = None
+        if ctx.config.attempts_per_round is not None:
+            widen_at = loop.time() + patience(ctx.config)
         tries = 0
         while True:
-            if tries:
-                for org in sorted(pending):
-                    ctx.observe("retry", "ready", peer=org, detail="ready re-sent")
-            tries += 1
-            pending = await exchange.send(ctx.net, ctx.counters, pending, KIND_READY, "ready")
-            if not pending or loop.time() + retry_s >= ready_end:
-                break
-            got = await inbox.wait(READY, awaited, min(ready_end, loop.time() + retry_s))
-            if got.keys() >= awaited:
-                break
-        await inbox.wait(READY, awaited, ready_end)
+            now = loop.time()
+            if widen_at is not None and now >= widen_at:
+                widen_at = None
+                silent = _silent(ctx, exchange) - pending
+                if silent:
+                    pending |= silent
+                    next_send = now
+            if pending and now >= next_send:
+                if tries:
+                    for org in sorted(pending):
+                        ctx.observe("retry", "ready", peer=org, detail="ready re-sent")
+                tries += 1
+                pending = await exchange.send(ctx.net, ctx.counters, pending, KIND_READY, "ready")
+                next_send = loop.time() + retry_s
+            self._check_superseded(ctx)
+            if wait_is_over(ctx) or loop.time() >= ready_end:
+                return
+            until = min(ready_end, loop.time() + _POLL_S)
+            if pending:
+                until = min(until, next_send)
+            await ctx.state.inbox.wait(READY, u0, until)
+
+    def _check_superseded(self, ctx: StageContext) -> None:
+        """Leave this attempt when a peer already runs a later one of the same round."""
+        later = self.table.later_ready(ctx.run, ctx.round, ctx.config.attempts_end(ctx.round))
+        if later is not None:
+            raise RoundFailed(
+                "ready", f"superseded: peers already run protocol round {later} of this round"
+            )
 
     def _take_readies(self, ctx: StageContext, h0: bytes) -> frozenset[str]:
         """The orgs ready with this node's member list whose advertisement the session

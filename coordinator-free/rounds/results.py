@@ -74,12 +74,14 @@ observer that raises is logged and never affects the round."""
 
 
 class RoundFailed(CoordinatorFreeError):
-    """The round could not complete; ``stage`` is where, ``reason`` says why."""
+    """The round could not complete; ``stage`` is where, ``reason`` says why;
+    ``missing``: the members this node waited for in vain, when it knows them."""
 
-    def __init__(self, stage: str, reason: str) -> None:
+    def __init__(self, stage: str, reason: str, missing: tuple[str, ...] = ()) -> None:
         super().__init__(f"round failed at {stage}: {reason}")
         self.stage = stage
         self.reason = reason
+        self.missing = missing
 
 
 class ModelHashMismatch(CoordinatorFreeError):

@@ -76,6 +76,7 @@ class ShareStage:
             raise RoundFailed(
                 "ready",
                 f"{len(view1)} participants are ready, fewer than {least} (threshold t={t})",
+                missing=tuple(sorted(set(ctx.u0) - view1)),
             )
         ctx.h1 = view_hash("ready", view1)
         try:

@@ -96,10 +96,11 @@ class RoundTable:
     """The rounds this node holds state for, the rounds it runs, and where each run is.
 
     A round is refused when its run finished it already, or when it lies more than
-    ``lookahead_rounds`` past the run's last finished round; a peer's message is
-    refused too when its run is not admitted or it is no participant, and a round it
-    would open when it holds its quota (see the module docstring). Opening a round
-    opens it on the ring too, and closing closes it there.
+    ``lookahead_rounds`` past the run's last finished round (a node that moves on to a
+    later round moves this window along: :meth:`advance`); a peer's message is refused
+    too when its run is not admitted or it is no participant, and a round it would open
+    when it holds its quota (see the module docstring). Opening a round opens it on the
+    ring too, and closing closes it there.
     """
 
     def __init__(
@@ -122,7 +123,7 @@ class RoundTable:
 
     def member_quota(self) -> int:
         """How many rounds one member may hold open here that this node does not run."""
-        return 2 * self.config.lookahead_rounds + 2
+        return self.config.open_rounds_limit()
 
     def get(self, run: str, round: int) -> RoundState | None:
         """The state of ``(run, round)`` if this node holds one."""
@@ -193,6 +194,31 @@ class RoundTable:
     def last_done(self, run: str) -> int | None:
         """The newest round of ``run`` this node finished, if any."""
         return self._last_done.get(run)
+
+    def advance(self, run: str, round: int) -> None:
+        """This node runs ``round`` of ``run`` now: every earlier round is over here.
+
+        A node that fell behind (a restart, a long outage, a catch-up to the
+        federation's model) starts a round far past the last one it finished; the
+        window of rounds it buffers and runs moves with it, so its own round is never
+        "too far ahead" of a round it will not run again."""
+        last = self._last_done.get(run)
+        if last is None or last < round - 1:
+            self._last_done[run] = round - 1
+
+    def later_ready(self, run: str, after: int, until: int) -> int | None:
+        """The newest round ``after < r < until`` of ``run`` this node only buffers (it
+        does not run it) that holds a ``ready`` from a peer still in it (no ``leave``
+        from that peer): where the others are, when these rounds are attempts of one
+        training round."""
+        best: int | None = None
+        for (rn, r), state in self._states.items():
+            if rn != run or not after < r < until or (rn, r) in self.running:
+                continue
+            # ("ready",): the ready stage's inbox key (see ready.READY)
+            if set(state.inbox.senders(("ready",))) - state.gone() - {self.me}:
+                best = r if best is None else max(best, r)
+        return best
 
     def keep_window(self, run: str, round: int) -> None:
         """Drop the rounds of ``run`` this node will never run once it runs ``round``

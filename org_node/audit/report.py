@@ -57,6 +57,7 @@ from org_node.audit.log import (
 )
 from org_node.policy import Policy, RunSpec, check_run_against_policy
 from org_node.privacy import GaussianRound, RdpAccountant, SkellamRound
+from org_node.run_config import ATTEMPTS
 
 __all__ = [
     "PROTOCOL_ATTEMPTS",
@@ -103,8 +104,9 @@ SECTIONS = (
 )
 
 
-PROTOCOL_ATTEMPTS = 8
-"""Protocol rounds the engine reserves per run round (``org_node.engine.ATTEMPTS``):
+PROTOCOL_ATTEMPTS = ATTEMPTS
+"""Protocol rounds the engine reserves per run round (the one constant
+:data:`org_node.run_config.ATTEMPTS`):
 attempt ``a`` (0-based) of run round ``r`` (1-based) goes on the wire as protocol round
 ``(r - 1) * PROTOCOL_ATTEMPTS + a``; the egress log records the protocol round."""
 
@@ -201,7 +203,8 @@ class DpFacts:
 
 @dataclass(frozen=True)
 class RoundFacts:
-    """What the node saw of one round (``model_hash`` hex; peers that agreed or not)."""
+    """What the node saw of one round (``model_hash`` hex; peers that agreed or not;
+    the attempt that completed it and how long it waited for a quorum before)."""
 
     round: int
     participants: tuple[str, ...]
@@ -213,10 +216,15 @@ class RoundFacts:
     disagreeing_peers: tuple[str, ...] = ()
     loss: float | None = None
     accuracy: float | None = None
+    attempts: int = 1
+    quorum_wait_s: float = 0.0
 
     def __post_init__(self) -> None:
         _finite(self.loss, "loss")
         _finite(self.accuracy, "accuracy")
+        _finite(self.quorum_wait_s, "quorum_wait_s")
+        if self.attempts < 1 or self.quorum_wait_s < 0:
+            raise ReportError(f"round {self.round}: attempts >= 1 and a wait >= 0 expected")
         if not set(self.recovered) <= set(self.dropped):
             raise ReportError(f"round {self.round}: recovered orgs must be among the dropped")
 
@@ -696,4 +704,6 @@ def round_facts_from_engine(report: Any, participants: Sequence[str]) -> RoundFa
         agreeing_peers=survivors,
         loss=metrics.get("eval_loss", metrics.get("loss")),
         accuracy=metrics.get("eval_accuracy", metrics.get("accuracy")),
+        attempts=max(1, int(getattr(report, "attempts", 1))),
+        quorum_wait_s=max(0.0, float(metrics.get("quorum_wait_s", 0.0))),
     )

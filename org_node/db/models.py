@@ -414,6 +414,13 @@ class RunSpecModel(SQLModel):
         description="Consents the run needs to start (default: every participant); "
         "with fewer, it starts at the consent deadline with those that consented.",
     )
+    quorum_wait_s: float = Field(
+        default=3600.0,
+        ge=1.0,
+        le=86400.0,
+        description="How long one round may wait for a quorum (threshold participants "
+        "ready) before the run fails; it retries with a bounded backoff meanwhile.",
+    )
 
     @field_validator("config")
     @classmethod

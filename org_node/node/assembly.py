@@ -160,6 +160,8 @@ class OrgNode(NodeContext):
         self.round_config = round_config or RoundConfig(
             ready_timeout=config.engine.ready_timeout_s,
             lookahead_rounds=2 * ATTEMPTS,
+            max_open_rounds=34,
+            attempts_per_round=ATTEMPTS,
             owner_unmask_from=config.engine.owner_unmask_from or None,
         )
         self.observability = Observability(

@@ -253,6 +253,19 @@ class Runs:
         # the round counter moves on once a round's model is agreed, before its checkpoint
         done = engine.state.round - (doing == "checkpointing")
         now = RunActivity(done + 1, doing, since)
+        wait = engine.quorum
+        if doing == "quorum" and wait is not None:
+            return RunActivity(
+                wait.round,
+                doing,
+                wait.since,
+                attempt=wait.attempt,
+                orgs=wait.missing,
+                failures=wait.failures,
+                threshold=wait.threshold,
+                next_attempt=wait.next_at,
+                deadline=wait.since + engine.plan.quorum_wait_s,
+            )
         if doing != "aggregating" or self.ctx.rounds is None:
             return now
         progress = self.ctx.rounds.progress(engine.plan.run_key)

@@ -253,6 +253,22 @@ def test_a_running_run_shows_rounds_to_come_and_what_a_resume_waits_for(api: Api
     assert [r["state"] for r in shown["round_states"]] == ["completed", "running", "upcoming"]
 
 
+def test_finding_1_the_dashboard_shows_a_round_waiting_for_a_quorum(api: Api) -> None:
+    from org_node.services import RunActivity
+
+    run = propose_run(api)
+    _set_run(api, run["id"], state="running", current_round=1)
+    api.node.activity = RunActivity(
+        2, "quorum", 1_800_000_000.0, attempt=3, failures=2, threshold=3, next_attempt=None
+    )
+    shown = _snapshot_run(api)
+    assert shown["tone"] == "wait"
+    assert shown["waiting"]["stage"] == "quorum"
+    assert shown["headline"] == (
+        "running, round 2: waiting for a quorum of 3 (2 attempts failed), attempt 3 under way"
+    )
+
+
 def test_a_proposed_run_shows_whom_it_waits_for_and_the_deadline(api: Api) -> None:
     run = propose_run(api, peers_accept=False)
     shown = _snapshot_run(api)

@@ -364,8 +364,9 @@ def test_round_facts_from_the_run_engine_report() -> None:
 def test_protocol_rounds_map_back_to_run_rounds_and_attempts() -> None:
     engine = pytest.importorskip("org_node.engine")
     assert PROTOCOL_ATTEMPTS == engine.ATTEMPTS
-    assert [run_round_of(p) for p in (0, 8, 16)] == [(1, 1), (2, 1), (3, 1)]
-    assert run_round_of(9) == (2, 2) and run_round_of(7) == (1, 8)
+    a = PROTOCOL_ATTEMPTS
+    assert [run_round_of(p) for p in (0, a, 2 * a)] == [(1, 1), (2, 1), (3, 1)]
+    assert run_round_of(a + 1) == (2, 2) and run_round_of(a - 1) == (1, a)
     with pytest.raises(ReportError, match="negative"):
         run_round_of(-1)
 
