@@ -17,6 +17,7 @@ file readable by group or others is refused on load.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import hashlib
 import os
 from dataclasses import dataclass, field
@@ -52,9 +53,13 @@ _KEY_SALT_DOMAIN = b"fedweave/identity-key-password/v1\x00"
 _SCRYPT_N = 1 << 15
 
 
+@functools.lru_cache(maxsize=8)
 def key_password(passphrase: bytes, certificate_pem: bytes) -> bytes:
     """The password the identity key's PKCS#8 file is encrypted under: scrypt of the
-    passphrase, salted with the SHA-256 of the certificate (unique per identity), hex."""
+    passphrase, salted with the SHA-256 of the certificate (unique per identity), hex.
+
+    Remembered per (passphrase, certificate): the node derives it once when it loads its
+    identity, and the peer server's TLS options (built on the event loop) reuse it."""
     salt = hashlib.sha256(_KEY_SALT_DOMAIN + certificate_pem.strip()).digest()
     derived = Scrypt(salt=salt, length=32, n=_SCRYPT_N, r=8, p=1).derive(passphrase)
     return derived.hex().encode("ascii")
