@@ -9,6 +9,7 @@ Every command but ``run`` lives in :mod:`org_node.cli`; ``run`` starts the whole
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -27,7 +28,7 @@ def run(data_dir: Path = DataDir, passphrase_file: PassphraseFileOpt = None) -> 
     import logging
 
     from api.serve import serve_node
-    from org_node.passphrase import read_passphrase
+    from org_node.passphrase import PASSPHRASE_ENV, read_passphrase
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
@@ -36,6 +37,7 @@ def run(data_dir: Path = DataDir, passphrase_file: PassphraseFileOpt = None) -> 
         sys.stdout.flush()
 
     passphrase = guarded(lambda: read_passphrase(passphrase_file))
+    os.environ.pop(PASSPHRASE_ENV, None)  # read once; no child process inherits it
     guarded(lambda: asyncio.run(serve_node(data_dir, on_ready=ready, passphrase=passphrase)))
     typer.echo("stopped")
 

@@ -2,7 +2,8 @@
 
 ``init`` makes a node's data directory (:class:`~org_node.config.NodePaths`): the
 Ed25519 identity and its self-signed certificate (mode 0600 in a 0700 directory), the
-recovery secret, the config file, the database with its first admin token (returned
+recovery secret (the key, the secret and the backup encrypted under a passphrase when
+one is given: :mod:`org_node.passphrase`), the config file, the database with its first admin token (returned
 once, stored hashed), this org's **member record** (``member.json``: org id, endpoint,
 fingerprint, key, certificate) to share with the other founding orgs, and the
 **recovery backup file** (identity, recovery secret) that the admin must move offline.
@@ -278,6 +279,10 @@ def install_manifest(
     """
     paths = NodePaths(Path(data_dir))
     identity, passphrase = _identity(paths, passphrase)
+    try:
+        secret = load_secret(paths.secret, passphrase)
+    except NodeError as exc:
+        raise InitError(str(exc)) from None
     manifest = read_manifest(manifest_file)
     try:
         manifest.verify_genesis()
@@ -295,10 +300,6 @@ def install_manifest(
     write_chain(paths.chain, [manifest])
     write_trust_bundle(paths.trust_bundle, manifest.certificates())
     config.save(paths.config)
-    try:
-        secret = load_secret(paths.secret, passphrase)
-    except NodeError as exc:
-        raise InitError(str(exc)) from None
     peers = {o: a for o, a in manifest.peer_addresses().items() if o != identity.org_id}
     backup = backup_file or paths.root / f"{identity.org_id}-recovery-backup.json"
     RecoveryBackup.create(

@@ -197,3 +197,16 @@ def test_read_passphrase_precedence_and_bad_files(tmp_path: Path) -> None:
         read_passphrase(big, {})
     (tmp_path / "spaces").write_bytes(b"  inner spaces kept  \n")
     assert read_passphrase(tmp_path / "spaces", {}) == b"  inner spaces kept  "
+
+
+def test_finding_6_the_local_worker_never_inherits_the_passphrase(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The trainer's worker runs the org's training code: it gets the node's environment
+    but not the passphrase that opens the node's keys."""
+    from org_node.training.launch import child_env
+
+    monkeypatch.setenv(PASSPHRASE_ENV, PASS.decode())
+    monkeypatch.setenv("FEDWEAVE_SOMETHING_ELSE", "kept")
+    env = child_env({}, 1)
+    assert PASSPHRASE_ENV not in env and env["FEDWEAVE_SOMETHING_ELSE"] == "kept"
