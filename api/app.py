@@ -2,7 +2,8 @@
 
 One FastAPI app with a router per resource (:mod:`api.routers`), the database engine
 from the settings, the node's services, the failed-authentication limiter, the body
-size limit, and CORS only when origins are configured. Errors are JSON
+size limit, the refusal of non-finite JSON numbers (422), and CORS only when origins are
+configured. Errors are JSON
 ``{"detail": message}``; an unexpected exception is logged without request data and
 answered with an opaque 500.
 """
@@ -22,6 +23,7 @@ from sqlalchemy import Engine
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api import dashboard
+from api.jsonbody import FiniteJsonBodies
 from api.reads import Reads
 from api.routers import audit, checkpoints, datasets, federation, peers, policies, runs, tokens
 from api.routers import node as node_routes
@@ -154,6 +156,7 @@ def create_app(
         logger.error("unhandled %s on %s %s", type(exc).__name__, request.method, request.url.path)
         return JSONResponse(status_code=500, content={"detail": "internal error"})
 
+    app.add_middleware(FiniteJsonBodies)  # inside the size limit: it reads bounded bodies
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
     app.add_middleware(RequestCounter, counts=app.state.request_counts)
     if settings.cors_origins:

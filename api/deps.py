@@ -105,15 +105,6 @@ async def get_principal(request: Request) -> Principal:
     The token is read with :class:`api.reads.Reads` (no session, no ORM object); its
     ``last_used_at`` is written, in a worker thread, at most once a minute.
     """
-    limiter: AuthFailureLimiter = request.app.state.auth_limiter
-    client = _client(request)
-    wait = limiter.retry_after(client)
-    if wait:
-        raise HTTPException(
-            status_code=status.HTTP_429_TOO_MANY_REQUESTS,
-            detail="too many failed authentication attempts",
-            headers={"Retry-After": str(max(1, round(wait)))},
-        )
     header = request.headers.get("authorization", "")
     scheme, _, presented = header.partition(" ")
     row = None
@@ -121,6 +112,17 @@ async def get_principal(request: Request) -> Principal:
         reads: Reads = request.app.state.reads
         row = await reads(partial(live_token, presented=presented.strip()))
     if row is None:
+        # only failures are limited: a valid token is checked first and always admitted,
+        # so a burst of bad requests from the same address cannot lock it out
+        limiter: AuthFailureLimiter = request.app.state.auth_limiter
+        client = _client(request)
+        wait = limiter.retry_after(client)
+        if wait:
+            raise HTTPException(
+                status_code=status.HTTP_429_TOO_MANY_REQUESTS,
+                detail="too many failed authentication attempts",
+                headers={"Retry-After": str(max(1, round(wait)))},
+            )
         limiter.failure(client)
         raise UNAUTHORIZED
     now = utcnow()

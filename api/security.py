@@ -3,8 +3,10 @@
 Every authentication failure — no header, a malformed header, an unknown or revoked
 token, a wrong secret — is one opaque 401 (:data:`UNAUTHORIZED`); the token check does
 the same work whether or not the token exists (:func:`org_node.db.repo.find_token`).
-A client address with too many failures in the window gets 429 until the window
-passes, before any token is looked at. Authorization is by role: each route declares
+A client address with too many failures in the window gets 429 instead of 401 for
+its failures until the window passes; a valid token is looked at first and is never
+limited, so bad requests from an address (any local process shares 127.0.0.1) cannot
+lock the real token out. Authorization is by role: each route declares
 the roles it admits (:func:`require_roles`); a valid token of another role gets 403.
 """
 

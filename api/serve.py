@@ -102,15 +102,19 @@ async def serve_node(
     *,
     on_ready: Callable[[str], None] | None = None,
     stop: asyncio.Event | None = None,
+    passphrase: bytes | None = None,
 ) -> None:
-    """Serve the node in ``data_dir`` until SIGTERM/SIGINT (or ``stop`` is set)."""
+    """Serve the node in ``data_dir`` until SIGTERM/SIGINT (or ``stop`` is set);
+    ``passphrase`` opens its encrypted identity key and recovery secret."""
     paths = NodePaths(Path(data_dir))
     if not paths.config.exists():
         raise NodeError(f"{data_dir} is not a node data directory: run `fedweave init`")
     config = NodeConfig.load(paths.config)
     settings = _settings(paths, config)
     # the database the settings name (FEDWEAVE_DATABASE_URL: PostgreSQL), else SQLite
-    node = OrgNode.open(paths.root, db=make_engine(settings.resolved_database_url))
+    node = OrgNode.open(
+        paths.root, passphrase=passphrase, db=make_engine(settings.resolved_database_url)
+    )
     net = config.network
     admin_sock = bind(net.admin_host, net.admin_port)
     peer_sock: socket.socket | None = None
@@ -126,7 +130,7 @@ async def serve_node(
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
     try:
-        await _serve(node, settings, admin_sock, peer_sock, stop, on_ready)
+        await _serve(node, settings, admin_sock, peer_sock, stop, on_ready, passphrase)
     finally:
         admin_sock.close()
         if peer_sock is not None:
@@ -157,6 +161,7 @@ async def _serve(
     peer_sock: socket.socket | None,
     stop: asyncio.Event,
     on_ready: Callable[[str], None] | None,
+    passphrase: bytes | None = None,
 ) -> None:
     """Start the node and both servers, say so, serve until ``stop``; then stop the node
     first and both servers together (leaving the stack waits for them)."""
@@ -170,7 +175,7 @@ async def _serve(
             )
             servers.append(await stack.enter_async_context(admin))
             if peer_sock is not None:
-                servers.append(await _serve_peers(node, peer_sock, stack))
+                servers.append(await _serve_peers(node, peer_sock, stack, passphrase))
             _announce(node, peer_sock is not None, on_ready)
             stopped = asyncio.create_task(stop.wait())
             serving = [s.task for s in servers]
@@ -185,7 +190,10 @@ async def _serve(
 
 
 async def _serve_peers(
-    node: OrgNode, sock: socket.socket, stack: contextlib.AsyncExitStack
+    node: OrgNode,
+    sock: socket.socket,
+    stack: contextlib.AsyncExitStack,
+    passphrase: bytes | None = None,
 ) -> RunningServer:
     """The peer port over mutual TLS; whom it admits follows the installed manifest
     (:class:`TrustFollower`), so a removed member is refused without a restart."""
@@ -198,6 +206,7 @@ async def _serve_peers(
         sock,
         node.paths.identity_dir,
         node.paths.trust_bundle,
+        passphrase=passphrase,
         graceful_shutdown_s=_GRACE_S,
         handle_signals=False,
     )

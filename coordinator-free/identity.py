@@ -6,14 +6,18 @@ each member's DER certificate, as published in the federation manifest. A self-s
 certificate (``generate``) is the default; a CA-issued certificate for the same key is
 accepted as well (``from_pem``), since pinning only looks at the certificate itself.
 
-At rest (``save``/``load``) the key is a PKCS#8 PEM file, encrypted with the passphrase
-when one is given, and both files are created with mode 0600 in a 0700 directory. A
-key file readable by group or others is refused on load.
+At rest (``save``/``load``) the key is a PKCS#8 PEM file, and both files are created
+with mode 0600 in a 0700 directory. With a passphrase the key is encrypted (PKCS#8
+PBES2, AES-256-CBC, the format TLS libraries read) under a password derived from the
+passphrase by scrypt (RFC 7914, n=2^15, r=8, p=1) salted with the certificate
+(:func:`key_password`), so a guess costs a scrypt, not PBES2's few PBKDF2 rounds. A key
+file readable by group or others is refused on load.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import hashlib
 import os
 from dataclasses import dataclass, field
@@ -26,6 +30,7 @@ from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 __all__ = [
@@ -34,6 +39,8 @@ __all__ = [
     "OrgIdentity",
     "certificate_fingerprint",
     "certificate_org_id",
+    "key_is_encrypted",
+    "key_password",
     "load_certificate",
     "verify_signature",
 ]
@@ -42,6 +49,25 @@ KEY_FILE = "identity.key"
 CERT_FILE = "identity.crt"
 _DEFAULT_NOT_BEFORE = dt.datetime(2024, 1, 1, tzinfo=dt.UTC)
 _VALIDITY = dt.timedelta(days=365 * 30)
+_KEY_SALT_DOMAIN = b"fedweave/identity-key-password/v1\x00"
+_SCRYPT_N = 1 << 15
+
+
+@functools.lru_cache(maxsize=8)
+def key_password(passphrase: bytes, certificate_pem: bytes) -> bytes:
+    """The password the identity key's PKCS#8 file is encrypted under: scrypt of the
+    passphrase, salted with the SHA-256 of the certificate (unique per identity), hex.
+
+    Remembered per (passphrase, certificate): the node derives it once when it loads its
+    identity, and the peer server's TLS options (built on the event loop) reuse it."""
+    salt = hashlib.sha256(_KEY_SALT_DOMAIN + certificate_pem.strip()).digest()
+    derived = Scrypt(salt=salt, length=32, n=_SCRYPT_N, r=8, p=1).derive(passphrase)
+    return derived.hex().encode("ascii")
+
+
+def key_is_encrypted(key_pem: bytes) -> bool:
+    """True when the PEM holds an encrypted private key."""
+    return b"-----BEGIN ENCRYPTED PRIVATE KEY-----" in key_pem
 
 
 def verify_signature(public_key: bytes, data: bytes, signature: bytes) -> bool:
@@ -174,14 +200,23 @@ class OrgIdentity:
         """An identity from a PEM key and a certificate (self-signed or CA-issued).
 
         The certificate must carry the key's public half; the org id is its subject CN.
+        An encrypted key needs ``passphrase`` (one line says so, or that it is wrong); a
+        key in clear ignores it.
         """
+        cert = load_certificate(certificate_pem, "cannot read the certificate")
+        password = None
+        if key_is_encrypted(key_pem):
+            if not passphrase:
+                raise IdentityError("the identity key is encrypted: a passphrase is needed")
+            password = key_password(passphrase, certificate_pem)
         try:
-            key = serialization.load_pem_private_key(key_pem, password=passphrase)
+            key = serialization.load_pem_private_key(key_pem, password=password)
         except (ValueError, TypeError) as exc:
+            if password is not None:
+                raise IdentityError("wrong passphrase for the identity key") from None
             raise IdentityError(f"cannot read the identity key: {exc}") from None
         if not isinstance(key, Ed25519PrivateKey):
             raise IdentityError("the identity key is not an Ed25519 key")
-        cert = load_certificate(certificate_pem, "cannot read the certificate")
         raw = serialization.Encoding.Raw, serialization.PublicFormat.Raw
         if cert.public_key().public_bytes(*raw) != key.public_key().public_bytes(*raw):
             raise IdentityError("the certificate does not belong to the identity key")
@@ -205,22 +240,30 @@ class OrgIdentity:
         """Ed25519 signature of ``data`` (deterministic, 64 bytes)."""
         return self._key.sign(data)
 
-    def private_key_pem(self, passphrase: bytes | None = None) -> bytes:
-        """The key as PKCS#8 PEM, encrypted when a passphrase is given."""
+    def private_key_pem(self, password: bytes | None = None) -> bytes:
+        """The key as PKCS#8 PEM, encrypted under ``password`` itself when one is given
+        (for a random one-time password; a passphrase goes through :meth:`key_at_rest`)."""
         encryption: serialization.KeySerializationEncryption = (
-            serialization.BestAvailableEncryption(passphrase)
-            if passphrase
+            serialization.BestAvailableEncryption(password)
+            if password
             else serialization.NoEncryption()
         )
         return self._key.private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, encryption
         )
 
+    def key_at_rest(self, passphrase: bytes | None = None) -> bytes:
+        """The key as stored on disk: PKCS#8 PEM, encrypted under :func:`key_password`
+        when a passphrase is given, in clear otherwise."""
+        if not passphrase:
+            return self.private_key_pem()
+        return self.private_key_pem(key_password(passphrase, self.certificate_pem))
+
     def save(self, directory: Path, passphrase: bytes | None = None) -> None:
         """Write ``identity.key`` and ``identity.crt`` into ``directory`` (mode 0600)."""
         directory = Path(directory)
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        _write_private(directory / KEY_FILE, self.private_key_pem(passphrase))
+        _write_private(directory / KEY_FILE, self.key_at_rest(passphrase))
         _write_private(directory / CERT_FILE, self.certificate_pem)
 
     @classmethod

@@ -16,9 +16,11 @@ The key check is a second HKDF output of the same secret: a wrong secret is repo
 failing tag is :class:`SealedCorrupt`.
 
 The secret lives offline in a :class:`RecoveryBackup` file, together with the org id,
-its identity key (PKCS#8 PEM, optionally passphrase-encrypted) and certificate, the
+its identity key (PKCS#8 PEM, optionally passphrase-encrypted under a scrypt-derived
+password: :func:`coordinator_free.identity.key_password`) and certificate, the
 federation id, the manifest hash it last knew and its peers' endpoints. With a
-passphrase, the secret is also encrypted (AES-GCM under a scrypt key, RFC 7914). The
+passphrase, the secret is also encrypted (AES-GCM under a scrypt key, RFC 7914:
+:func:`seal_with_passphrase`, which also seals a node's ``recovery.secret`` file). The
 file is written atomically (temporary file, fsync, rename: :mod:`coordinator_free.files`)
 with mode 0600.
 """
@@ -37,7 +39,7 @@ from typing import Any
 from coordinator_free.address import PeerAddress
 from coordinator_free.errors import CoordinatorFreeError, IdentityError
 from coordinator_free.files import atomic_write, require_private
-from coordinator_free.identity import OrgIdentity
+from coordinator_free.identity import OrgIdentity, key_is_encrypted
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -55,8 +57,10 @@ __all__ = [
     "WrongRecoverySecret",
     "atomic_write",
     "open_sealed",
+    "open_with_passphrase",
     "pack_parts",
     "seal",
+    "seal_with_passphrase",
     "unpack_parts",
 ]
 
@@ -264,20 +268,22 @@ class RecoveryBackup:
         return cls(
             org_id=identity.org_id,
             federation=federation,
-            key_pem=identity.private_key_pem(passphrase),
+            key_pem=identity.key_at_rest(passphrase),
             certificate_pem=identity.certificate_pem,
             secret=secret,
             peers=dict(peers or {}),
             manifest_digest=manifest_digest,
         )
 
+    @property
+    def encrypted(self) -> bool:
+        """True when the identity key in the backup is passphrase-encrypted."""
+        return key_is_encrypted(self.key_pem)
+
     def identity(self, passphrase: bytes | None = None) -> OrgIdentity:
         """The org's identity; raises :class:`BackupError` on a wrong passphrase."""
-        encrypted = b"ENCRYPTED" in self.key_pem
         try:
-            identity = OrgIdentity.from_pem(
-                self.key_pem, self.certificate_pem, passphrase if encrypted else None
-            )
+            identity = OrgIdentity.from_pem(self.key_pem, self.certificate_pem, passphrase)
         except IdentityError as exc:
             raise BackupError(f"cannot open the identity in the backup: {exc}") from None
         if identity.org_id != self.org_id:
@@ -304,14 +310,9 @@ class RecoveryBackup:
             },
         }
         if passphrase:
-            salt, nonce = os.urandom(16), os.urandom(12)
-            key = Scrypt(salt=salt, length=32, n=scrypt_n, r=8, p=1).derive(passphrase)
-            sealed = AESGCM(key).encrypt(nonce, self.secret.value, BACKUP_FORMAT.encode())
-            body["secret"] = {
-                "scrypt": {"salt": salt.hex(), "n": scrypt_n, "r": 8, "p": 1},
-                "nonce": nonce.hex(),
-                "ciphertext": sealed.hex(),
-            }
+            body["secret"] = seal_with_passphrase(
+                self.secret.value, passphrase, BACKUP_FORMAT.encode(), scrypt_n=scrypt_n
+            )
         else:
             body["secret"] = {"plain": self.secret.hex()}
         atomic_write(Path(path), json.dumps(body, indent=2, sort_keys=True).encode() + b"\n")
@@ -367,20 +368,51 @@ def _open_secret(obj: Any, passphrase: bytes | None) -> RecoverySecret:
         raise BackupError("malformed secret entry")
     if "plain" in obj:
         return RecoverySecret.from_hex(str(obj["plain"]))
-    if not passphrase:
-        raise BackupError("the recovery backup is passphrase-protected; give the passphrase")
-    params = obj["scrypt"]
-    key = Scrypt(
-        salt=bytes.fromhex(params["salt"]),
-        length=32,
-        n=int(params["n"]),
-        r=int(params["r"]),
-        p=int(params["p"]),
-    ).derive(passphrase)
-    try:
-        value = AESGCM(key).decrypt(
-            bytes.fromhex(obj["nonce"]), bytes.fromhex(obj["ciphertext"]), BACKUP_FORMAT.encode()
-        )
-    except InvalidTag:
-        raise BackupError("wrong passphrase for the recovery backup") from None
+    value = open_with_passphrase(
+        obj, passphrase, BACKUP_FORMAT.encode(), what="the recovery backup", error=BackupError
+    )
     return RecoverySecret(value)
+
+
+def seal_with_passphrase(
+    plaintext: bytes, passphrase: bytes, aad: bytes, *, scrypt_n: int = 1 << 15
+) -> dict[str, Any]:
+    """``plaintext`` AES-256-GCM-encrypted under ``scrypt(passphrase, salt, n=scrypt_n,
+    r=8, p=1)`` (RFC 7914) with a fresh salt and nonce, as a JSON-ready mapping."""
+    salt, nonce = os.urandom(16), os.urandom(12)
+    key = Scrypt(salt=salt, length=32, n=scrypt_n, r=8, p=1).derive(passphrase)
+    sealed = AESGCM(key).encrypt(nonce, plaintext, aad)
+    return {
+        "scrypt": {"salt": salt.hex(), "n": scrypt_n, "r": 8, "p": 1},
+        "nonce": nonce.hex(),
+        "ciphertext": sealed.hex(),
+    }
+
+
+def open_with_passphrase(
+    obj: Mapping[str, Any],
+    passphrase: bytes | None,
+    aad: bytes,
+    *,
+    what: str,
+    error: Callable[[str], Exception] = BackupError,
+) -> bytes:
+    """The plaintext of :func:`seal_with_passphrase`'s ``obj``; ``error`` (one line naming
+    ``what``) when the passphrase is missing or wrong or the entry is malformed."""
+    if not passphrase:
+        raise error(f"{what} is passphrase-protected; give the passphrase")
+    try:
+        params = obj["scrypt"]
+        n, r, p = int(params["n"]), int(params["r"]), int(params["p"])
+        if not (1 < n <= 1 << 20 and n & (n - 1) == 0 and 0 < r <= 32 and 0 < p <= 16):
+            raise ValueError("scrypt parameters out of range")
+        key = Scrypt(salt=bytes.fromhex(params["salt"]), length=32, n=n, r=r, p=p).derive(
+            passphrase
+        )
+        nonce, ciphertext = bytes.fromhex(obj["nonce"]), bytes.fromhex(obj["ciphertext"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise error(f"{what} is malformed: {exc}") from None
+    try:
+        return AESGCM(key).decrypt(nonce, ciphertext, aad)
+    except (InvalidTag, ValueError):
+        raise error(f"wrong passphrase for {what}") from None

@@ -2,6 +2,8 @@
 
 fedweave --version
 fedweave init --org-id ORG --data-dir DIR --peer-port P --admin-port A [--dataset-root D ...]
+              [--passphrase-file FILE]   (or FEDWEAVE_PASSPHRASE; run, federation sign
+              and install, recover and audit report read it the same way)
 fedweave federation found --federation FED --member A/member.json --member B/member.json --out m.json
 fedweave federation sign --data-dir DIR m.json        (each founder, in turn)
 fedweave federation install --data-dir DIR m.json     (each founder)
@@ -44,6 +46,7 @@ from org_node.cli_catalog import datasets_app, trainers_app
 from org_node.cli_common import (
     ApiClient,
     ClientError,
+    PassphraseFileOpt,
     TokenOpt,
     admin_url,
     guarded,
@@ -174,10 +177,16 @@ def init(
     harness: bool = typer.Option(
         False, "--harness", hidden=True, help="Test harnesses only: debug export, fast SWIM."
     ),
+    passphrase_file: PassphraseFileOpt = None,
 ) -> None:
-    """Create a node: identity, certificate, config, admin token, recovery backup."""
-    from org_node.initialize import initialize
+    """Create a node: identity, certificate, config, admin token, recovery backup.
 
+    With --passphrase-file (or FEDWEAVE_PASSPHRASE) the identity key, the recovery secret
+    and the backup are encrypted; without, they are written in clear (with a warning)."""
+    from org_node.initialize import initialize
+    from org_node.passphrase import read_passphrase
+
+    passphrase = guarded(lambda: read_passphrase(passphrase_file))
     result = guarded(
         lambda: initialize(
             data_dir,
@@ -190,8 +199,15 @@ def init(
             backup_file=backup,
             harness=harness,
             dataset_roots=dataset_root or None,
+            passphrase=passphrase,
         )
     )
+    if passphrase is None:
+        typer.echo(
+            "warning: no passphrase given: the identity key, the recovery secret and the "
+            "backup are stored unencrypted (use --passphrase-file or FEDWEAVE_PASSPHRASE)",
+            err=True,
+        )
     typer.echo(f"initialized {org_id} in {result.paths.root}")
     typer.echo(f"certificate fingerprint: {result.fingerprint}")
     typer.echo(f"member record (share with the founding orgs): {result.member_file}")
@@ -291,10 +307,7 @@ def recover_cmd(
     admin_port: Annotated[
         int | None, typer.Option("--admin-port", help="Port of the admin API.")
     ] = None,
-    passphrase_file: Annotated[
-        Path | None,
-        typer.Option("--passphrase-file", help="File holding the backup's passphrase, if any."),
-    ] = None,
+    passphrase_file: PassphraseFileOpt = None,
     timeout: float = typer.Option(60.0, "--timeout", help="Seconds to wait for the shards."),
 ) -> None:
     """Rebuild a wiped node from its backup: fetch any k shards from the peers, verify,
@@ -307,8 +320,9 @@ def recover_cmd(
 
     from org_node.initialize import prepare_recovery
     from org_node.node import OrgNode, read_chain, recover_state
+    from org_node.passphrase import read_passphrase
 
-    passphrase = passphrase_file.read_bytes().strip() if passphrase_file else None
+    passphrase = guarded(lambda: read_passphrase(passphrase_file))
     paths, token = guarded(
         lambda: prepare_recovery(
             data_dir, backup, manifest, passphrase=passphrase, admin_port=admin_port
@@ -316,7 +330,7 @@ def recover_cmd(
     )
 
     async def fetch() -> Path:
-        node = OrgNode.open(paths.root)
+        node = OrgNode.open(paths.root, passphrase=passphrase)
         chain = read_chain(paths.chain)
         current = chain[-1]
         transport = TlsTransport(node.org_identity, current.peer_addresses)
@@ -363,11 +377,14 @@ def federation_sign(
     manifest: Annotated[Path, typer.Argument(help="The founding manifest file.")],
     data_dir: Path = DataDir,
     out: Annotated[Path | None, typer.Option("--out", help="Write the signed copy here.")] = None,
+    passphrase_file: PassphraseFileOpt = None,
 ) -> None:
     """Add this org's signature to the founding manifest."""
     from org_node.initialize import sign_manifest
+    from org_node.passphrase import read_passphrase
 
-    m = guarded(lambda: sign_manifest(data_dir, manifest, out))
+    passphrase = guarded(lambda: read_passphrase(passphrase_file))
+    m = guarded(lambda: sign_manifest(data_dir, manifest, out, passphrase=passphrase))
     signers = [org for org, _ in m.signatures]
     missing = sorted(set(m.member_ids) - set(signers))
     typer.echo(f"signed; signatures: {', '.join(signers)}")
@@ -395,11 +412,16 @@ def federation_install(
     backup: Annotated[
         Path | None, typer.Option("--backup", help="Where to rewrite the backup.")
     ] = None,
+    passphrase_file: PassphraseFileOpt = None,
 ) -> None:
     """Verify every founder's signature and install the federation in this node."""
     from org_node.initialize import install_manifest
+    from org_node.passphrase import read_passphrase
 
-    m = guarded(lambda: install_manifest(data_dir, manifest, backup_file=backup))
+    passphrase = guarded(lambda: read_passphrase(passphrase_file))
+    m = guarded(
+        lambda: install_manifest(data_dir, manifest, backup_file=backup, passphrase=passphrase)
+    )
     typer.echo(
         json.dumps({"federation": m.federation, "members": list(m.member_ids), "digest": m.digest})
     )

@@ -23,6 +23,7 @@ __all__ = [
     "ApiClient",
     "ClientDataDir",
     "ClientError",
+    "PassphraseFileOpt",
     "RunRef",
     "TokenOpt",
     "UrlOpt",
@@ -50,6 +51,7 @@ _EXPECTED = (
     ("org_node.run_config", "EngineError"),
     ("org_node.initialize", "InitError"),
     ("org_node.node", "NodeError"),
+    ("org_node.passphrase", "PassphraseError"),
 )
 
 
@@ -107,6 +109,14 @@ ClientDataDir = Annotated[
     typer.Option("--data-dir", help="The node's data directory (gives the default --url)."),
 ]
 RunRef = Annotated[str, typer.Argument(help="Run key, name or unique key prefix.")]
+PassphraseFileOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--passphrase-file",
+        help="File holding the passphrase of the node's identity key, recovery secret and "
+        "backup (default: FEDWEAVE_PASSPHRASE; none: they are in clear).",
+    ),
+]
 
 
 def admin_url(url: str | None, data_dir: Path | None) -> str:

@@ -29,6 +29,7 @@ from typing import Any
 __all__ = [
     "COLUMN_TYPES",
     "DATASET_KINDS",
+    "OUTSIDE",
     "SPEC_TYPES",
     "TABLE_SUFFIXES",
     "DataSpec",
@@ -196,11 +197,17 @@ def _inside(path: Path, roots: Sequence[Path]) -> bool:
     return any(path == r or path.is_relative_to(r) for r in roots)
 
 
+OUTSIDE = "path is outside the configured dataset roots"
+"""The one answer for any path that leads outside the roots, existing or not."""
+
+
 def confine(raw: str, roots: Sequence[Path]) -> Path:
     """The real path of ``raw`` if it exists under one of ``roots``; else PathRefused.
 
     ``raw`` is absolute, or relative to a root; every symlink is followed, so ``..``
-    and links pointing outside the roots are refused alike.
+    and links pointing outside the roots are refused alike. A path that leads outside
+    the roots is refused with :data:`OUTSIDE` before its existence is looked at, so the
+    answer never tells whether a file exists outside them.
     """
     if not roots:
         raise PathRefused(
@@ -213,12 +220,20 @@ def confine(raw: str, roots: Sequence[Path]) -> Path:
     given = Path(raw)
     candidates = [given] if given.is_absolute() else [r / given for r in roots]
     for candidate in candidates:
+        # where the path leads, whether or not it exists: a path outside the roots gets
+        # one answer, never one that says whether something is there (no oracle)
+        try:
+            leads = Path(os.path.realpath(candidate))
+        except (OSError, RuntimeError, ValueError):
+            continue
+        if not _inside(leads, real_roots):
+            raise PathRefused(OUTSIDE)
         try:
             real = Path(os.path.realpath(candidate, strict=True))
         except (OSError, RuntimeError):
             continue
         if not _inside(real, real_roots):
-            raise PathRefused("path is outside the configured dataset roots")
+            raise PathRefused(OUTSIDE)
         if not (real.is_file() or real.is_dir()):
             raise PathRefused("path is neither a regular file nor a directory")
         return real

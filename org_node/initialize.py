@@ -2,7 +2,8 @@
 
 ``init`` makes a node's data directory (:class:`~org_node.config.NodePaths`): the
 Ed25519 identity and its self-signed certificate (mode 0600 in a 0700 directory), the
-recovery secret, the config file, the database with its first admin token (returned
+recovery secret (the key, the secret and the backup encrypted under a passphrase when
+one is given: :mod:`org_node.passphrase`), the config file, the database with its first admin token (returned
 once, stored hashed), this org's **member record** (``member.json``: org id, endpoint,
 fingerprint, key, certificate) to share with the other founding orgs, and the
 **recovery backup file** (identity, recovery secret) that the admin must move offline.
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from coordinator_free.errors import CoordinatorFreeError, ManifestError
-from coordinator_free.identity import OrgIdentity
+from coordinator_free.identity import KEY_FILE, OrgIdentity, key_is_encrypted
 from coordinator_free.manifest import Manifest, Member
 from coordinator_free.sealed import RecoveryBackup, RecoverySecret, atomic_write
 from coordinator_free.tls import write_trust_bundle
@@ -43,7 +44,8 @@ from org_node.config import (
 )
 from org_node.db.engine import default_database_url, make_engine
 from org_node.db.repo import init_database
-from org_node.node import load_secret, read_chain, save_secret, write_chain
+from org_node.node import NodeError, load_secret, read_chain, save_secret, write_chain
+from org_node.passphrase import with_hint
 
 __all__ = [
     "InitError",
@@ -111,12 +113,15 @@ def initialize(
     backup_file: Path | None = None,
     harness: bool = False,
     dataset_roots: Sequence[Path] | None = None,
+    passphrase: bytes | None = None,
     randbytes: RandBytes = os.urandom,
 ) -> InitResult:
     """Create a node's data directory (see the module docstring).
 
     ``dataset_roots``: the directories datasets may be registered under (made absolute,
     created if missing); by default ``DATA_DIR/datasets``.
+    ``passphrase``: encrypts the identity key, the recovery secret and the backup
+    (:mod:`org_node.passphrase`); without one they are written in clear.
     """
     data_dir = Path(data_dir)
     _empty_or_absent(data_dir)
@@ -147,9 +152,9 @@ def initialize(
     for root in roots or [paths.datasets]:
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
     identity = OrgIdentity.generate(org_id, randbytes(32))
-    identity.save(paths.identity_dir)
+    identity.save(paths.identity_dir, passphrase)
     secret = RecoverySecret.generate(randbytes)
-    save_secret(paths.secret, secret)
+    save_secret(paths.secret, secret, passphrase)
     config.save(paths.config)
     member = Member.from_identity(identity, config.node.display_name, config.network.peer_url)
     atomic_write(paths.member, json.dumps(member.to_obj(), indent=2).encode() + b"\n", mode=0o644)
@@ -157,7 +162,7 @@ def initialize(
     if token is None:  # pragma: no cover - a fresh database has no token
         raise InitError("the database already holds tokens")
     backup = backup_file or data_dir / f"{org_id}-recovery-backup.json"
-    RecoveryBackup.create(identity, "", secret).save(backup)
+    RecoveryBackup.create(identity, "", secret, passphrase=passphrase).save(backup, passphrase)
     return InitResult(
         paths, token, paths.member, backup, identity.fingerprint, config.datasets.roots
     )
@@ -213,17 +218,27 @@ def found_manifest(
     return manifest
 
 
-def _identity(paths: NodePaths) -> OrgIdentity:
+def _identity(paths: NodePaths, passphrase: bytes | None) -> tuple[OrgIdentity, bytes | None]:
+    """The node's identity, and the passphrase its files are encrypted under (None when
+    its key is in clear, whatever was given)."""
     try:
-        return OrgIdentity.load(paths.identity_dir)
+        identity = OrgIdentity.load(paths.identity_dir, passphrase)
+        encrypted = key_is_encrypted((paths.identity_dir / KEY_FILE).read_bytes())
     except CoordinatorFreeError as exc:
-        raise InitError(str(exc)) from None
+        raise InitError(with_hint(str(exc))) from None
+    return identity, passphrase if encrypted else None
 
 
-def sign_manifest(data_dir: Path, manifest_file: Path, out: Path | None = None) -> Manifest:
+def sign_manifest(
+    data_dir: Path,
+    manifest_file: Path,
+    out: Path | None = None,
+    *,
+    passphrase: bytes | None = None,
+) -> Manifest:
     """Add this org's signature to a founding version (in place unless ``out``)."""
     paths = NodePaths(Path(data_dir))
-    identity = _identity(paths)
+    identity, _ = _identity(paths, passphrase)
     manifest = read_manifest(manifest_file)
     if identity.org_id not in manifest.member_ids:
         raise InitError(f"{identity.org_id} is not a member of this manifest")
@@ -250,15 +265,24 @@ def merge_signatures(files: Sequence[Path], out: Path) -> Manifest:
 
 
 def install_manifest(
-    data_dir: Path, manifest_file: Path, *, backup_file: Path | None = None
+    data_dir: Path,
+    manifest_file: Path,
+    *,
+    backup_file: Path | None = None,
+    passphrase: bytes | None = None,
 ) -> Manifest:
     """Verify the founding version (every founder signed it) and install it here.
 
     Also writes the peer port's trust bundle and refreshes the recovery backup with the
-    federation id and the peers' addresses (move the new backup offline again).
+    federation id and the peers' addresses (move the new backup offline again),
+    encrypted as the node's own files are.
     """
     paths = NodePaths(Path(data_dir))
-    identity = _identity(paths)
+    identity, passphrase = _identity(paths, passphrase)
+    try:
+        secret = load_secret(paths.secret, passphrase)
+    except NodeError as exc:
+        raise InitError(str(exc)) from None
     manifest = read_manifest(manifest_file)
     try:
         manifest.verify_genesis()
@@ -276,12 +300,16 @@ def install_manifest(
     write_chain(paths.chain, [manifest])
     write_trust_bundle(paths.trust_bundle, manifest.certificates())
     config.save(paths.config)
-    secret = load_secret(paths.secret)
     peers = {o: a for o, a in manifest.peer_addresses().items() if o != identity.org_id}
     backup = backup_file or paths.root / f"{identity.org_id}-recovery-backup.json"
     RecoveryBackup.create(
-        identity, manifest.federation, secret, peers=peers, manifest_digest=manifest.digest
-    ).save(backup)
+        identity,
+        manifest.federation,
+        secret,
+        peers=peers,
+        manifest_digest=manifest.digest,
+        passphrase=passphrase,
+    ).save(backup, passphrase)
     return manifest
 
 
@@ -298,6 +326,8 @@ def prepare_recovery(
 
     Returns the paths and a new admin token (the old database is gone). The node's
     private state is then fetched from the peers (:func:`org_node.node.recover_state`).
+    A passphrase-protected backup needs ``passphrase``, and the rebuilt node's identity
+    key and recovery secret are encrypted under it again.
     """
     data_dir = Path(data_dir)
     _empty_or_absent(data_dir)
@@ -305,7 +335,8 @@ def prepare_recovery(
         backup = RecoveryBackup.load(Path(backup_file), passphrase)
         identity = backup.identity(passphrase)
     except CoordinatorFreeError as exc:
-        raise InitError(str(exc)) from None
+        raise InitError(with_hint(str(exc))) from None
+    passphrase = passphrase if backup.encrypted else None
     chain = read_chain(Path(chain_file))
     current = chain[-1]
     if identity.org_id not in current.member_ids:
@@ -322,8 +353,8 @@ def prepare_recovery(
     url = httpx.URL(member.endpoint)
     paths = NodePaths(data_dir)
     data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    identity.save(paths.identity_dir)
-    save_secret(paths.secret, backup.secret)
+    identity.save(paths.identity_dir, passphrase)
+    save_secret(paths.secret, backup.secret, passphrase)
     port = url.port or 443
     config = NodeConfig(
         node=NodeSection(identity.org_id, member.display_name, current.federation),

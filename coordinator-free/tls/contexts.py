@@ -15,7 +15,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from coordinator_free.identity import CERT_FILE, KEY_FILE, OrgIdentity
+from coordinator_free.identity import (
+    CERT_FILE,
+    KEY_FILE,
+    OrgIdentity,
+    key_is_encrypted,
+    key_password,
+)
 
 __all__ = [
     "client_ssl_context",
@@ -82,12 +88,18 @@ def write_trust_bundle(path: Path, certificates: list[bytes]) -> None:
 def uvicorn_ssl_options(
     identity_dir: Path, trust_bundle: Path, passphrase: bytes | None = None
 ) -> dict[str, Any]:
-    """Keyword arguments for ``uvicorn.Config`` serving the peer port with mutual TLS."""
+    """Keyword arguments for ``uvicorn.Config`` serving the peer port with mutual TLS.
+
+    An encrypted key file is opened with the password derived from ``passphrase``
+    (:func:`coordinator_free.identity.key_password`)."""
     identity_dir = Path(identity_dir)
+    password = None
+    if passphrase and key_is_encrypted((identity_dir / KEY_FILE).read_bytes()):
+        password = key_password(passphrase, (identity_dir / CERT_FILE).read_bytes()).decode()
     return {
         "ssl_keyfile": str(identity_dir / KEY_FILE),
         "ssl_certfile": str(identity_dir / CERT_FILE),
-        "ssl_keyfile_password": passphrase.decode() if passphrase else None,
+        "ssl_keyfile_password": password,
         "ssl_ca_certs": str(trust_bundle),
         "ssl_cert_reqs": ssl.CERT_REQUIRED,
     }

@@ -231,6 +231,13 @@ def report(
     run: Annotated[str, typer.Argument(help="The run id (as `fedweave runs list` shows it).")],
     data_dir: Annotated[Path, typer.Option("--data-dir", help="The node's data directory.")],
     out: Annotated[Path, typer.Option("--out", help="Directory for the JSON and HTML pair.")],
+    passphrase_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--passphrase-file",
+            help="File holding the node's passphrase (default: FEDWEAVE_PASSPHRASE).",
+        ),
+    ] = None,
 ) -> None:
     """Write the run's signed privacy report from the node's data directory (offline)."""
     from coordinator_free.errors import CoordinatorFreeError
@@ -246,13 +253,17 @@ def report(
         default_database_url,
         make_engine,
     )
+    from org_node.passphrase import PassphraseError, read_passphrase, with_hint
 
     paths = NodePaths(data_dir)
     try:
         config = NodeConfig.load(paths.config)
-        identity = OrgIdentity.load(paths.identity_dir)
-    except (ConfigError, CoordinatorFreeError, OSError) as exc:
-        typer.echo(f"error: {data_dir} is not a usable node data directory: {exc}", err=True)
+        identity = OrgIdentity.load(paths.identity_dir, read_passphrase(passphrase_file))
+    except (ConfigError, CoordinatorFreeError, OSError, PassphraseError) as exc:
+        typer.echo(
+            f"error: {data_dir} is not a usable node data directory: {with_hint(str(exc))}",
+            err=True,
+        )
         raise typer.Exit(1) from None
     if not (paths.root / DB_FILENAME).exists():
         typer.echo(f"unknown run: no run {run!r} at this node (no database yet)", err=True)

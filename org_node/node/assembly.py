@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 from collections.abc import Mapping
@@ -55,7 +56,12 @@ from coordinator_free.rounds import (
     secagg_sessions,
 )
 from coordinator_free.rounds.ckks import CkksAggregator
-from coordinator_free.sealed import RecoverySecret, atomic_write
+from coordinator_free.sealed import (
+    RecoverySecret,
+    atomic_write,
+    open_with_passphrase,
+    seal_with_passphrase,
+)
 from coordinator_free.tls import TlsTransport
 from coordinator_free.transport import Transport
 from sqlalchemy import Engine
@@ -70,9 +76,11 @@ from org_node.node.checkpoints import Checkpoints
 from org_node.node.context import NodeContext
 from org_node.node.federation import Federation
 from org_node.node.heads import AuditHeads
+from org_node.node.leftovers import clean_leftovers
 from org_node.node.proposals import RunProposals
 from org_node.node.runs import Runs, TrainerFactory
 from org_node.observability import Observability
+from org_node.passphrase import with_hint
 from org_node.proposals import Proposal
 from org_node.services import (
     CheckpointInfo,
@@ -108,16 +116,38 @@ class NodeError(Exception):
     """The node cannot start or act as asked (the message says why)."""
 
 
-def save_secret(path: Path, secret: RecoverySecret) -> None:
-    """Write the recovery secret (hex) with mode 0600."""
-    atomic_write(path, secret.hex().encode() + b"\n", mode=0o600)
+SECRET_FORMAT = "fedweave-recovery-secret/v1"
+"""The format of a passphrase-protected ``recovery.secret`` (a JSON envelope)."""
 
 
-def load_secret(path: Path) -> RecoverySecret:
+def save_secret(path: Path, secret: RecoverySecret, passphrase: bytes | None = None) -> None:
+    """Write the recovery secret with mode 0600: hex, or with ``passphrase`` a JSON
+    envelope, AES-256-GCM under a scrypt key (:func:`seal_with_passphrase`)."""
+    if not passphrase:
+        atomic_write(path, secret.hex().encode() + b"\n", mode=0o600)
+        return
+    body = {"format": SECRET_FORMAT} | seal_with_passphrase(
+        secret.value, passphrase, SECRET_FORMAT.encode()
+    )
+    atomic_write(path, json.dumps(body, sort_keys=True).encode() + b"\n", mode=0o600)
+
+
+def load_secret(path: Path, passphrase: bytes | None = None) -> RecoverySecret:
+    """The recovery secret ``save_secret`` wrote; NodeError in one line when it cannot be
+    read, or its passphrase is missing or wrong."""
     try:
-        return RecoverySecret.from_hex(path.read_text().strip())
+        text = path.read_text().strip()
+        if not text.startswith("{"):
+            return RecoverySecret.from_hex(text)
+        obj = json.loads(text)
+        if not isinstance(obj, dict) or obj.get("format") != SECRET_FORMAT:
+            raise ValueError("not a recovery secret envelope")
+        value = open_with_passphrase(
+            obj, passphrase, SECRET_FORMAT.encode(), what="the recovery secret", error=NodeError
+        )
+        return RecoverySecret(value)
     except (OSError, ValueError) as exc:
-        raise NodeError(f"cannot read the recovery secret {path}: {exc}") from None
+        raise NodeError(with_hint(f"cannot read the recovery secret {path}: {exc}")) from None
 
 
 class OrgNode(NodeContext):
@@ -181,17 +211,18 @@ class OrgNode(NodeContext):
     # ------------------------------------------------------------------ construction
 
     @classmethod
-    def open(cls, data_dir: Path, **kw: Any) -> OrgNode:
-        """A node from an initialized data directory (``fedweave init``)."""
+    def open(cls, data_dir: Path, *, passphrase: bytes | None = None, **kw: Any) -> OrgNode:
+        """A node from an initialized data directory (``fedweave init``); ``passphrase``
+        opens an encrypted identity key and recovery secret (``init --passphrase-file``)."""
         paths = NodePaths(Path(data_dir))
         if not paths.config.exists():
             raise NodeError(f"{data_dir} is not a node data directory: run `fedweave init`")
         config = NodeConfig.load(paths.config)
         try:
-            identity = OrgIdentity.load(paths.identity_dir)
+            identity = OrgIdentity.load(paths.identity_dir, passphrase)
         except CoordinatorFreeError as exc:
-            raise NodeError(str(exc)) from None
-        secret = load_secret(paths.secret)
+            raise NodeError(with_hint(str(exc))) from None
+        secret = load_secret(paths.secret, passphrase)
         chain = read_chain(paths.chain) if paths.chain.exists() else []
         return cls(paths.root, config, identity, secret, chain=chain, **kw)
 
@@ -210,6 +241,7 @@ class OrgNode(NodeContext):
     async def start(self) -> None:
         """Migrate the database, join the federation's overlay, resume a running run."""
         self.loop = asyncio.get_running_loop()
+        await asyncio.to_thread(clean_leftovers, self.paths, self.config.datasets.roots)
         await asyncio.to_thread(migrate, self.db)
         await asyncio.to_thread(self.runs.admission.load, self.db)
         manifest = self.current_manifest

@@ -264,7 +264,11 @@ class WorkerTrainer:
         self._kill()
 
     def close(self) -> None:
-        """The run is over here: stop the worker (any request in flight fails)."""
+        """The run is over here: stop the worker (any request in flight fails) and remove
+        its plaintext work files (request and round directories): nothing reads them
+        again once the run's last update is in the sum."""
         self._closed = True
         with self._lock:
             self._stop()
+            for leftover in (*self.directory.glob("req-*"), *self.directory.glob("round-*")):
+                shutil.rmtree(leftover, ignore_errors=True)

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from org_node.passphrase import PASSPHRASE_ENV
 from org_node.training import exchange
 from org_node.training.errors import JobFailedError, SpecError
 from org_node.training.spec import LocalJobSpec
@@ -133,8 +134,10 @@ def threads_per_rank(ranks_on_host: int) -> int:
 
 
 def child_env(extra: dict[str, str] | None, ranks_on_host: int) -> dict[str, str]:
-    """The environment of a local job's processes (threads per rank, huge pages)."""
+    """The environment of a local job's processes (threads per rank, huge pages); never
+    the node's passphrase (:data:`~org_node.passphrase.PASSPHRASE_ENV`)."""
     env = dict(os.environ)
+    env.pop(PASSPHRASE_ENV, None)
     path = env.get("PYTHONPATH")
     env["PYTHONPATH"] = f"{_PROJECT_ROOT}{os.pathsep}{path}" if path else str(_PROJECT_ROOT)
     env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(ranks_on_host)))

@@ -181,3 +181,28 @@ def tree(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     os.symlink("..", root / "up")
     os.symlink(root / "a", root / "loop")
     return root, outside
+
+
+def test_finding_6_registration_outside_the_roots_is_no_existence_oracle(
+    api: Api, tmp_path: Path
+) -> None:
+    """A path outside the dataset roots gets the same answer whether it exists or not
+    (before: "outside the configured dataset roots" for an existing one, "no such file"
+    for a missing one), absolute or relative (``..``), file or directory."""
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "secret.csv").write_bytes(CSV)
+    rel = os.path.relpath(outside, api.data_root)
+    pairs = [
+        (str(outside / "secret.csv"), str(outside / "missing.csv")),
+        (str(outside), str(tmp_path / "no-such-dir")),
+        (f"{rel}/secret.csv", f"{rel}/missing.csv"),
+        ("/etc/passwd", "/etc/no-such-file-here"),
+    ]
+    for existing, missing in pairs:
+        a = _register(api, existing, name="a")
+        b = _register(api, missing, name="b")
+        assert a["status"] == b["status"] == 422
+        assert a["detail"] == b["detail"] == "path is outside the configured dataset roots"
+    inside_missing = _register(api, "missing.csv", name="c")
+    assert inside_missing["status"] == 422 and "no such file" in str(inside_missing["detail"])

@@ -315,3 +315,26 @@ def test_a_failing_rank_ends_the_ranks_and_the_next_round_starts_new_ones(
         assert first is not None and first.wait(timeout=60) != 0  # the ranks are gone
     finally:
         trainer.close()
+
+
+def test_finding_6_a_rounds_plaintext_work_files_go_once_its_update_is_in_the_sum(
+    tmp_path: Path, probe: TrainerRef
+) -> None:
+    """The global model in and the update out (``req-N``) go as soon as the update is
+    read; a round's work directory (``round-N``: the local model's checkpoints) goes when
+    the next round trains, its update being in the sum by then; the last one when the
+    run ends (before: kept for ever)."""
+    trainer = _trainer(tmp_path, probe)
+    worker = tmp_path / "worker"
+    try:
+        model = trainer.initial_model()
+        for r in range(2):
+            result = trainer.train(model, r, {})
+            model = {k: model[k] + result.update[k] for k in model}
+            assert not list(worker.glob("req-*"))
+            assert [p.name for p in worker.glob("round-*")] == [f"round-{r:06d}"]
+    finally:
+        trainer.close()
+    assert not list(worker.glob("round-*")) and not list(worker.glob("req-*"))
+    assert not list(worker.rglob("*.npz"))
+    assert (worker / "worker.log").exists()  # the log is kept
