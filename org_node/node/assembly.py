@@ -177,6 +177,7 @@ class OrgNode(NodeContext):
         self.audit_heads = AuditHeads(self)
         self.runs.on_round_done = self.audit_heads.after_round
         self.runs.settle_heads = self.audit_heads.settle
+        self.federation.on_install = self.runs.on_manifest
 
     # ------------------------------------------------------------------ construction
 
@@ -202,8 +203,10 @@ class OrgNode(NodeContext):
         return self.membership.live()
 
     def _peers_for_rounds(self) -> tuple[str, ...]:
+        """The active run's participants that are still members (or every member)."""
         m = self.current_manifest
-        return self.runs.participants or (m.member_ids if m is not None else ())
+        members = m.member_ids if m is not None else ()
+        return tuple(p for p in self.runs.participants if p in members) or members
 
     # ------------------------------------------------------------------ lifecycle
 

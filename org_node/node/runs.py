@@ -14,22 +14,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import json
 import logging
-import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from coordinator_free.checkpoints import (
-    GLOBAL_OWNER,
-    GLOBAL_SET,
-    GlobalHistoryStore,
-)
-from coordinator_free.erasure import CodeParams, ShardError
+from coordinator_free.erasure import ShardError
 from coordinator_free.rounds import ModelHashMismatch
 from sqlalchemy import update
 from sqlmodel import Session
@@ -54,13 +47,20 @@ from org_node.engine import (
     model_to_bytes,
 )
 from org_node.node.context import NodeContext
-from org_node.policy import RunSpec
+from org_node.node.lifecycle import (
+    REMOVED,
+    Failure,
+    clear_failure,
+    fresh_run_stores,
+    read_failure,
+    still_members,
+    write_failure,
+)
+from org_node.node.workers import worker_trainer
 from org_node.privacy import PrivacyError
 from org_node.runs import InvalidTransition, RunAction, RunState, next_state
 from org_node.services import RunActivity, ServiceRefused
-from org_node.trainers.base import WorkerSpec
-from org_node.trainers.local import TrainerFailed, WorkerLaunch, WorkerTrainer
-from org_node.training.spec import LocalJobSpec
+from org_node.trainers.local import TrainerFailed
 
 __all__ = ["MODEL_TOPIC", "RESUME_RETRY_S", "Runs", "TrainerFactory"]
 
@@ -118,57 +118,11 @@ class Runs:
         self._waiting: dict[str, tuple[str, Mapping[str, Any], tuple[str, ...] | None]] = {}
         """Runs left running that cannot resume yet (run id -> name, spec, members)."""
         self._reasons: dict[str, str] = {}
-
-    def _node_config(self, binding: RunBinding) -> dict[str, Any]:
-        """This org's Flower ``node_config``: its partition (demos) and bound dataset."""
-        training = self.ctx.config.training
-        out: dict[str, Any] = {}
-        if training.num_partitions > 1:
-            out |= {
-                "partition-id": training.partition_index,
-                "num-partitions": training.num_partitions,
-            }
-        d = binding.dataset
-        if d is not None:
-            out |= {
-                "dataset-name": d.name,
-                "dataset-path": d.path,
-                "dataset-kind": d.kind,
-                "dataset-rows": d.rows,
-                "dataset-sha256": d.sha256,
-                "dataset-columns": json.dumps(dict(d.columns), sort_keys=True),
-            }
-        return out | dict(training.node_config)
+        self._stopping: set[asyncio.Task[None]] = set()
 
     def _worker_trainer(self, plan: RunPlan, work_dir: Path, binding: RunBinding) -> LocalTrainer:
         """The run's trainer, in a worker process of its own (never in this one)."""
-        training = self.ctx.config.training
-        spec = RunSpec.from_dict(plan.spec)
-        trainer = binding.trainer.reference
-        job = training.job_fields()
-        worker = WorkerSpec(
-            session="",
-            node_pid=os.getpid(),
-            org_id=self.ctx.me,
-            run_key=plan.run_key,
-            trainer=trainer,
-            run_config=dict(spec.config),
-            node_config=self._node_config(binding),
-            data=spec.data,
-            dataset=binding.dataset,
-            job=job,
-            model_seed=self.ctx.config.engine.model_seed,
-            participants=len(plan.participants),
-        )
-        task_kind = trainer.kind in ("bundled", "task")
-        world = LocalJobSpec(task=trainer.name, **job).world_size if task_kind else 1
-        launch = WorkerLaunch(
-            world_size=world,
-            persistent=training.worker == "persistent",
-            start_timeout_s=training.start_timeout_s,
-            round_timeout_s=training.round_timeout_s,
-        )
-        return WorkerTrainer(worker, work_dir, launch)
+        return worker_trainer(self.ctx, plan, work_dir, binding)
 
     # -- runs -------------------------------------------------------------------------
 
@@ -206,7 +160,86 @@ class Runs:
         self.ctx.read(lambda: self._require_active(run_id).paused.set())
 
     def on_run_resumed(self, run_id: str, spec: Mapping[str, Any]) -> None:
-        self.ctx.read(lambda: self._require_active(run_id).paused.clear())
+        """Resume a paused run, or relaunch a failed one from its last saved state when
+        its failure is recoverable (:class:`~org_node.node.lifecycle.Failure`)."""
+        self.ctx.on_loop(self._resume_run(run_id, spec))
+
+    async def _resume_run(self, run_id: str, spec: Mapping[str, Any]) -> None:
+        active = self.active
+        running = active is not None and active.task is not None and not active.task.done()
+        if active is not None and active.run_id == run_id and running:
+            active.paused.clear()
+            return
+        name = await asyncio.to_thread(self._run_name, run_id)
+        try:
+            run_dir = self.ctx.paths.run_dir(RunPlan.from_spec(name, spec).run_key)
+        except (EngineError, KeyError, TypeError, ValueError) as exc:
+            raise ServiceRefused(f"unreadable run spec: {exc}") from None
+        failure = await asyncio.to_thread(read_failure, run_dir)
+        if failure is not None and not failure.recoverable:
+            raise ServiceRefused(f"the run cannot resume: {failure.reason}")
+        state_file = run_dir / STATE_FILE
+        if not state_file.exists():
+            raise ServiceRefused("this node holds no saved state of the run to resume from")
+        state = EngineState.from_bytes(await asyncio.to_thread(state_file.read_bytes))
+        members = state.plan.get("members")
+        await self.launch(run_id, name, spec, None if members is None else tuple(members))
+        await asyncio.to_thread(clear_failure, run_dir)
+        self.finished.pop(run_id, None)
+        logger.info("%s: run %s resumed at round %d", self.ctx.me, run_id, state.round)
+
+    def on_manifest(self, members: tuple[str, ...], version: int) -> None:
+        """A new manifest version is installed (on the loop): members it removed are out
+        of the next round of the run under way, and of the runs waiting to resume; when
+        this org itself is removed, or too few members remain for the threshold, the run
+        stops here, failed for good."""
+        for run_id, (name, spec, kept) in list(self._waiting.items()):
+            everyone = kept if kept is not None else tuple(spec.get("participants", ()))
+            self._waiting[run_id] = (name, spec, still_members(everyone, members))
+        active = self.active
+        if active is None or active.task is None or active.task.done():
+            return
+        before = active.engine.plan.participants
+        self.participants = self._narrow(active.engine, members)
+        removed = sorted(set(before) - set(self.participants))
+        if not removed:
+            return
+        logger.info(
+            "%s: manifest v%d removed %s from run %s", self.ctx.me, version, removed, active.run_id
+        )
+        self.ctx.events.publish(active.run_id, "members", {"removed": removed, "version": version})
+        why = ""
+        if self.ctx.me in removed:
+            why = f"{REMOVED} by manifest version {version}"
+        elif len(self.participants) < active.engine.plan.threshold:
+            why = (
+                f"manifest version {version} leaves {len(self.participants)} members, "
+                f"fewer than the threshold {active.engine.plan.threshold}"
+            )
+        if why:
+            task = asyncio.create_task(self._stop_for(active, why), name=f"stop:{active.run_id}")
+            self._stopping.add(task)
+            task.add_done_callback(self._stopping.discard)
+
+    def _narrow(self, engine: RunEngine, members: tuple[str, ...]) -> tuple[str, ...]:
+        """Take the members the manifest no longer lists out of the engine's plan (its
+        codec keeps the size the run began with, so every org still decodes alike)."""
+        removed = set(engine.state.plan.get("removed", ())) | (
+            set(engine.plan.participants) - set(members)
+        )
+        keep = tuple(p for p in engine.plan.participants if p not in removed)
+        if removed:
+            engine.plan = replace(engine.plan, participants=keep)
+            engine.state.plan["removed"] = sorted(removed)
+        return keep
+
+    async def _stop_for(self, active: _ActiveRun, reason: str) -> None:
+        if active.task is not None:
+            active.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await active.task
+        logger.warning("%s: run %s stopped: %s", self.ctx.me, active.run_id, reason)
+        await self._fail(active, Failure(reason, False))
 
     def on_run_aborted(self, run_id: str, spec: Mapping[str, Any]) -> None:
         self.ctx.read(lambda: self._abort(run_id))
@@ -295,18 +328,10 @@ class Runs:
             raise ServiceRefused(str(exc)) from None
         run_dir = self.ctx.paths.run_dir(plan.run_key)
         rounds = self.ctx.rounds
-        if self._history_run != plan.run_key and self.ctx.store is not None:
-            # the history store numbers versions by round: start each run afresh
-            old = [s.manifest.version for s in self.ctx.store.list(GLOBAL_OWNER, GLOBAL_SET)]
-            if old:
-                self.ctx.store.delete(GLOBAL_OWNER, GLOBAL_SET, sorted(set(old)))
-            if self.ctx.endpoint is not None and self.ctx.membership is not None:
-                self.ctx.history = GlobalHistoryStore(
-                    self.ctx.endpoint,
-                    self.ctx.store,
-                    self.ctx.membership.live,
-                    params=CodeParams(self.ctx.config.checkpoint.k, self.ctx.config.checkpoint.m),
-                )
+        if self._history_run != plan.run_key:
+            previous = fresh_run_stores(self.ctx, plan.run_key)
+            if previous is not None:
+                await previous.close()
             self._history_run = plan.run_key
 
         binding = await asyncio.to_thread(self._binding, run_id)
@@ -335,7 +360,8 @@ class Runs:
             engine = await asyncio.to_thread(build)
         except EngineError as exc:
             raise ServiceRefused(str(exc)) from None
-        self.participants = plan.participants
+        # members removed from the manifest since the run began take no further part
+        self.participants = self._narrow(engine, self.ctx.require_manifest().member_ids)
         active = _ActiveRun(run_id, engine)
         active.task = asyncio.create_task(self._drive(active), name=f"run:{run_id}")
         self.active = active
@@ -358,6 +384,8 @@ class Runs:
         try:
             await self._drive_engine(active)
         finally:
+            if self.active is active:
+                self.participants = ()  # the next run's rounds are sized by their own plan
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(active.engine.close)
 
@@ -379,14 +407,12 @@ class Runs:
         ) as exc:
             reason = f"round {active.engine.state.round + 1} at {me}: {exc}"
             logger.warning("%s: run %s failed: %s", me, run_id, reason)
-            self.finished[run_id] = f"failed: {reason}"
             self.ctx.events.publish(run_id, "error", {"message": reason})
-            await asyncio.to_thread(self._set_state, run_id, RunAction.FAIL, reason)
+            await self._fail(active, Failure.of(exc, reason))
             return
         except Exception as exc:  # any other failure fails the run loudly, never silently
             logger.exception("%s: run %s failed", self.ctx.me, run_id)
-            self.finished[run_id] = f"failed: {type(exc).__name__}: {exc}"
-            await asyncio.to_thread(self._set_state, run_id, RunAction.FAIL, str(exc))
+            await self._fail(active, Failure.of(exc, f"{type(exc).__name__}: {exc}"))
             return
         await self.settle_heads()
         self.finished[run_id] = outcome.status
@@ -400,6 +426,14 @@ class Runs:
             },
         )
         await asyncio.to_thread(self._set_state, run_id, RunAction.COMPLETE, outcome.reason)
+
+    async def _fail(self, active: _ActiveRun, failure: Failure) -> None:
+        """The run failed here: keep why (and whether an admin may resume it) next to its
+        saved state, and mark its row ``failed``."""
+        run_dir = self.ctx.paths.run_dir(active.engine.plan.run_key)
+        self.finished[active.run_id] = f"failed: {failure.reason}"
+        await asyncio.to_thread(write_failure, run_dir, failure)
+        await asyncio.to_thread(self._set_state, active.run_id, RunAction.FAIL, failure.reason)
 
     def _set_state(self, run_id: str, action: RunAction, reason: str = "") -> None:
         """Apply an engine outcome to the run's row (waits for the API's own commit)."""

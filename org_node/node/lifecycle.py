@@ -1,0 +1,141 @@
+"""A run's life around its engine: which members still take part after a new manifest,
+how a failure is kept (and whether an admin may resume it), and the checkpoint set of
+each run.
+
+* :func:`still_members` — the run's participants that the installed manifest still
+  lists; a member removed mid-run is out of the next round of every run under way.
+* :class:`Failure` — why a run failed here and whether that failure is recoverable,
+  written next to the run's saved state (``failure.json``) so that it outlives a
+  restart; ``fedweave runs resume`` (``POST /v1/runs/{id}/resume``) resumes a failed
+  run only when it is.
+* :func:`state_set` — the id of a run's checkpoint set (``state.<run key>``), so that
+  each run's checkpoints live and die with the run and recovery finds every run's.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from coordinator_free.checkpoints import (
+    GLOBAL_OWNER,
+    GLOBAL_SET,
+    CheckpointReplicator,
+    GlobalHistoryStore,
+)
+from coordinator_free.erasure import CodeParams
+from coordinator_free.files import atomic_write
+from coordinator_free.rounds import ModelHashMismatch
+
+from org_node.node.context import NodeContext
+from org_node.privacy import PrivacyError
+
+__all__ = [
+    "FAILURE_FILE",
+    "STATE_SET_PREFIX",
+    "Failure",
+    "clear_failure",
+    "fresh_run_stores",
+    "read_failure",
+    "state_set",
+    "still_members",
+    "write_failure",
+]
+
+FAILURE_FILE = "failure.json"
+"""Next to a run's ``engine-state.bin``: why the run failed here, and whether it may resume."""
+
+STATE_SET_PREFIX = "state."
+"""Checkpoint sets of a run's private state are named ``state.<run key>``."""
+
+REMOVED = "removed from the federation"
+"""The start of the reason of a run stopped because this org left the manifest."""
+
+
+def state_set(run_key: str) -> str:
+    """The checkpoint set id of the private state of run ``run_key``."""
+    return f"{STATE_SET_PREFIX}{run_key}"
+
+
+def still_members(participants: Iterable[str], members: Iterable[str]) -> tuple[str, ...]:
+    """The run's ``participants`` that the current manifest's ``members`` still list."""
+    current = set(members)
+    return tuple(sorted(p for p in participants if p in current))
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why a run failed at this org, and whether an admin may resume it.
+
+    Unrecoverable: the models of the members diverged (a resumed run would sum updates
+    of different models), the privacy budget or its accounting refused the round, this
+    org was removed from the federation, or too few members remain for the threshold.
+    Everything else (a round that could not reach its quorum, a node that fell too far
+    behind, the local trainer or worker crashing, an update the trainer got wrong) is
+    recoverable: the run continues from its last saved state and catches up.
+    """
+
+    reason: str
+    recoverable: bool
+
+    @classmethod
+    def of(cls, exc: BaseException, reason: str) -> Failure:
+        """The failure an engine exception means."""
+        return cls(reason, not isinstance(exc, ModelHashMismatch | PrivacyError))
+
+    def to_json(self) -> bytes:
+        return json.dumps({"reason": self.reason, "recoverable": self.recoverable}).encode()
+
+
+def write_failure(run_dir: Path, failure: Failure) -> None:
+    """Keep ``failure`` next to the run's saved state (atomically; call it off the loop)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write(run_dir / FAILURE_FILE, failure.to_json())
+
+
+def read_failure(run_dir: Path) -> Failure | None:
+    """The failure kept for the run, or None; an unreadable record counts as unrecoverable
+    (an admin looks at it before anything resumes)."""
+    path = run_dir / FAILURE_FILE
+    try:
+        raw = json.loads(path.read_bytes())
+        return Failure(str(raw["reason"]), bool(raw["recoverable"]))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return Failure(f"unreadable {FAILURE_FILE}: {exc}", False)
+
+
+def clear_failure(run_dir: Path) -> None:
+    """The run resumed: its failure is history."""
+    (run_dir / FAILURE_FILE).unlink(missing_ok=True)
+
+
+def fresh_run_stores(ctx: NodeContext, run_key: str) -> CheckpointReplicator | None:
+    """Give run ``run_key`` stores of its own: a global-model history that starts afresh
+    (the history numbers versions by round; the previous run's versions are dropped)
+    and a checkpoint replicator of its own set (:func:`state_set`), so that the previous
+    run's checkpoints neither crowd this run's out of the retention nor win a recovery.
+    Returns the previous replicator, for the caller to close on the loop."""
+    store, endpoint, membership = ctx.store, ctx.endpoint, ctx.membership
+    if store is None or endpoint is None or membership is None:
+        return None
+    old = [s.manifest.version for s in store.list(GLOBAL_OWNER, GLOBAL_SET)]
+    if old:
+        store.delete(GLOBAL_OWNER, GLOBAL_SET, sorted(set(old)))
+    params = CodeParams(ctx.config.checkpoint.k, ctx.config.checkpoint.m)
+    ctx.history = GlobalHistoryStore(endpoint, store, membership.live, params=params)
+    previous = ctx.replicator
+    if previous is not None and previous.set_id == state_set(run_key):
+        return None
+    ctx.replicator = CheckpointReplicator(
+        endpoint,
+        ctx.secret,
+        membership.live,
+        params=params,
+        set_id=state_set(run_key),
+        retention=ctx.config.checkpoint.retention,
+    )
+    return previous
