@@ -15,6 +15,7 @@ back to ``running`` (the node refuses it when the failure is not recoverable)::
         +--decline--> declined                 +--fail--> failed --resume--> running
     proposed/accepted --cancel--> cancelled
     proposed/accepted/running/paused --abort--> aborted
+    paused --complete--> completed (paused during its last round)
 
 :func:`next_state` is the only entry point; it raises :class:`InvalidTransition`, which
 names the current state, for every pair not in :data:`TRANSITIONS`. The table holds no
@@ -85,6 +86,7 @@ TRANSITIONS: Mapping[tuple[RunState, RunAction], RunState] = MappingProxyType(
         (_S.PAUSED, _A.RESUME): _S.RUNNING,
         (_S.PAUSED, _A.ABORT): _S.ABORTED,
         (_S.PAUSED, _A.FAIL): _S.FAILED,
+        (_S.PAUSED, _A.COMPLETE): _S.COMPLETED,
         (_S.FAILED, _A.RESUME): _S.RUNNING,
     }
 )

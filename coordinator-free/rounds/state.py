@@ -94,6 +94,7 @@ class RoundTable:
         self.ring = ring
         self._states: dict[tuple[str, int], RoundState] = {}
         self._last_done: dict[str, int] = {}
+        self._closed: set[str] = set()
         self.running: set[tuple[str, int]] = set()
 
     def get(self, run: str, round: int) -> RoundState | None:
@@ -106,6 +107,8 @@ class RoundTable:
         state = self._states.get(key)
         if state is not None:
             return state
+        if run in self._closed:
+            raise Refused(RefusalReason.STALE, f"run {run!r} is over here")
         last = self._last_done.get(run)
         if last is not None and round <= last:
             raise Refused(RefusalReason.STALE, f"round {round} of {run!r} is over")
@@ -124,7 +127,9 @@ class RoundTable:
 
     def keep_window(self, run: str, round: int) -> None:
         """Drop the rounds of ``run`` this node will never run once it runs ``round``
-        (behind it, or too far ahead of it), so wrong-round traffic cannot hold slots."""
+        (behind it, or too far ahead of it), so wrong-round traffic cannot hold slots; a
+        run closed here (:meth:`close_run`) is open again once this node runs its rounds."""
+        self._closed.discard(run)
         for key in [
             k
             for k in self._states
@@ -138,6 +143,14 @@ class RoundTable:
         last = self._last_done.get(run)
         self._last_done[run] = round if last is None else max(last, round)
         for key in [k for k in self._states if k[0] == run and k[1] <= round]:
+            del self._states[key]
+            self.ring.close(*key)
+
+    def close_run(self, run: str) -> None:
+        """``run`` ended here: drop every round held for it (its late messages would hold
+        slots that the next run needs) and refuse new ones until :meth:`keep_window`."""
+        self._closed.add(run)
+        for key in [k for k in self._states if k[0] == run]:
             del self._states[key]
             self.ring.close(*key)
 
@@ -176,3 +189,12 @@ def keep_latest(
         oldest = next(iter(store))
         del store[oldest]
         events.pop(oldest, None)
+
+
+def forget_run(
+    store: dict[tuple[str, int], Any], events: dict[tuple[str, int], Any], run: str
+) -> None:
+    """Drop every round of ``run`` from ``store`` and ``events`` (the run ended here)."""
+    for key in [k for k in store if k[0] == run]:
+        del store[key]
+        events.pop(key, None)

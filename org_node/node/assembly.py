@@ -384,6 +384,10 @@ class OrgNode(NodeContext):
     def on_run_paused(self, run_id: str, spec: Mapping[str, Any]) -> None:
         self.runs.on_run_paused(run_id, spec)
 
+    def active_run_id(self) -> str:
+        """The local id of the run whose engine runs here ("" when none does)."""
+        return self.runs.active_run_id()
+
     def on_run_resumed(self, run_id: str, spec: Mapping[str, Any]) -> None:
         self.runs.on_run_resumed(run_id, spec)
 

@@ -296,6 +296,10 @@ class Runs:
             orgs=progress.waiting_for,
         )
 
+    def active_key(self) -> str:
+        """The run key of the active run's engine ("" when none)."""
+        return self.active.engine.plan.run_key if self.active is not None else ""
+
     def _require_active(self, run_id: str) -> _ActiveRun:
         active = self.active
         if active is None or active.run_id != run_id:
@@ -386,8 +390,25 @@ class Runs:
         finally:
             if self.active is active:
                 self.participants = ()  # the next run's rounds are sized by their own plan
+            self._close_rounds_later(active.engine.plan.run_key)
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(active.engine.close)
+
+    def _close_rounds_later(self, run_key: str) -> None:
+        """Once members that lag have had a stage's time to fetch this node's last sums,
+        drop what the round engine holds for the ended run (unless it runs again)."""
+        rounds = self.ctx.rounds
+        if rounds is None:
+            return
+
+        def close() -> None:
+            task = self.active.task if self.active is not None else None
+            if task is not None and not task.done() and self.active_key() == run_key:
+                return
+            for run in (run_key, f"{run_key}:stats"):
+                rounds.close_run(run)
+
+        asyncio.get_running_loop().call_later(rounds.config.stage_timeout, close)
 
     async def _drive_engine(self, active: _ActiveRun) -> None:
         run_id = active.run_id
