@@ -199,14 +199,14 @@ def current_run(session: Session, active: str = "") -> Run | None:
     if here is not None:
         return here
     newest = (col(Run.created_at).desc(), col(Run.updated_at).desc(), col(Run.id).desc())
-    active = session.exec(
+    running = session.exec(
         select(Run)
         .where(col(Run.state).in_(_ACTIVE_STATES))
         .order_by(col(Run.updated_at).desc(), *newest)
         .limit(1)
     ).first()
-    if active is not None:
-        return active
+    if running is not None:
+        return running
     pending = session.exec(
         select(Run).where(col(Run.state).in_(PENDING_STATES)).order_by(*newest).limit(1)
     ).first()
