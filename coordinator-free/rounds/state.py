@@ -148,8 +148,10 @@ class RoundTable:
 
     def close_run(self, run: str) -> None:
         """``run`` ended here: drop every round held for it (its late messages would hold
-        slots that the next run needs) and refuse new ones until :meth:`keep_window`."""
+        slots that the next run needs) and refuse new ones until :meth:`keep_window`,
+        where it starts afresh (a resumed run may be rounds ahead of where it stopped)."""
         self._closed.add(run)
+        self._last_done.pop(run, None)
         for key in [k for k in self._states if k[0] == run]:
             del self._states[key]
             self.ring.close(*key)

@@ -183,6 +183,9 @@ class Runs:
             raise ServiceRefused("this node holds no saved state of the run to resume from")
         state = EngineState.from_bytes(await asyncio.to_thread(state_file.read_bytes))
         members = state.plan.get("members")
+        if self.ctx.rounds is not None:  # its rounds start afresh, wherever it catches up to
+            for run in (state.run_key, f"{state.run_key}:stats"):
+                self.ctx.rounds.close_run(run)
         await self.launch(run_id, name, spec, None if members is None else tuple(members))
         await asyncio.to_thread(clear_failure, run_dir)
         self.finished.pop(run_id, None)
