@@ -151,11 +151,15 @@ async def recover_runs(
                 checkpoint.state,
             )
     runs = []
-    for key, (_round, _at, state, data) in newest.items():
+    for key, (_round, at, state, data) in newest.items():
+        rounds = (state.plan.get("spec") or {}).get("rounds")
+        if state.status == "running" and rounds is not None and state.round >= int(rounds):
+            # checkpointed after its last round, before it was marked done: it ended
+            state.status = "completed"
+            data = state.to_bytes()
         path = await asyncio.to_thread(_write_state, paths, key, data)
-        runs.append(
-            (state.status != "running", -_at, RecoveredRun(key, state.round, state.status, path))
-        )
+        recovered = RecoveredRun(key, state.round, state.status, path)
+        runs.append((state.status != "running", -at, recovered))
     return [r for *_, r in sorted(runs, key=lambda x: (x[0], x[1], x[2].run_key))], lost
 
 

@@ -323,7 +323,8 @@ def test_finding_9_a_second_run_is_as_fast_and_recovery_brings_back_every_run(
             assert lost == {}
             assert [r.run_key for r in runs] == [keys["second"], keys["first"]]
             in_progress, ended = runs
-            assert in_progress.status == "running" and in_progress.round >= 3
+            # its newest checkpoint: round 3, or 2 while the third was being pushed
+            assert in_progress.status == "running" and in_progress.round >= 2
             assert (ended.status, ended.round) == ("completed", 18)
             assert in_progress.path == paths.run_dir(keys["second"]) / "engine-state.bin"
             assert in_progress.path.exists() and ended.path.exists()
