@@ -68,7 +68,7 @@ from org_node.engine import ATTEMPTS
 from org_node.node.checkpoints import Checkpoints
 from org_node.node.context import NodeContext
 from org_node.node.federation import Federation
-from org_node.node.heads import AuditHeads
+from org_node.node.heads import AuditHeads, lost_entries
 from org_node.node.proposals import RunProposals
 from org_node.node.runs import Runs, TrainerFactory
 from org_node.observability import Observability
@@ -421,7 +421,15 @@ class OrgNode(NodeContext):
         )
 
     def run_report(self, run_id: str) -> Mapping[str, Any]:
-        """The signed privacy report of run ``run_id`` (:class:`~org_node.services.RunReports`)."""
+        """The signed privacy report of run ``run_id`` (:class:`~org_node.services.RunReports`),
+        stating what the heads the peers hold prove this org's log lost (a wipe)."""
+        lost: list[str] = []
+        key = self.runs.run_key_of(run_id)
+        if self.loop is not None and self.endpoint is not None and key:
+            try:
+                lost = lost_entries(self.egress, self.peer_heads(), key)
+            except Exception as exc:  # the report says so rather than claim nothing is lost
+                lost = [f"the peers' heads of this org's log could not be fetched: {exc}"]
         return node_report(
             self.db,
             self.paths.root,
@@ -429,6 +437,7 @@ class OrgNode(NodeContext):
             identity=self.org_identity,
             config=self.config.engine,
             log=self.egress,
+            anomalies=lost,
         )
 
 

@@ -309,6 +309,14 @@ class Runs:
             raise ServiceRefused("the run is not active on this node")
         return active
 
+    def run_key_of(self, run_id: str) -> str:
+        """The federation-wide key of the local run ``run_id`` ("" when unknown)."""
+        with Session(self.ctx.db) as session:
+            row = session.get(Run, run_id)
+            if row is None:
+                return ""
+            return row.run_key or RunPlan.from_spec(row.name, row.spec).run_key
+
     def _run_name(self, run_id: str) -> str:
         with Session(self.ctx.db) as session:
             row = session.get(Run, run_id)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -418,3 +419,42 @@ def test_finding_9_an_admin_resumes_a_failed_run_and_it_catches_up(tmp_path: Pat
                 await node.stop()
 
     asyncio.run(scenario())
+
+
+def test_finding_9_the_report_of_a_wiped_org_says_which_entries_and_rounds_were_lost(
+    tmp_path: Path,
+) -> None:
+    """A node rebuilt after a wipe starts a new egress log; the heads its peers hold of
+    the old one prove how many entries are gone and which rounds of the run they held."""
+    from coordinator_free.identity import OrgIdentity
+
+    from org_node.audit import EgressLog
+    from org_node.node.heads import lost_entries
+
+    me = OrgIdentity.generate("org-c", b"\1" * 32)
+
+    def send(log: EgressLog, round: int, seq: int) -> None:
+        env = Envelope("fed", "k", round, "s", "round.ready", "org-c", "org-a", seq, 0.0, b"x")
+        signed = env.with_signature(me.sign(env.signing_bytes()))
+        log.record(signed, signed.to_wire())
+
+    old = EgressLog(me, tmp_path / "old.jsonl")
+    held = []
+    for r in range(1, 4):  # three rounds of run k, a head after each (what peers keep)
+        for i in range(5):
+            send(old, r * ATTEMPTS, r * 10 + i)
+        held.append(old.sign_head("k", r))
+    old.close()
+    new = EgressLog(me, tmp_path / "new.jsonl")
+    send(new, 4 * ATTEMPTS, 100)
+    new.sign_head("k", 4)
+    assert lost_entries(new, new.heads, "k") == []  # its own heads prove nothing lost
+    lines = lost_entries(new, held, "k")
+    assert len(lines) == 2
+    assert "at least 15 entries of an earlier log are gone" in lines[0]
+    assert "3 signed heads" in lines[0]
+    assert "rounds up to 3 of this run" in lines[1] and "rounds 1-3" in lines[1]
+    # a head that the org's key did not sign proves nothing
+    forged = [replace(h, signature="") for h in held]
+    assert lost_entries(new, forged, "k") == []
+    new.close()
