@@ -1,21 +1,20 @@
-"""A run's life around its engine: which members still take part after a new manifest,
-how a failure is kept (and whether an admin may resume it), and the checkpoint set of
-each run.
+"""A run's life around its engine: how a failure is kept (and whether an admin may
+resume it), the checkpoint set and stores of each run, and the rows of recovered runs.
 
-* :func:`still_members` — the run's participants that the installed manifest still
-  lists; a member removed mid-run is out of the next round of every run under way.
 * :class:`Failure` — why a run failed here and whether that failure is recoverable,
   written next to the run's saved state (``failure.json``) so that it outlives a
   restart; ``fedweave runs resume`` (``POST /v1/runs/{id}/resume``) resumes a failed
   run only when it is.
 * :func:`state_set` — the id of a run's checkpoint set (``state.<run key>``), so that
   each run's checkpoints live and die with the run and recovery finds every run's.
+* :func:`run_row` — the local row of a saved engine state; after a recovery, a new row
+  for every run the org was in (running, or in the state it ended in).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,9 +27,15 @@ from coordinator_free.checkpoints import (
 from coordinator_free.erasure import CodeParams
 from coordinator_free.files import atomic_write
 from coordinator_free.rounds import ModelHashMismatch
+from sqlalchemy.engine import Engine
+from sqlmodel import Session, select
 
+from org_node.db.models import Run
+from org_node.db.repo import append_audit_event
+from org_node.engine import EngineState, RunPlan
 from org_node.node.context import NodeContext
 from org_node.privacy import PrivacyError
+from org_node.runs import RunState
 
 __all__ = [
     "FAILURE_FILE",
@@ -39,8 +44,8 @@ __all__ = [
     "clear_failure",
     "fresh_run_stores",
     "read_failure",
+    "run_row",
     "state_set",
-    "still_members",
     "write_failure",
 ]
 
@@ -57,12 +62,6 @@ REMOVED = "removed from the federation"
 def state_set(run_key: str) -> str:
     """The checkpoint set id of the private state of run ``run_key``."""
     return f"{STATE_SET_PREFIX}{run_key}"
-
-
-def still_members(participants: Iterable[str], members: Iterable[str]) -> tuple[str, ...]:
-    """The run's ``participants`` that the current manifest's ``members`` still list."""
-    current = set(members)
-    return tuple(sorted(p for p in participants if p in current))
 
 
 @dataclass(frozen=True)
@@ -139,3 +138,41 @@ def fresh_run_stores(ctx: NodeContext, run_key: str) -> CheckpointReplicator | N
         retention=ctx.config.checkpoint.retention,
     )
     return previous
+
+
+def run_row(db: Engine, state: EngineState) -> str | None:
+    """The local row of a saved engine state: the id of its running row (None when the
+    row is in another state). After a recovery, when no row names the run, a new one:
+    ``running`` for the run in progress (its id returned, to resume it), or
+    ``completed`` for a run that had ended (None), so the org knows every run it was in.
+    Call it off the loop (it commits)."""
+    name, spec = state.plan["name"], state.plan["spec"]
+    with Session(db) as session:
+        for row in session.exec(select(Run).where(Run.name == name)).all():
+            if RunPlan.from_spec(row.name, row.spec).run_key == state.run_key:
+                return row.id if row.state == RunState.RUNNING else None
+        ended = state.status != "running"
+        bound = dict(state.plan.get("binding") or {})
+        row = Run(
+            id=uuid.uuid4().hex,
+            name=name,
+            spec=dict(spec),
+            state=(RunState.COMPLETED if ended else RunState.RUNNING).value,
+            state_reason=f"recovered from the peers' checkpoints ({state.status})"
+            if ended
+            else None,
+            current_round=state.round,
+            proposed_by="recovery",
+            decided_by="recovery",
+            run_key=state.run_key,
+            trainer_hash=bound.get("trainer_hash"),
+            dataset_name=bound.get("dataset_name"),
+            dataset_hash=bound.get("dataset_hash"),
+            dataset_rows=bound.get("dataset_rows"),
+        )
+        session.add(row)
+        append_audit_event(
+            session, stage="control", kind="run.recover", run=row.id, privacy_class="internal"
+        )
+        session.commit()
+        return None if ended else row.id

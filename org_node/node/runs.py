@@ -16,7 +16,6 @@ import contextlib
 import hashlib
 import logging
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -53,7 +52,7 @@ from org_node.node.lifecycle import (
     clear_failure,
     fresh_run_stores,
     read_failure,
-    still_members,
+    run_row,
     write_failure,
 )
 from org_node.node.workers import worker_trainer
@@ -193,12 +192,9 @@ class Runs:
 
     def on_manifest(self, members: tuple[str, ...], version: int) -> None:
         """A new manifest version is installed (on the loop): members it removed are out
-        of the next round of the run under way, and of the runs waiting to resume; when
-        this org itself is removed, or too few members remain for the threshold, the run
-        stops here, failed for good."""
-        for run_id, (name, spec, kept) in list(self._waiting.items()):
-            everyone = kept if kept is not None else tuple(spec.get("participants", ()))
-            self._waiting[run_id] = (name, spec, still_members(everyone, members))
+        of the next round of the run under way (a run waiting to resume leaves them out
+        when it launches); when this org itself is removed, or too few members remain for
+        the threshold, the run stops here, failed for good."""
         active = self.active
         if active is None or active.task is None or active.task.done():
             return
@@ -612,7 +608,8 @@ class Runs:
                 await self._retry
 
     async def resume(self) -> None:
-        """Restart the engine of every run left running (a restart, or a recovered disk)."""
+        """Restart the engine of every run left running (a restart, or a recovered disk);
+        a recovered run that had ended gets its row back (:func:`run_row`)."""
         if not self.ctx.paths.runs.exists():
             return
         for state_file in sorted(self.ctx.paths.runs.glob(f"*/{STATE_FILE}")):
@@ -621,10 +618,10 @@ class Runs:
             except EngineError as exc:
                 logger.warning("%s: unreadable %s: %s", self.ctx.me, state_file, exc)
                 continue
-            if state.status != "running" or not state.plan:
+            if not state.plan:
                 continue
-            run_id = self._running_row(state)
-            if run_id is None:
+            run_id = await asyncio.to_thread(run_row, self.ctx.db, state)
+            if run_id is None or state.status != "running":
                 continue
             members = state.plan.get("members")
             self._waiting[run_id] = (
@@ -665,38 +662,6 @@ class Runs:
                 update(Run).where(Run.id == run_id).values(state_reason=reason)  # type: ignore[arg-type]
             )
             session.commit()
-
-    def _running_row(self, state: EngineState) -> str | None:
-        """The local run row of a saved state: the running one, or a new row after recovery."""
-        from sqlmodel import select
-
-        name, spec = state.plan["name"], state.plan["spec"]
-        with Session(self.ctx.db) as session:
-            rows = session.exec(select(Run).where(Run.name == name)).all()
-            for row in rows:
-                if RunPlan.from_spec(row.name, row.spec).run_key == state.run_key:
-                    return row.id if row.state == RunState.RUNNING else None
-            bound = dict(state.plan.get("binding") or {})
-            row = Run(
-                id=uuid.uuid4().hex,
-                name=name,
-                spec=dict(spec),
-                state=RunState.RUNNING.value,
-                current_round=state.round,
-                proposed_by="recovery",
-                decided_by="recovery",
-                run_key=state.run_key,
-                trainer_hash=bound.get("trainer_hash"),
-                dataset_name=bound.get("dataset_name"),
-                dataset_hash=bound.get("dataset_hash"),
-                dataset_rows=bound.get("dataset_rows"),
-            )
-            session.add(row)
-            append_audit_event(
-                session, stage="control", kind="run.recover", run=row.id, privacy_class="internal"
-            )
-            session.commit()
-            return row.id
 
 
 async def _nothing() -> None:

@@ -33,10 +33,16 @@ from org_node.config import NodeConfig
 from org_node.db.engine import default_database_url, make_engine
 from org_node.db.models import Role, Run, RunMetric
 from org_node.db.repo import create_token
-from org_node.engine import ATTEMPTS, EngineConfig, RunPlan, model_hash
+from org_node.engine import ATTEMPTS, EngineConfig, EngineState, RunPlan, model_hash
 from org_node.initialize import prepare_recovery
 from org_node.node import OrgNode, load_secret, read_chain, recover_runs
-from org_node.node.lifecycle import FAILURE_FILE, Failure, read_failure, write_failure
+from org_node.node.lifecycle import (
+    FAILURE_FILE,
+    Failure,
+    read_failure,
+    run_row,
+    write_failure,
+)
 from org_node.training.exchange import LocalResult
 from tests.org_node.test_node_inprocess import ORGS, TinyTrainer, _Revived, make_federation
 
@@ -329,6 +335,13 @@ def test_finding_9_a_second_run_is_as_fast_and_recovery_brings_back_every_run(
             assert (ended.status, ended.round) == ("completed", 18)
             assert in_progress.path == paths.run_dir(keys["second"]) / "engine-state.bin"
             assert in_progress.path.exists() and ended.path.exists()
+            # the rebuilt node knows both runs: the one to resume, and the one that ended
+            states = [EngineState.from_bytes(r.path.read_bytes()) for r in runs]
+            assert run_row(revived.db, states[0]) is not None
+            assert run_row(revived.db, states[1]) is None
+            with Session(revived.db) as s:
+                rows = {r.run_key: r.state for r in s.exec(select(Run)).all()}
+            assert rows == {keys["second"]: "running", keys["first"]: "completed"}
         finally:
             for org, node in nodes.items():
                 if org != "org-c":
