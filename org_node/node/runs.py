@@ -196,7 +196,13 @@ class Runs:
         when it launches); when this org itself is removed, or too few members remain for
         the threshold, the run stops here, failed for good."""
         active = self.active
-        if active is None or active.task is None or active.task.done():
+        if active is None or active.task is None:
+            return
+        if active.task.done():
+            if self.ctx.me not in members and self.finished.get(active.run_id, "").startswith(
+                "failed"
+            ):  # a failed run here cannot be resumed once this org is out
+                self._stop_later(active, f"{REMOVED} by manifest version {version}")
             return
         before = active.engine.plan.participants
         self.participants = self._narrow(active.engine, members)
@@ -216,9 +222,12 @@ class Runs:
                 f"fewer than the threshold {active.engine.plan.threshold}"
             )
         if why:
-            task = asyncio.create_task(self._stop_for(active, why), name=f"stop:{active.run_id}")
-            self._stopping.add(task)
-            task.add_done_callback(self._stopping.discard)
+            self._stop_later(active, why)
+
+    def _stop_later(self, active: _ActiveRun, reason: str) -> None:
+        task = asyncio.create_task(self._stop_for(active, reason), name=f"stop:{active.run_id}")
+        self._stopping.add(task)
+        task.add_done_callback(self._stopping.discard)
 
     def _narrow(self, engine: RunEngine, members: tuple[str, ...]) -> tuple[str, ...]:
         """Take the members the manifest no longer lists out of the engine's plan (its
