@@ -340,8 +340,12 @@ class Runs:
         started at its quorum without every participant)."""
         if self.ctx.rounds is None:
             raise ServiceRefused("the node has not joined a federation")
-        if self.active is not None and self.active.task and not self.active.task.done():
-            raise ServiceRefused(f"run {self.active.run_id} is still active on this node")
+        previous = self.active
+        if previous is not None and previous.task is not None and not previous.task.done():
+            if previous.run_id in self.finished:  # it ended here; its worker is closing
+                await asyncio.wait([previous.task], timeout=30.0)
+            if not previous.task.done():
+                raise ServiceRefused(f"run {previous.run_id} is still active on this node")
         try:
             plan = RunPlan.from_spec(name, spec, members)
         except EngineError as exc:
@@ -349,9 +353,9 @@ class Runs:
         run_dir = self.ctx.paths.run_dir(plan.run_key)
         rounds = self.ctx.rounds
         if self._history_run != plan.run_key:
-            previous = fresh_run_stores(self.ctx, plan.run_key)
-            if previous is not None:
-                await previous.close()
+            replaced = fresh_run_stores(self.ctx, plan.run_key)
+            if replaced is not None:
+                await replaced.close()
             self._history_run = plan.run_key
 
         binding = await asyncio.to_thread(self._binding, run_id)

@@ -306,9 +306,11 @@ def test_finding_9_a_second_run_is_as_fast_and_recovery_brings_back_every_run(
             for org, node in nodes.items():
                 await asyncio.to_thread(node.on_run_started, second_ids[org], second)
             # the same nodes: every round of the second run goes through at once (a model
-            # hash lost to the first run's would hold each round 20 s)
-            await _wait_for(lambda: _round(c) >= 3, 30, "three rounds of the second run")
-            assert loop.time() - started < 30
+            # hash pushed out by the first run's would hold each round 20 s)
+            # (the first three rounds in well under the 60 s they took before, on a loaded
+            # machine too)
+            await _wait_for(lambda: _round(c) >= 3, 50, "three rounds of the second run")
+            assert loop.time() - started < 50
             assert set(_survivors(a, second_ids["org-a"]).values()) == {3.0}
             assert all(not run.startswith(keys["first"]) for run, _ in a.rounds.open_rounds())  # type: ignore[union-attr]
             # org-c loses its disk while the second run is under way
