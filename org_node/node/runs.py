@@ -185,9 +185,16 @@ class Runs:
         if self.ctx.rounds is not None:  # its rounds start afresh, wherever it catches up to
             for run in (state.run_key, f"{state.run_key}:stats"):
                 self.ctx.rounds.close_run(run)
-        await self.launch(run_id, name, spec, None if members is None else tuple(members))
-        await asyncio.to_thread(clear_failure, run_dir)
-        self.finished.pop(run_id, None)
+        ended = self.finished.pop(run_id, None)
+        await asyncio.to_thread(clear_failure, run_dir)  # before a new failure may be kept
+        try:
+            await self.launch(run_id, name, spec, None if members is None else tuple(members))
+        except ServiceRefused:  # the run stays failed, as it was
+            if ended is not None:
+                self.finished[run_id] = ended
+            if failure is not None:
+                await asyncio.to_thread(write_failure, run_dir, failure)
+            raise
         logger.info("%s: run %s resumed at round %d", self.ctx.me, run_id, state.round)
 
     def on_manifest(self, members: tuple[str, ...], version: int) -> None:
