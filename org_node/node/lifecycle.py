@@ -1,6 +1,9 @@
-"""A run's life around its engine: how a failure is kept (and whether an admin may
-resume it), the checkpoint set and stores of each run, and the rows of recovered runs.
+"""A run's life around its engine: members removed mid-run, how a failure is kept (and
+whether an admin may resume it), the checkpoint set and stores of each run, and the
+rows of recovered runs.
 
+* :func:`leave_out_removed` — members a new manifest removed leave a run's plan, so
+  its next round neither waits for them nor sends them anything of the run.
 * :class:`Failure` — why a run failed here and whether that failure is recoverable,
   written next to the run's saved state (``failure.json``) so that it outlives a
   restart; ``fedweave runs resume`` (``POST /v1/runs/{id}/resume``) resumes a failed
@@ -15,7 +18,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from coordinator_free.checkpoints import (
@@ -32,7 +35,7 @@ from sqlmodel import Session, select
 
 from org_node.db.models import Run
 from org_node.db.repo import append_audit_event
-from org_node.engine import EngineState, RunPlan
+from org_node.engine import EngineState, RunEngine, RunPlan
 from org_node.node.context import NodeContext
 from org_node.privacy import PrivacyError
 from org_node.runs import RunState
@@ -43,6 +46,7 @@ __all__ = [
     "Failure",
     "clear_failure",
     "fresh_run_stores",
+    "leave_out_removed",
     "read_failure",
     "run_row",
     "state_set",
@@ -57,6 +61,21 @@ STATE_SET_PREFIX = "state."
 
 REMOVED = "removed from the federation"
 """The start of the reason of a run stopped because this org left the manifest."""
+
+
+def leave_out_removed(engine: RunEngine, members: tuple[str, ...]) -> tuple[str, ...]:
+    """Take the participants the manifest's ``members`` no longer list (and those the
+    saved state says were removed before) out of the engine's plan; the participants
+    that remain. The codec keeps the size the run began with, so every org still
+    decodes alike; the state keeps the removed set (``plan["removed"]``) for a restart."""
+    removed = set(engine.state.plan.get("removed", ())) | (
+        set(engine.plan.participants) - set(members)
+    )
+    keep = tuple(p for p in engine.plan.participants if p not in removed)
+    if removed:
+        engine.plan = replace(engine.plan, participants=keep)
+        engine.state.plan["removed"] = sorted(removed)
+    return keep
 
 
 def state_set(run_key: str) -> str:

@@ -17,7 +17,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,7 @@ from org_node.node.lifecycle import (
     Failure,
     clear_failure,
     fresh_run_stores,
+    leave_out_removed,
     read_failure,
     run_row,
     write_failure,
@@ -212,7 +213,7 @@ class Runs:
                 self._stop_later(active, f"{REMOVED} by manifest version {version}")
             return
         before = active.engine.plan.participants
-        self.participants = self._narrow(active.engine, members)
+        self.participants = leave_out_removed(active.engine, members)
         removed = sorted(set(before) - set(self.participants))
         if not removed:
             return
@@ -235,18 +236,6 @@ class Runs:
         task = asyncio.create_task(self._stop_for(active, reason), name=f"stop:{active.run_id}")
         self._stopping.add(task)
         task.add_done_callback(self._stopping.discard)
-
-    def _narrow(self, engine: RunEngine, members: tuple[str, ...]) -> tuple[str, ...]:
-        """Take the members the manifest no longer lists out of the engine's plan (its
-        codec keeps the size the run began with, so every org still decodes alike)."""
-        removed = set(engine.state.plan.get("removed", ())) | (
-            set(engine.plan.participants) - set(members)
-        )
-        keep = tuple(p for p in engine.plan.participants if p not in removed)
-        if removed:
-            engine.plan = replace(engine.plan, participants=keep)
-            engine.state.plan["removed"] = sorted(removed)
-        return keep
 
     async def _stop_for(self, active: _ActiveRun, reason: str) -> None:
         if active.task is not None:
@@ -392,7 +381,7 @@ class Runs:
         except EngineError as exc:
             raise ServiceRefused(str(exc)) from None
         # members removed from the manifest since the run began take no further part
-        self.participants = self._narrow(engine, self.ctx.require_manifest().member_ids)
+        self.participants = leave_out_removed(engine, self.ctx.require_manifest().member_ids)
         active = _ActiveRun(run_id, engine)
         active.task = asyncio.create_task(self._drive(active), name=f"run:{run_id}")
         self.active = active
@@ -479,9 +468,15 @@ class Runs:
         """The run failed here: keep why (and whether an admin may resume it) next to its
         saved state, and mark its row ``failed``."""
         run_dir = self.ctx.paths.run_dir(active.engine.plan.run_key)
+        again = self.finished.get(active.run_id, "").startswith("failed")
         self.finished[active.run_id] = f"failed: {failure.reason}"
         await asyncio.to_thread(write_failure, run_dir, failure)
-        await asyncio.to_thread(self._set_state, active.run_id, RunAction.FAIL, failure.reason)
+        then = "it can be resumed" if failure.recoverable else "it cannot be resumed"
+        reason = f"{failure.reason} ({then})"
+        if again:  # failed already (e.g. a removal made it final): the row says why now
+            await asyncio.to_thread(self._note_reason, active.run_id, reason)
+        else:
+            await asyncio.to_thread(self._set_state, active.run_id, RunAction.FAIL, reason)
 
     def _set_state(self, run_id: str, action: RunAction, reason: str = "") -> None:
         """Apply an engine outcome to the run's row (waits for the API's own commit)."""

@@ -231,8 +231,13 @@ def test_finding_8_a_removed_member_is_out_of_the_next_round_and_fetches_nothing
 
             await _wait_for(final, what="org-c stops for good")
             assert "removed from the federation" in c.runs.finished[ids["org-c"]]
+
+            def said() -> bool:
+                return "(it cannot be resumed)" in str(_state(c, ids["org-c"]).state_reason)
+
+            await _wait_for(said, what="org-c's row says so")
             row = await asyncio.to_thread(_state, c, ids["org-c"])
-            assert row.state == "failed"
+            assert row.state == "failed" and "removed from the federation" in str(row.state_reason)
         finally:
             for node in nodes.values():
                 await node.stop()
@@ -405,6 +410,8 @@ def test_finding_9_an_admin_resumes_a_failed_run_and_it_catches_up(tmp_path: Pat
             assert c.runs.finished[ids["org-c"]].startswith("failed")
             run = f"/v1/runs/{ids['org-c']}"
             await _wait_for(lambda: _state(c, ids["org-c"]).state == "failed", what="row")
+            why = str(_state(c, ids["org-c"]).state_reason)
+            assert "the local job crashed" in why and why.endswith("(it can be resumed)")
             await _wait_for(lambda: _round(a) >= 5, what="the others go on")
             # an unrecoverable failure is refused with its reason, and nothing changes
             run_dir = c.paths.run_dir(key)
