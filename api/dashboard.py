@@ -11,8 +11,8 @@
   with the likely culprit of each round), checkpoints with their shard placement and
   the holders' health, and the audit chain's status.
 
-The run shown is the current one (:func:`current_run`): the newest running or paused
-run, else the newest pending one (proposed, accepted), else the newest that ended; a
+The run shown is the current one (:func:`current_run`): the run whose engine runs on
+this node, else the newest running or paused run, else the newest pending one (proposed, accepted), else the newest that ended; a
 newly proposed run thus replaces an ended one. It comes by name and run key, with its
 true state, why it is in it (``state_reason``), what it waits for (``waiting``: whose
 consent and until when, its start time, or what a resume waits for), the consents
@@ -191,18 +191,22 @@ _BAD_STATES = frozenset(
 _ROUND_STATES_MAX = 1000
 
 
-def current_run(session: Session) -> Run | None:
-    """The run the dashboard follows: the newest running or paused one, else the newest
+def current_run(session: Session, active: str = "") -> Run | None:
+    """The run the dashboard follows: the one whose engine runs on this node now
+    (``active``, its local id), else the newest running or paused one, else the newest
     pending one (proposed, accepted), else the newest of the others (ended)."""
+    here = session.get(Run, active) if active else None
+    if here is not None:
+        return here
     newest = (col(Run.created_at).desc(), col(Run.updated_at).desc(), col(Run.id).desc())
-    active = session.exec(
+    running = session.exec(
         select(Run)
         .where(col(Run.state).in_(_ACTIVE_STATES))
         .order_by(col(Run.updated_at).desc(), *newest)
         .limit(1)
     ).first()
-    if active is not None:
-        return active
+    if running is not None:
+        return running
     pending = session.exec(
         select(Run).where(col(Run.state).in_(PENDING_STATES)).order_by(*newest).limit(1)
     ).first()
@@ -211,10 +215,21 @@ def current_run(session: Session) -> Run | None:
     return session.exec(select(Run).order_by(*newest).limit(1)).first()
 
 
+def _active_run_id(node: object) -> str:
+    """The run whose engine runs on ``node`` now, if the node says ("" otherwise)."""
+    read = getattr(node, "active_run_id", None)
+    if read is None:
+        return ""
+    try:
+        return str(read() or "")
+    except Exception:  # a node that is not running has no active run to show
+        return ""
+
+
 def _run(session: Session, node: object = None) -> dict[str, Any]:
     """The run to show (see :func:`current_run`), what it waits for (a round under way:
     what ``node`` says it waits for), and its metrics."""
-    row = current_run(session)
+    row = current_run(session, _active_run_id(node))
     if row is None:
         return {"run": None, "metrics": []}
     spec = dict(row.spec or {})

@@ -310,8 +310,9 @@ def recover_cmd(
     passphrase_file: PassphraseFileOpt = None,
     timeout: float = typer.Option(60.0, "--timeout", help="Seconds to wait for the shards."),
 ) -> None:
-    """Rebuild a wiped node from its backup: fetch any k shards from the peers, verify,
-    decode, decrypt; `fedweave run` then rejoins the run at the round it had reached."""
+    """Rebuild a wiped node from its backup: fetch any k shards of every run's state from
+    the peers, verify, decode, decrypt; `fedweave run` then rejoins the run in progress at
+    the round it had reached."""
     import asyncio
 
     from coordinator_free.endpoint import Endpoint
@@ -319,7 +320,7 @@ def recover_cmd(
     from rich.progress import Progress, SpinnerColumn, TextColumn
 
     from org_node.initialize import prepare_recovery
-    from org_node.node import OrgNode, read_chain, recover_state
+    from org_node.node import OrgNode, RecoveredRun, read_chain, recover_runs
     from org_node.passphrase import read_passphrase
 
     passphrase = guarded(lambda: read_passphrase(passphrase_file))
@@ -329,7 +330,7 @@ def recover_cmd(
         )
     )
 
-    async def fetch() -> Path:
+    async def fetch() -> tuple[list[RecoveredRun], dict[str, str]]:
         node = OrgNode.open(paths.root, passphrase=passphrase)
         chain = read_chain(paths.chain)
         current = chain[-1]
@@ -342,7 +343,7 @@ def recover_cmd(
             on_egress=node.egress,
         )
         try:
-            return await recover_state(
+            return await recover_runs(
                 endpoint, node.secret, current.member_ids, paths, timeout=timeout
             )
         finally:
@@ -351,8 +352,14 @@ def recover_cmd(
 
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), transient=True) as bar:
         bar.add_task("fetching checkpoint shards from the peers", total=None)
-        state = guarded(lambda: asyncio.run(fetch()))
-    typer.echo(f"recovered the private state into {state}")
+        runs, lost = guarded(lambda: asyncio.run(fetch()))
+    for run in runs:
+        doing = "in progress" if run.status == "running" else run.status
+        typer.echo(f"recovered run {run.run_key} at round {run.round} ({doing}) into {run.path}")
+    for set_id, why in sorted(lost.items()):
+        typer.echo(f"could not recover {set_id}: {why}", err=True)
+    if not runs:
+        raise typer.Exit(1)
     typer.echo(f"new admin token (shown once): {token}")
     typer.echo(f"start the node with: fedweave run --data-dir {paths.root}")
 

@@ -405,7 +405,7 @@ _action_command(
     "agreed time).",
 )
 _action_command("pause", "Pause a running run after the current round.")
-_action_command("resume", "Resume a paused run.")
+_action_command("resume", "Resume a paused run, or a failed one whose failure is recoverable.")
 _action_command("abort", "Abort a run that has not ended.")
 
 

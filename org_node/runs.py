@@ -6,13 +6,16 @@ allow it (:mod:`org_node.proposals`); a running run can be paused and resumed, a
 ends ``completed``, ``aborted`` (by an operator) or ``failed`` (by the engine). A run
 that will not start (a participant declined, or the consent deadline passed without
 enough consents) is ``cancelled`` at every participant, with the reason.
-``declined``, ``cancelled``, ``completed``, ``aborted`` and ``failed`` are terminal::
+``declined``, ``cancelled``, ``completed``, ``aborted`` and ``failed`` are terminal:
+the engine never leaves them, and only an admin's ``resume`` takes a ``failed`` run
+back to ``running`` (the node refuses it when the failure is not recoverable)::
 
     proposed --accept--> accepted --start--> running <--pause/resume--> paused
         |                   |                  |  \\--complete--> completed
-        +--decline--> declined                 +--fail--> failed
+        +--decline--> declined                 +--fail--> failed --resume--> running
     proposed/accepted --cancel--> cancelled
     proposed/accepted/running/paused --abort--> aborted
+    paused --complete--> completed (paused during its last round)
 
 :func:`next_state` is the only entry point; it raises :class:`InvalidTransition`, which
 names the current state, for every pair not in :data:`TRANSITIONS`. The table holds no
@@ -83,14 +86,17 @@ TRANSITIONS: Mapping[tuple[RunState, RunAction], RunState] = MappingProxyType(
         (_S.PAUSED, _A.RESUME): _S.RUNNING,
         (_S.PAUSED, _A.ABORT): _S.ABORTED,
         (_S.PAUSED, _A.FAIL): _S.FAILED,
+        (_S.PAUSED, _A.COMPLETE): _S.COMPLETED,
+        (_S.FAILED, _A.RESUME): _S.RUNNING,
     }
 )
 """Every allowed ``(state, action) -> new state``; anything else is refused."""
 
 TERMINAL_STATES: frozenset[RunState] = frozenset(
-    s for s in RunState if not any(k[0] is s for k in TRANSITIONS)
+    s for s in RunState if not any(k[0] is s and k[1] is not _A.RESUME for k in TRANSITIONS)
 )
-"""States no action leaves: declined, cancelled, completed, aborted, failed."""
+"""States where a run has ended: declined, cancelled, completed, aborted, failed (an
+admin may still resume a failed run whose failure is recoverable)."""
 
 
 class InvalidTransition(Exception):

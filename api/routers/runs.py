@@ -428,7 +428,12 @@ _action_route(
 _action_route(RunAction.DECLINE, "This org declines the run; the decision is recorded.")
 _action_route(RunAction.START, "Start an accepted run (policies are checked again).")
 _action_route(RunAction.PAUSE, "Pause a running run after the current round.")
-_action_route(RunAction.RESUME, "Resume a paused run (policies are checked again).")
+_action_route(
+    RunAction.RESUME,
+    "Resume a paused run, or a failed run whose failure is recoverable: it continues from "
+    "its last saved state and catches up (policies are checked again; an unrecoverable "
+    "failure answers 409 with its reason).",
+)
 _action_route(RunAction.ABORT, "Abort a run that has not ended.")
 
 

@@ -29,7 +29,7 @@ from coordinator_free.checkpoints.errors import (
     ShardRequestError,
 )
 from coordinator_free.checkpoints.history import GLOBAL_SET, GlobalHistoryStore
-from coordinator_free.checkpoints.recovery import RecoveredCheckpoint, recover
+from coordinator_free.checkpoints.recovery import RecoveredCheckpoint, recover, recover_sets
 from coordinator_free.checkpoints.replicator import CheckpointReplicator, RepairReport
 from coordinator_free.checkpoints.service import (
     DELETE,
@@ -72,4 +72,5 @@ __all__ = [
     "list_shards",
     "put_shards",
     "recover",
+    "recover_sets",
 ]

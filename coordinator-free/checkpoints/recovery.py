@@ -5,7 +5,10 @@ manifests the org's own key signed, takes the newest version (or the one asked f
 its latest placement epoch, fetches any ``k`` shards in parallel from the holders that
 reported them (:func:`sources_of`,
 :func:`~coordinator_free.checkpoints.fetch.fetch_any_k`), verifies each against the
-manifest, decodes and decrypts (:mod:`coordinator_free.sealed`).
+manifest, decodes and decrypts (:mod:`coordinator_free.sealed`). :func:`recover_sets`
+does the same for every set of the org whose id starts with a prefix (one per run of a
+node's private state), so that a wiped node gets back every run it was in, not only
+the one whose version number happens to be highest.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from coordinator_free.errors import TransportError
 from coordinator_free.files import atomic_write
 from coordinator_free.sealed import RecoverySecret, open_sealed
 
-__all__ = ["RecoveredCheckpoint", "recover", "sources_of", "survey"]
+__all__ = ["RecoveredCheckpoint", "recover", "recover_sets", "sources_of", "survey"]
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +137,64 @@ async def recover(
     me = endpoint.org_id
     asked = sorted({p for p in peers if p != me})
     held, failures = await survey(endpoint, asked, me, set_id, min(timeout, 15.0))
+    return await _recover_set(
+        endpoint, secret, held, failures, len(asked), set_id, version, timeout
+    )
+
+
+async def recover_sets(
+    endpoint: Endpoint,
+    secret: RecoverySecret,
+    peers: Iterable[str],
+    *,
+    prefix: str,
+    legacy: str | None = None,
+    timeout: float = 60.0,
+) -> tuple[dict[str, RecoveredCheckpoint], dict[str, str]]:
+    """The newest checkpoint of every set of this org whose id starts with ``prefix``
+    (and of the set ``legacy``, when given), and why each set that could not be
+    rebuilt was not. Raises :class:`NoCheckpoint` when no peer holds any such set."""
+    me = endpoint.org_id
+    asked = sorted({p for p in peers if p != me})
+    held, failures = await survey(endpoint, asked, me, None, min(timeout, 15.0))
+    sets = sorted(
+        {
+            s.manifest.set_id
+            for stored in held.values()
+            for s in stored
+            if s.manifest.set_id.startswith(prefix) or s.manifest.set_id == legacy
+        }
+    )
+    got: dict[str, RecoveredCheckpoint] = {}
+    lost: dict[str, str] = {}
+    for set_id in sets:
+        try:
+            got[set_id] = await _recover_set(
+                endpoint, secret, held, failures, len(asked), set_id, None, timeout
+            )
+        except (NoCheckpoint, ShardError) as exc:
+            lost[set_id] = str(exc)
+    if not got and not lost:
+        unreachable = ", ".join(f"{p} ({why})" for p, why in sorted(failures.items()))
+        raise NoCheckpoint(
+            f"no reachable peer holds a checkpoint of {me!r}; asked {len(asked)} peers"
+            + (f", unreachable: {unreachable}" if unreachable else "")
+        )
+    return got, lost
+
+
+async def _recover_set(
+    endpoint: Endpoint,
+    secret: RecoverySecret,
+    held: Mapping[str, Sequence[StoredSet]],
+    failures: Mapping[str, str],
+    asked: int,
+    set_id: str,
+    version: int | None,
+    timeout: float,
+) -> RecoveredCheckpoint:
+    """:func:`recover` of one set, from what the peers said they hold."""
+    me = endpoint.org_id
     candidates = _signed_candidates(me, endpoint.identity.public_key, set_id, held)
     if version is not None:
         candidates = {vk: m for vk, m in candidates.items() if vk[0] == version}
@@ -141,7 +202,7 @@ async def recover(
         unreachable = ", ".join(f"{p} ({why})" for p, why in sorted(failures.items()))
         what = f"{set_id}@{version}" if version is not None else set_id
         raise NoCheckpoint(
-            f"no reachable peer holds a checkpoint {what} of {me!r}; asked {len(asked)} "
+            f"no reachable peer holds a checkpoint {what} of {me!r}; asked {asked} "
             f"peers" + (f", unreachable: {unreachable}" if unreachable else "")
         )
     manifest = candidates[max(candidates)]

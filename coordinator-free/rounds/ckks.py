@@ -132,7 +132,7 @@ class CkksAggregator:
         self._inbox.setdefault(key, box)[env.sender] = env.payload
         self._events.setdefault(key, asyncio.Event()).set()
         while len(self._inbox) > 64:  # bound what peers can make this node hold
-            oldest = min(self._inbox, key=lambda k: k[1])
+            oldest = next(iter(self._inbox))  # the first filed, not the lowest round
             del self._inbox[oldest]
             self._events.pop(oldest, None)
         return b""

@@ -177,6 +177,15 @@ class RoundEngine:
         finds the attempt its peers are at (attempt alignment)."""
         return self._table.later_ready(run, after, until)
 
+    def close_run(self, run: str) -> None:
+        """``run`` ended at this node: drop everything held for it (round states, ring
+        buffers, kept sums and releases, model hashes) and refuse its late messages
+        until this node runs one of its rounds again (a failed run an admin resumes)."""
+        self._table.close_run(run)
+        self._sums.forget_run(run)
+        self._unmask.forget_run(run)
+        self.model_hashes.forget_run(run)
+
     # -- the round ----------------------------------------------------------------------
 
     async def run_round(

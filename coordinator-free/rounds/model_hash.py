@@ -57,10 +57,18 @@ class ModelHashes:
         hashes[env.sender] = env.payload
         self._events.setdefault(key, asyncio.Event()).set()
         while len(self._hashes) > 16:
-            oldest = min(self._hashes, key=lambda k: k[1])
+            # the first filed goes, whatever its round number: a run that ended with high
+            # round numbers must not push out every hash of the next run's low ones
+            oldest = next(iter(self._hashes))
             del self._hashes[oldest]
             self._events.pop(oldest, None)
         return b""
+
+    def forget_run(self, run: str) -> None:
+        """``run`` ended here: its hashes go."""
+        for key in [k for k in self._hashes if k[0] == run]:
+            del self._hashes[key]
+            self._events.pop(key, None)
 
     async def publish(self, run: str, round: int, digest: bytes, peers: Iterable[str]) -> set[str]:
         """Send the SHA-256 of this node's next model to ``peers``; return those not reached."""

@@ -119,6 +119,7 @@ class RoundTable:
         self._states: dict[tuple[str, int], RoundState] = {}
         self._opened_by: dict[tuple[str, int], str] = {}
         self._last_done: dict[str, int] = {}
+        self._closed: set[str] = set()
         self.running: set[tuple[str, int]] = set()
 
     def member_quota(self) -> int:
@@ -142,6 +143,8 @@ class RoundTable:
         state = self._states.get(key)
         if state is not None:
             return state
+        if run in self._closed:
+            raise Refused(RefusalReason.STALE, f"run {run!r} is over here")
         last = self._last_done.get(run)
         if last is not None and round <= last:
             raise Refused(RefusalReason.STALE, f"round {round} of {run!r} is over")
@@ -222,7 +225,9 @@ class RoundTable:
 
     def keep_window(self, run: str, round: int) -> None:
         """Drop the rounds of ``run`` this node will never run once it runs ``round``
-        (behind it, or too far ahead of it), so wrong-round traffic cannot hold slots."""
+        (behind it, or too far ahead of it), so wrong-round traffic cannot hold slots; a
+        run closed here (:meth:`close_run`) is open again once this node runs its rounds."""
+        self._closed.discard(run)
         for key in [
             k
             for k in self._states
@@ -236,6 +241,16 @@ class RoundTable:
         self._last_done[run] = round if last is None else max(last, round)
         for key in [k for k in self._states if k[0] == run and k[1] <= round]:
             self._drop(key)
+
+    def close_run(self, run: str) -> None:
+        """``run`` ended here: drop every round held for it (its late messages would hold
+        slots that the next run needs) and refuse new ones until :meth:`keep_window`,
+        where it starts afresh (a resumed run may be rounds ahead of where it stopped)."""
+        self._closed.add(run)
+        self._last_done.pop(run, None)
+        for key in [k for k in self._states if k[0] == run]:
+            del self._states[key]
+            self.ring.close(*key)
 
     def progress(self, run: str) -> RoundProgress | None:
         """The newest round of ``run`` this node runs now, and what it waits for."""
@@ -272,3 +287,12 @@ def keep_latest(
         oldest = next(iter(store))
         del store[oldest]
         events.pop(oldest, None)
+
+
+def forget_run(
+    store: dict[tuple[str, int], Any], events: dict[tuple[str, int], Any], run: str
+) -> None:
+    """Drop every round of ``run`` from ``store`` and ``events`` (the run ended here)."""
+    for key in [k for k in store if k[0] == run]:
+        del store[key]
+        events.pop(key, None)

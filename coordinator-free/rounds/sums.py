@@ -24,7 +24,13 @@ from coordinator_free.ring import Scattered
 from coordinator_free.rounds.config import RoundConfig
 from coordinator_free.rounds.messenger import Messenger
 from coordinator_free.rounds.results import RoundFailed
-from coordinator_free.rounds.state import Counters, RoundState, RoundTable, keep_latest
+from coordinator_free.rounds.state import (
+    Counters,
+    RoundState,
+    RoundTable,
+    forget_run,
+    keep_latest,
+)
 from coordinator_free.rounds.wire import KIND_PART, KIND_TOTAL, PART_REQUEST, TOTAL_REQUEST
 from coordinator_free.wire import Envelope
 
@@ -75,6 +81,11 @@ class SumServer:
             self._total_events.pop((run, round), None)
         if (run, round) not in self._parts:
             self._part_events.pop((run, round), None)
+
+    def forget_run(self, run: str) -> None:
+        """``run`` ended here: its kept sums go."""
+        forget_run(self._totals, self._total_events, run)
+        forget_run(self._parts, self._part_events, run)
 
     # -- round.total --------------------------------------------------------------------
 

@@ -36,7 +36,13 @@ from coordinator_free.rounds.config import RoundConfig, patience
 from coordinator_free.rounds.context import StageContext
 from coordinator_free.rounds.exchange import PairwiseExchange
 from coordinator_free.rounds.results import RoundFailed
-from coordinator_free.rounds.state import Counters, RoundState, RoundTable, keep_latest
+from coordinator_free.rounds.state import (
+    Counters,
+    RoundState,
+    RoundTable,
+    forget_run,
+    keep_latest,
+)
 from coordinator_free.rounds.sums import SumServer
 from coordinator_free.rounds.wire import (
     HASH_BYTES,
@@ -77,6 +83,10 @@ class UnmaskStage:
         # after the round for a survivor that still needs it (see on_unmask)
         self._releases: dict[tuple[str, int], tuple[bytes, frozenset[str], bytes]] = {}
         self._release_events: dict[tuple[str, int], asyncio.Event] = {}
+
+    def forget_run(self, run: str) -> None:
+        """``run`` ended here: its kept releases go."""
+        forget_run(self._releases, self._release_events, run)
 
     # -- handlers -----------------------------------------------------------------------
 

@@ -476,15 +476,19 @@ def node_report(
     identity: Any,
     config: Any,
     log: EgressLog | None = None,
+    anomalies: Sequence[str] = (),
 ) -> dict[str, Any]:
     """The signed privacy report of run ``run_id``: :func:`node_run_facts` joined with
-    the node's egress log (``log``, or the one in ``data_dir`` opened for the call).
+    the node's egress log (``log``, or the one in ``data_dir`` opened for the call), and
+    ``anomalies`` the node adds (what its peers' heads prove its log lost).
 
     Raises :class:`UnknownRunId` (no such run), :class:`~org_node.audit.report.UnknownRun`
     (the run sent nothing yet) or :class:`~org_node.audit.report.ReportError` (no signed
     head covers the run's last message yet).
     """
     facts = node_run_facts(db, data_dir, run_id, org_id=identity.org_id, config=config)
+    if anomalies:
+        facts = replace(facts, anomalies=(*facts.anomalies, *anomalies))
     if log is not None:
         return build_report(log, facts)
     opened = EgressLog(identity, Path(data_dir) / "audit" / "egress.jsonl")

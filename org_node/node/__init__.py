@@ -26,7 +26,7 @@ from org_node.node.assembly import (
     read_chain,
     save_secret,
 )
-from org_node.node.checkpoints import recover_state
+from org_node.node.checkpoints import RecoveredRun, recover_runs, recover_state
 from org_node.node.context import NodeContext
 from org_node.node.federation import write_chain
 from org_node.node.runs import TrainerFactory
@@ -36,9 +36,11 @@ __all__ = [
     "NodeContext",
     "NodeError",
     "OrgNode",
+    "RecoveredRun",
     "TrainerFactory",
     "load_secret",
     "read_chain",
+    "recover_runs",
     "recover_state",
     "save_secret",
     "write_chain",

@@ -75,7 +75,7 @@ from org_node.engine import ATTEMPTS
 from org_node.node.checkpoints import Checkpoints
 from org_node.node.context import NodeContext
 from org_node.node.federation import Federation
-from org_node.node.heads import AuditHeads
+from org_node.node.heads import AuditHeads, lost_entries
 from org_node.node.leftovers import clean_leftovers
 from org_node.node.proposals import RunProposals
 from org_node.node.runs import Runs, TrainerFactory
@@ -207,6 +207,7 @@ class OrgNode(NodeContext):
         self.audit_heads = AuditHeads(self)
         self.runs.on_round_done = self.audit_heads.after_round
         self.runs.settle_heads = self.audit_heads.settle
+        self.federation.on_install = self.runs.on_manifest
 
     # ------------------------------------------------------------------ construction
 
@@ -233,8 +234,10 @@ class OrgNode(NodeContext):
         return self.membership.live()
 
     def _peers_for_rounds(self) -> tuple[str, ...]:
+        """The active run's participants that are still members (or every member)."""
         m = self.current_manifest
-        return self.runs.participants or (m.member_ids if m is not None else ())
+        members = m.member_ids if m is not None else ()
+        return tuple(p for p in self.runs.participants if p in members) or members
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -416,6 +419,10 @@ class OrgNode(NodeContext):
     def on_run_paused(self, run_id: str, spec: Mapping[str, Any]) -> None:
         self.runs.on_run_paused(run_id, spec)
 
+    def active_run_id(self) -> str:
+        """The local id of the run whose engine runs here ("" when none does)."""
+        return self.runs.active_run_id()
+
     def on_run_resumed(self, run_id: str, spec: Mapping[str, Any]) -> None:
         self.runs.on_run_resumed(run_id, spec)
 
@@ -449,7 +456,15 @@ class OrgNode(NodeContext):
         )
 
     def run_report(self, run_id: str) -> Mapping[str, Any]:
-        """The signed privacy report of run ``run_id`` (:class:`~org_node.services.RunReports`)."""
+        """The signed privacy report of run ``run_id`` (:class:`~org_node.services.RunReports`),
+        stating what the heads the peers hold prove this org's log lost (a wipe)."""
+        lost: list[str] = []
+        key = self.runs.run_key_of(run_id)
+        if self.loop is not None and self.endpoint is not None and key:
+            try:
+                lost = lost_entries(self.egress, self.peer_heads(), key)
+            except Exception as exc:  # the report says so rather than claim nothing is lost
+                lost = [f"the peers' heads of this org's log could not be fetched: {exc}"]
         return node_report(
             self.db,
             self.paths.root,
@@ -457,6 +472,7 @@ class OrgNode(NodeContext):
             identity=self.org_identity,
             config=self.config.engine,
             log=self.egress,
+            anomalies=lost,
         )
 
 

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -47,6 +48,9 @@ class Federation:
         self.ctx = ctx
         self._proposals: dict[str, Manifest] = {}
         self._follow: asyncio.Task[None] | None = None
+        self.on_install: Callable[[tuple[str, ...], int], None] = _nothing
+        """Called on the loop with the members and number of each version installed (the
+        runs under way take removed members out of their next round)."""
 
     # -- called by the admin API (worker threads) --------------------------------------
 
@@ -141,6 +145,7 @@ class Federation:
         if ctx.membership is not None:
             ctx.membership.update_members(version.member_ids)
         logger.info("%s: installed manifest version %d", ctx.me, version.version)
+        self.on_install(version.member_ids, version.version)
 
     async def _follow_proposals(self) -> None:
         assert self.ctx.gossip is not None
@@ -152,3 +157,7 @@ class Federation:
                 self._merge(candidate)
             except (ManifestError, ServiceRefused, ValueError) as exc:
                 logger.warning("%s: ignored a manifest proposal: %s", self.ctx.me, exc)
+
+
+def _nothing(members: tuple[str, ...], version: int) -> None:
+    del members, version

@@ -13,6 +13,9 @@ the members' heads are kept here (``docs/SECURITY.md``, "Privacy audit").
   ask for the heads of its own log this node holds (``audit.heads``).
 * :meth:`AuditHeads.from_peers` asks every live member for the heads of this org's log
   it holds (``GET /v1/audit/peer-heads``, ``fedweave audit verify --from-peers``).
+* :func:`lost_entries` says what those heads prove this org's log no longer holds (a
+  node rebuilt after a wipe starts a new log): how many entries at least, and which
+  rounds of a run they covered; a run's privacy report states it among its anomalies.
 
 A head that could not be signed or sent is logged as an error, never passed over in
 silence; the next one covers what it would have.
@@ -23,14 +26,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Iterable
 
 from coordinator_free.errors import TransportError
 
-from org_node.audit import AuditError, SignedHead
+from org_node.audit import AuditError, EgressLog, SignedHead
 from org_node.audit.heads import HEAD_KIND, fetch_heads, send_head, serve_heads
 from org_node.node.context import NodeContext
 
-__all__ = ["HEAD_PERIOD_S", "AuditHeads"]
+__all__ = ["HEAD_PERIOD_S", "AuditHeads", "lost_entries"]
 
 logger = logging.getLogger("org_node.node")
 
@@ -132,3 +136,47 @@ class AuditHeads:
             )
         except TransportError as exc:  # pragma: no cover - fetch_heads catches per peer
             return [], {"*": str(exc)}
+
+
+def lost_entries(log: EgressLog, held: Iterable[SignedHead], run: str) -> list[str]:
+    """What the heads of this org's log that its peers hold (``held``, checked against
+    the org's key) prove ``log`` lacks: a head past the log's end, or one that does not
+    match the entry at its index (a log begun anew after a wipe), covers entries this
+    log no longer holds. One line for the entries (at least ``index + 1`` of the newest
+    such head) and, when heads of ``run`` are among them, one for that run's rounds."""
+    key = log.identity.public_key
+    entries = log.entries
+    gone = [
+        h
+        for h in held
+        if h.org == log.org
+        and h.index >= 0
+        and h.verify(key)
+        and (h.index >= len(entries) or entries[h.index].entry_hash != h.head_hash)
+    ]
+    if not gone:
+        return []
+    newest = max(gone, key=lambda h: h.index)
+    out = [
+        f"the peers hold {len(gone)} signed heads of this org's log that it no longer "
+        f"holds, the newest over entries 0..{newest.index} (signed {newest.time}): at least "
+        f"{newest.index + 1} entries of an earlier log are gone (a wipe)"
+    ]
+    rounds = sorted({h.round for h in gone if h.run == run and h.round > 0})
+    if rounds:
+        out.append(
+            f"rounds up to {rounds[-1]} of this run were sent from the lost log: their "
+            f"messages are not in this report (peers' heads name rounds {_spans(rounds)})"
+        )
+    return out
+
+
+def _spans(rounds: list[int]) -> str:
+    """``1-3, 5`` for ``[1, 2, 3, 5]``."""
+    spans: list[list[int]] = []
+    for r in rounds:
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    return ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in spans)

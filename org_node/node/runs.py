@@ -14,22 +14,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import json
 import logging
-import os
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from coordinator_free.checkpoints import (
-    GLOBAL_OWNER,
-    GLOBAL_SET,
-    GlobalHistoryStore,
-)
-from coordinator_free.erasure import CodeParams, ShardError
+from coordinator_free.erasure import ShardError
 from coordinator_free.rounds import ModelHashMismatch
 from sqlalchemy import update
 from sqlmodel import Session
@@ -55,13 +47,21 @@ from org_node.engine import (
 )
 from org_node.node.admission import RunAdmission
 from org_node.node.context import NodeContext
-from org_node.policy import RunSpec
+from org_node.node.lifecycle import (
+    REMOVED,
+    Failure,
+    clear_failure,
+    fresh_run_stores,
+    leave_out_removed,
+    read_failure,
+    run_row,
+    write_failure,
+)
+from org_node.node.workers import worker_trainer
 from org_node.privacy import PrivacyError
 from org_node.runs import InvalidTransition, RunAction, RunState, next_state
 from org_node.services import RunActivity, ServiceRefused
-from org_node.trainers.base import WorkerSpec
-from org_node.trainers.local import TrainerFailed, WorkerLaunch, WorkerTrainer
-from org_node.training.spec import LocalJobSpec
+from org_node.trainers.local import TrainerFailed
 
 __all__ = ["MODEL_TOPIC", "RESUME_RETRY_S", "Runs", "TrainerFactory"]
 
@@ -121,57 +121,11 @@ class Runs:
         self._reasons: dict[str, str] = {}
         self.admission = RunAdmission()
         """The runs whose rounds peers may open here (the round engine's ``admit``)."""
-
-    def _node_config(self, binding: RunBinding) -> dict[str, Any]:
-        """This org's Flower ``node_config``: its partition (demos) and bound dataset."""
-        training = self.ctx.config.training
-        out: dict[str, Any] = {}
-        if training.num_partitions > 1:
-            out |= {
-                "partition-id": training.partition_index,
-                "num-partitions": training.num_partitions,
-            }
-        d = binding.dataset
-        if d is not None:
-            out |= {
-                "dataset-name": d.name,
-                "dataset-path": d.path,
-                "dataset-kind": d.kind,
-                "dataset-rows": d.rows,
-                "dataset-sha256": d.sha256,
-                "dataset-columns": json.dumps(dict(d.columns), sort_keys=True),
-            }
-        return out | dict(training.node_config)
+        self._stopping: set[asyncio.Task[None]] = set()
 
     def _worker_trainer(self, plan: RunPlan, work_dir: Path, binding: RunBinding) -> LocalTrainer:
         """The run's trainer, in a worker process of its own (never in this one)."""
-        training = self.ctx.config.training
-        spec = RunSpec.from_dict(plan.spec)
-        trainer = binding.trainer.reference
-        job = training.job_fields()
-        worker = WorkerSpec(
-            session="",
-            node_pid=os.getpid(),
-            org_id=self.ctx.me,
-            run_key=plan.run_key,
-            trainer=trainer,
-            run_config=dict(spec.config),
-            node_config=self._node_config(binding),
-            data=spec.data,
-            dataset=binding.dataset,
-            job=job,
-            model_seed=self.ctx.config.engine.model_seed,
-            participants=len(plan.participants),
-        )
-        task_kind = trainer.kind in ("bundled", "task")
-        world = LocalJobSpec(task=trainer.name, **job).world_size if task_kind else 1
-        launch = WorkerLaunch(
-            world_size=world,
-            persistent=training.worker == "persistent",
-            start_timeout_s=training.start_timeout_s,
-            round_timeout_s=training.round_timeout_s,
-        )
-        return WorkerTrainer(worker, work_dir, launch)
+        return worker_trainer(self.ctx, plan, work_dir, binding)
 
     # -- runs -------------------------------------------------------------------------
 
@@ -210,7 +164,90 @@ class Runs:
         self.ctx.read(lambda: self._require_active(run_id).paused.set())
 
     def on_run_resumed(self, run_id: str, spec: Mapping[str, Any]) -> None:
-        self.ctx.read(lambda: self._require_active(run_id).paused.clear())
+        """Resume a paused run, or relaunch a failed one from its last saved state when
+        its failure is recoverable (:class:`~org_node.node.lifecycle.Failure`)."""
+        self.ctx.on_loop(self._resume_run(run_id, spec))
+
+    async def _resume_run(self, run_id: str, spec: Mapping[str, Any]) -> None:
+        active = self.active
+        running = active is not None and active.task is not None and not active.task.done()
+        if active is not None and active.run_id == run_id and running:
+            active.paused.clear()
+            return
+        name = await asyncio.to_thread(self._run_name, run_id)
+        try:
+            run_dir = self.ctx.paths.run_dir(RunPlan.from_spec(name, spec).run_key)
+        except (EngineError, KeyError, TypeError, ValueError) as exc:
+            raise ServiceRefused(f"unreadable run spec: {exc}") from None
+        failure = await asyncio.to_thread(read_failure, run_dir)
+        if failure is not None and not failure.recoverable:
+            raise ServiceRefused(f"the run cannot resume: {failure.reason}")
+        state_file = run_dir / STATE_FILE
+        if not state_file.exists():
+            raise ServiceRefused("this node holds no saved state of the run to resume from")
+        state = EngineState.from_bytes(await asyncio.to_thread(state_file.read_bytes))
+        members = state.plan.get("members")
+        if self.ctx.rounds is not None:  # its rounds start afresh, wherever it catches up to
+            for run in (state.run_key, f"{state.run_key}:stats"):
+                self.ctx.rounds.close_run(run)
+        ended = self.finished.pop(run_id, None)
+        await asyncio.to_thread(clear_failure, run_dir)  # before a new failure may be kept
+        try:
+            await self.launch(run_id, name, spec, None if members is None else tuple(members))
+        except ServiceRefused:  # the run stays failed, as it was
+            if ended is not None:
+                self.finished[run_id] = ended
+            if failure is not None:
+                await asyncio.to_thread(write_failure, run_dir, failure)
+            raise
+        logger.info("%s: run %s resumed at round %d", self.ctx.me, run_id, state.round)
+
+    def on_manifest(self, members: tuple[str, ...], version: int) -> None:
+        """A new manifest version is installed (on the loop): members it removed are out
+        of the next round of the run under way (a run waiting to resume leaves them out
+        when it launches); when this org itself is removed, or too few members remain for
+        the threshold, the run stops here, failed for good."""
+        active = self.active
+        if active is None or active.task is None:
+            return
+        if active.task.done():
+            if self.ctx.me not in members and self.finished.get(active.run_id, "").startswith(
+                "failed"
+            ):  # a failed run here cannot be resumed once this org is out
+                self._stop_later(active, f"{REMOVED} by manifest version {version}")
+            return
+        before = active.engine.plan.participants
+        self.participants = leave_out_removed(active.engine, members)
+        removed = sorted(set(before) - set(self.participants))
+        if not removed:
+            return
+        logger.info(
+            "%s: manifest v%d removed %s from run %s", self.ctx.me, version, removed, active.run_id
+        )
+        self.ctx.events.publish(active.run_id, "members", {"removed": removed, "version": version})
+        why = ""
+        if self.ctx.me in removed:
+            why = f"{REMOVED} by manifest version {version}"
+        elif len(self.participants) < active.engine.plan.threshold:
+            why = (
+                f"manifest version {version} leaves {len(self.participants)} members, "
+                f"fewer than the threshold {active.engine.plan.threshold}"
+            )
+        if why:
+            self._stop_later(active, why)
+
+    def _stop_later(self, active: _ActiveRun, reason: str) -> None:
+        task = asyncio.create_task(self._stop_for(active, reason), name=f"stop:{active.run_id}")
+        self._stopping.add(task)
+        task.add_done_callback(self._stopping.discard)
+
+    async def _stop_for(self, active: _ActiveRun, reason: str) -> None:
+        if active.task is not None:
+            active.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await active.task
+        logger.warning("%s: run %s stopped: %s", self.ctx.me, active.run_id, reason)
+        await self._fail(active, Failure(reason, False))
 
     def on_run_aborted(self, run_id: str, spec: Mapping[str, Any]) -> None:
         self.ctx.read(lambda: self._abort(run_id))
@@ -280,11 +317,23 @@ class Runs:
             orgs=progress.waiting_for,
         )
 
+    def active_key(self) -> str:
+        """The run key of the active run's engine ("" when none)."""
+        return self.active.engine.plan.run_key if self.active is not None else ""
+
     def _require_active(self, run_id: str) -> _ActiveRun:
         active = self.active
         if active is None or active.run_id != run_id:
             raise ServiceRefused("the run is not active on this node")
         return active
+
+    def run_key_of(self, run_id: str) -> str:
+        """The federation-wide key of the local run ``run_id`` ("" when unknown)."""
+        with Session(self.ctx.db) as session:
+            row = session.get(Run, run_id)
+            if row is None:
+                return ""
+            return row.run_key or RunPlan.from_spec(row.name, row.spec).run_key
 
     def _run_name(self, run_id: str) -> str:
         with Session(self.ctx.db) as session:
@@ -304,8 +353,12 @@ class Runs:
         started at its quorum without every participant)."""
         if self.ctx.rounds is None:
             raise ServiceRefused("the node has not joined a federation")
-        if self.active is not None and self.active.task and not self.active.task.done():
-            raise ServiceRefused(f"run {self.active.run_id} is still active on this node")
+        previous = self.active
+        if previous is not None and previous.task is not None and not previous.task.done():
+            if previous.run_id in self.finished:  # it ended here; its worker is closing
+                await asyncio.wait([previous.task], timeout=30.0)
+            if not previous.task.done():
+                raise ServiceRefused(f"run {previous.run_id} is still active on this node")
         try:
             plan = RunPlan.from_spec(name, spec, members)
         except EngineError as exc:
@@ -313,18 +366,10 @@ class Runs:
         self.admission.admit(plan.run_key, spec["participants"], plan.backend)
         run_dir = self.ctx.paths.run_dir(plan.run_key)
         rounds = self.ctx.rounds
-        if self._history_run != plan.run_key and self.ctx.store is not None:
-            # the history store numbers versions by round: start each run afresh
-            old = [s.manifest.version for s in self.ctx.store.list(GLOBAL_OWNER, GLOBAL_SET)]
-            if old:
-                self.ctx.store.delete(GLOBAL_OWNER, GLOBAL_SET, sorted(set(old)))
-            if self.ctx.endpoint is not None and self.ctx.membership is not None:
-                self.ctx.history = GlobalHistoryStore(
-                    self.ctx.endpoint,
-                    self.ctx.store,
-                    self.ctx.membership.live,
-                    params=CodeParams(self.ctx.config.checkpoint.k, self.ctx.config.checkpoint.m),
-                )
+        if self._history_run != plan.run_key:
+            replaced = fresh_run_stores(self.ctx, plan.run_key)
+            if replaced is not None:
+                await replaced.close()
             self._history_run = plan.run_key
 
         binding = await asyncio.to_thread(self._binding, run_id)
@@ -353,7 +398,8 @@ class Runs:
             engine = await asyncio.to_thread(build)
         except EngineError as exc:
             raise ServiceRefused(str(exc)) from None
-        self.participants = plan.participants
+        # members removed from the manifest since the run began take no further part
+        self.participants = leave_out_removed(engine, self.ctx.require_manifest().member_ids)
         active = _ActiveRun(run_id, engine)
         active.task = asyncio.create_task(self._drive(active), name=f"run:{run_id}")
         self.active = active
@@ -378,8 +424,27 @@ class Runs:
         finally:
             # the run ended here (or the node stops): peers open no more of its rounds
             self.admission.forget(active.engine.plan.run_key)
+            if self.active is active:
+                self.participants = ()  # the next run's rounds are sized by their own plan
+            self._close_rounds_later(active.engine.plan.run_key)
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(active.engine.close)
+
+    def _close_rounds_later(self, run_key: str) -> None:
+        """Once members that lag have had a stage's time to fetch this node's last sums,
+        drop what the round engine holds for the ended run (unless it runs again)."""
+        rounds = self.ctx.rounds
+        if rounds is None:
+            return
+
+        def close() -> None:
+            task = self.active.task if self.active is not None else None
+            if task is not None and not task.done() and self.active_key() == run_key:
+                return
+            for run in (run_key, f"{run_key}:stats"):
+                rounds.close_run(run)
+
+        asyncio.get_running_loop().call_later(rounds.config.stage_timeout, close)
 
     async def _drive_engine(self, active: _ActiveRun) -> None:
         run_id = active.run_id
@@ -399,14 +464,12 @@ class Runs:
         ) as exc:
             reason = f"round {active.engine.state.round + 1} at {me}: {exc}"
             logger.warning("%s: run %s failed: %s", me, run_id, reason)
-            self.finished[run_id] = f"failed: {reason}"
             self.ctx.events.publish(run_id, "error", {"message": reason})
-            await asyncio.to_thread(self._set_state, run_id, RunAction.FAIL, reason)
+            await self._fail(active, Failure.of(exc, reason))
             return
         except Exception as exc:  # any other failure fails the run loudly, never silently
             logger.exception("%s: run %s failed", self.ctx.me, run_id)
-            self.finished[run_id] = f"failed: {type(exc).__name__}: {exc}"
-            await asyncio.to_thread(self._set_state, run_id, RunAction.FAIL, str(exc))
+            await self._fail(active, Failure.of(exc, f"{type(exc).__name__}: {exc}"))
             return
         await self.settle_heads()
         self.finished[run_id] = outcome.status
@@ -420,6 +483,20 @@ class Runs:
             },
         )
         await asyncio.to_thread(self._set_state, run_id, RunAction.COMPLETE, outcome.reason)
+
+    async def _fail(self, active: _ActiveRun, failure: Failure) -> None:
+        """The run failed here: keep why (and whether an admin may resume it) next to its
+        saved state, and mark its row ``failed``."""
+        run_dir = self.ctx.paths.run_dir(active.engine.plan.run_key)
+        again = self.finished.get(active.run_id, "").startswith("failed")
+        self.finished[active.run_id] = f"failed: {failure.reason}"
+        await asyncio.to_thread(write_failure, run_dir, failure)
+        then = "it can be resumed" if failure.recoverable else "it cannot be resumed"
+        reason = f"{failure.reason} ({then})"
+        if again:  # failed already (e.g. a removal made it final): the row says why now
+            await asyncio.to_thread(self._note_reason, active.run_id, reason)
+        else:
+            await asyncio.to_thread(self._set_state, active.run_id, RunAction.FAIL, reason)
 
     def _set_state(self, run_id: str, action: RunAction, reason: str = "") -> None:
         """Apply an engine outcome to the run's row (waits for the API's own commit)."""
@@ -566,7 +643,8 @@ class Runs:
                 await self._retry
 
     async def resume(self) -> None:
-        """Restart the engine of every run left running (a restart, or a recovered disk)."""
+        """Restart the engine of every run left running (a restart, or a recovered disk);
+        a recovered run that had ended gets its row back (:func:`run_row`)."""
         if not self.ctx.paths.runs.exists():
             return
         for state_file in sorted(self.ctx.paths.runs.glob(f"*/{STATE_FILE}")):
@@ -575,10 +653,10 @@ class Runs:
             except EngineError as exc:
                 logger.warning("%s: unreadable %s: %s", self.ctx.me, state_file, exc)
                 continue
-            if state.status != "running" or not state.plan:
+            if not state.plan:
                 continue
-            run_id = self._running_row(state)
-            if run_id is None:
+            run_id = await asyncio.to_thread(run_row, self.ctx.db, state)
+            if run_id is None or state.status != "running":
                 continue
             members = state.plan.get("members")
             self._waiting[run_id] = (
@@ -619,38 +697,6 @@ class Runs:
                 update(Run).where(Run.id == run_id).values(state_reason=reason)  # type: ignore[arg-type]
             )
             session.commit()
-
-    def _running_row(self, state: EngineState) -> str | None:
-        """The local run row of a saved state: the running one, or a new row after recovery."""
-        from sqlmodel import select
-
-        name, spec = state.plan["name"], state.plan["spec"]
-        with Session(self.ctx.db) as session:
-            rows = session.exec(select(Run).where(Run.name == name)).all()
-            for row in rows:
-                if RunPlan.from_spec(row.name, row.spec).run_key == state.run_key:
-                    return row.id if row.state == RunState.RUNNING else None
-            bound = dict(state.plan.get("binding") or {})
-            row = Run(
-                id=uuid.uuid4().hex,
-                name=name,
-                spec=dict(spec),
-                state=RunState.RUNNING.value,
-                current_round=state.round,
-                proposed_by="recovery",
-                decided_by="recovery",
-                run_key=state.run_key,
-                trainer_hash=bound.get("trainer_hash"),
-                dataset_name=bound.get("dataset_name"),
-                dataset_hash=bound.get("dataset_hash"),
-                dataset_rows=bound.get("dataset_rows"),
-            )
-            session.add(row)
-            append_audit_event(
-                session, stage="control", kind="run.recover", run=row.id, privacy_class="internal"
-            )
-            session.commit()
-            return row.id
 
 
 async def _nothing() -> None:

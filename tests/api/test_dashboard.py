@@ -314,3 +314,21 @@ def test_a_newly_proposed_run_replaces_an_ended_one(api: Api) -> None:
     # and a running run comes before either
     _set_run(api, old["id"], state="running", current_round=1)
     assert _snapshot_run(api)["id"] == old["id"]
+
+
+def test_finding_9_the_dashboard_follows_the_run_whose_engine_runs_here(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A previous run whose row was left running (or paused) and looks newer does not
+    keep the dashboard from the run the node's engine runs now."""
+    old = propose_run(api)
+    r = api.client.post("/v1/runs", json={"name": "r2", "spec": RUN_SPEC}, headers=api.h())
+    assert r.status_code == 201, r.text
+    new = r.json()
+    later = datetime.now(UTC) + timedelta(hours=1)
+    _set_run(api, old["id"], state="paused", current_round=150, updated_at=later)
+    _set_run(api, new["id"], state="running", current_round=2)
+    assert _snapshot_run(api)["id"] == old["id"]  # no engine runs here: the newest active
+    monkeypatch.setattr(api.node, "active_run_id", lambda: new["id"], raising=False)
+    shown = _snapshot_run(api)
+    assert (shown["id"], shown["state"]) == (new["id"], "running")

@@ -314,3 +314,13 @@ def test_start_waits_for_every_consent_and_says_whose(api: Api) -> None:
     assert r.status_code == 409 and "org-b, org-c" in r.json()["detail"]
     assert _state(api, "r1")["state"] == "accepted"
     assert not [c for c in api.node.calls if c[0] == "started"]
+
+
+def test_finding_9_a_failed_run_may_be_resumed_and_one_paused_in_its_last_round_completes() -> None:
+    from org_node.runs import TERMINAL_STATES
+
+    assert next_state(RunState.FAILED, RunAction.RESUME) is RunState.RUNNING
+    assert allowed_actions(RunState.FAILED) == (RunAction.RESUME,)
+    assert next_state(RunState.PAUSED, RunAction.COMPLETE) is RunState.COMPLETED
+    # a failed run has still ended: streams stop, datasets and trainers are free again
+    assert RunState.FAILED in TERMINAL_STATES and RunState.PAUSED not in TERMINAL_STATES
