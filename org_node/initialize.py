@@ -371,5 +371,9 @@ def prepare_recovery(
     paths.chain.parent.mkdir(parents=True, exist_ok=True)
     write_chain(paths.chain, chain)
     write_trust_bundle(paths.trust_bundle, current.certificates())
+    from org_node.audit import EgressLog
+
+    # the log begins anew, saying so: the peers' heads of the lost one are not a rewrite
+    EgressLog(identity, paths.egress_log, recovered=True).close()
     token = init_database(make_engine(default_database_url(data_dir)), randbytes=randbytes)
     return paths, token or ""

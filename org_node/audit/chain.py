@@ -24,7 +24,15 @@ from typing import Any
 from org_node.audit.classes import FORBIDDEN_CLASSES, PrivacyClass, UnclassifiedKind, classify
 from org_node.audit.records import EgressEntry, LogRecords, SignedHead, genesis_hash
 
-__all__ = ["Broken", "Chain", "VerifyResult", "check_peer_heads", "log_key", "verify_records"]
+__all__ = [
+    "Broken",
+    "Chain",
+    "VerifyResult",
+    "check_peer_heads",
+    "log_key",
+    "lost_in_wipe",
+    "verify_records",
+]
 
 
 @dataclass(frozen=True)
@@ -66,7 +74,9 @@ class Chain:
     and ``next_index`` its index: a report's segment starts in the middle of a log.
     """
 
-    def __init__(self, org: str, key: bytes, prev: str, next_index: int) -> None:
+    def __init__(
+        self, org: str, key: bytes, prev: str, next_index: int, recovered: str | None = None
+    ) -> None:
         self.org = org
         self.key = key
         self.prev = prev
@@ -74,6 +84,10 @@ class Chain:
         self.hashes: dict[int, str] = {next_index - 1: prev}
         self.entries = 0
         self.heads = 0
+        self.recovered = recovered
+        """When a recovered node began this log anew (its header's ``recovered``)."""
+        self.lost: list[SignedHead] = []
+        """Peers' heads of the log lost in that wipe (signed before it)."""
 
     def entry(self, e: EgressEntry, where: str) -> None:
         at = f"entry {e.index} ({where})"
@@ -136,6 +150,11 @@ class Chain:
         at = f"head of index {h.index} held by a peer"
         if not h.verify(self.key):
             raise Broken(at, "the signature is not valid")
+        lost = self.recovered is not None and h.time < self.recovered
+        if lost and self.hashes.get(h.index) != h.head_hash:
+            # a head of the log lost with the disk: it proves entries gone, declared
+            self.lost.append(h)
+            return
         last = self.next - 1
         if h.index > last:
             raise Broken(
@@ -188,7 +207,8 @@ def verify_records(
     org = records.org
     try:
         key, pinned = log_key(records.header, trusted_keys)
-        chain = Chain(org, key, genesis_hash(records.header), 0)
+        recovered = records.header.get("recovered")
+        chain = Chain(org, key, genesis_hash(records.header), 0, recovered)
         held = 0
         repairs: list[str] = []
         for line, kind, value in records.records:
@@ -214,6 +234,7 @@ def verify_records(
                 held += 1
         theirs = [h for h in peer_heads if h.org == org]
         checked = check_peer_heads(chain, theirs)
+        agreeing = [h for h in theirs if h not in chain.lost]
     except Broken as exc:
         return VerifyResult(
             False, f"FAIL: log of {org}: {exc}", "log", org, index=exc.index, location=exc.location
@@ -222,12 +243,27 @@ def verify_records(
     summary = (
         f"OK: log of {org}: {chain.entries} entries, {chain.heads} signed heads, "
         f"head {tail}, no forbidden class"
-        + (_peer_coverage(chain, theirs) if checked else "")
+        + (_peer_coverage(chain, agreeing) if agreeing else "")
         + (f", holds {held} peer head(s)" if held else "")
         + (f", {len(repairs)} repair(s): {'; '.join(repairs)}" if repairs else "")
+        + lost_in_wipe(chain)
         + ("" if pinned else " (key from the log header, not pinned)")
     )
     return VerifyResult(True, summary, "log", org, chain.entries, chain.heads, checked)
+
+
+def lost_in_wipe(chain: Chain) -> str:
+    """What the peers' heads prove of the log a recovered node lost (nothing if none)."""
+    if chain.recovered is None:
+        return ""
+    if not chain.lost:
+        return f", begun anew at {chain.recovered} by a recovered node"
+    newest = max(chain.lost, key=lambda h: h.index)
+    return (
+        f", begun anew at {chain.recovered} by a recovered node: its earlier log is lost, "
+        f"at least {newest.index + 1} entries (the peers hold {len(chain.lost)} signed "
+        f"head(s) of it, the last signed {newest.time})"
+    )
 
 
 def _peer_coverage(chain: Chain, heads: list[SignedHead]) -> str:

@@ -159,6 +159,8 @@ class EgressLog:
 
     path: the JSON-lines mirror (created with mode 0600 if absent; an existing file is
     read, verified and continued). fsync_every: appends between fsyncs (1 = each).
+    recovered: a log created anew by a node rebuilt after a wipe says so in its header
+    (``recovered``), so that verification tells the lost log from a rewritten one.
     store: an optional second copy of each entry. clock: seconds since the epoch.
     """
 
@@ -171,6 +173,7 @@ class EgressLog:
         commit_within_s: float | None = None,
         store: EgressStore | None = None,
         clock: Callable[[], float] = time.time,
+        recovered: bool = False,
     ) -> None:
         if isinstance(fsync_every, bool) or not isinstance(fsync_every, int) or fsync_every < 1:
             raise ValueError(f"fsync_every must be an integer >= 1, got {fsync_every!r}")
@@ -203,6 +206,8 @@ class EgressLog:
             "public_key": identity.public_key.hex(),
             "created": format_time(clock()),
         }
+        if recovered:  # a new log of a node rebuilt after a wipe (an existing one is kept)
+            self.header["recovered"] = self.header["created"]
         if self.path is not None:
             self._open(self.path)
             if commit_within_s is not None:

@@ -78,6 +78,10 @@ ENTRY_FIELDS = (
 )
 HEAD_FIELDS = ("org", "index", "head_hash", "run", "round", "time", "signature")
 HEADER_FIELDS = ("type", "version", "org", "public_key", "created")
+HEADER_OPTIONAL = ("recovered",)
+"""``recovered``: the time a node rebuilt by ``fedweave recover`` began this log anew (its
+earlier log was lost with its disk); heads of the earlier log that peers hold, signed
+before it, are then reported as entries lost in the wipe rather than a rewrite."""
 
 
 class AuditError(Exception):
@@ -366,7 +370,10 @@ def check_header(obj: Mapping[str, Any], line: int = 1) -> dict[str, Any]:
     """Validate a log header record."""
     if obj.get("type") != "header":
         raise LogFormatError(line, "the first record must be the log header")
-    _exact_keys(obj, HEADER_FIELDS, "header", line)
+    keys = (*HEADER_FIELDS, *(k for k in HEADER_OPTIONAL if k in obj))
+    _exact_keys(obj, keys, "header", line)
+    if "recovered" in obj and not isinstance(obj["recovered"], str):
+        raise LogFormatError(line, "header recovered must be a string")
     if obj["version"] != LOG_VERSION:
         raise LogFormatError(line, f"unknown log version {obj['version']!r}")
     if not isinstance(obj["org"], str) or not obj["org"]:

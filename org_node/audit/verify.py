@@ -42,6 +42,7 @@ from org_node.audit.chain import (
     VerifyResult,
     check_peer_heads,
     log_key,
+    lost_in_wipe,
     verify_records,
 )
 from org_node.audit.records import (
@@ -155,7 +156,7 @@ def _check_segment(
             first.index,
         )
     start_prev = genesis_hash(header) if first.index == 0 else first.prev_hash
-    chain = Chain(org, key, start_prev, first.index)
+    chain = Chain(org, key, start_prev, first.index, header.get("recovered"))
     for where, kind, value in parsed:
         if kind == "entry":
             chain.entry(value, where)
@@ -216,7 +217,12 @@ def verify_report(
         f"OK: report of {org} for run {doc['run']['id']!r}: {chain.entries} entries "
         f"({chain.heads} signed heads), {doc['traffic']['total']['bytes']} bytes sent, "
         "no forbidden class, signature valid"
-        + (f", agrees with {checked} head(s) held by peers" if checked else "")
+        + (
+            f", agrees with {checked - len(chain.lost)} head(s) held by peers"
+            if checked > len(chain.lost)
+            else ""
+        )
+        + lost_in_wipe(chain)
         + consents
         + ("" if pinned else " (key from the report, not pinned)")
     )
