@@ -332,6 +332,7 @@ def assemble_run_facts(
     shards_held: Sequence[ShardHeld] = (),
     anomalies: Sequence[str] = (),
     binding: BindingFacts | None = None,
+    outcome: tuple[str, str] | None = None,
 ) -> RunFacts:
     """The :class:`RunFacts` of ``run_key`` (the federation-wide run key the egress log
     names); secure aggregation from the spec (CKKS has no ring)."""
@@ -353,6 +354,7 @@ def assemble_run_facts(
         shards_held=tuple(shards_held),
         anomalies=tuple(anomalies),
         binding=binding,
+        outcome=outcome,
     )
 
 
@@ -390,6 +392,7 @@ def node_run_facts(
         consents = consents_of(row, org_id, _token_role(session, row.decided_by))
         consents += peer_consents(session, key, org_id, federation_of(data_dir))
         binding = binding_facts(row)
+        outcome = (row.state, row.state_reason or "")
         charged = len(
             session.exec(
                 select(RunMetric.round).where(
@@ -421,6 +424,7 @@ def node_run_facts(
         shards_held=shards_held_in(Path(data_dir) / "shards"),
         anomalies=anomalies,
         binding=binding,
+        outcome=outcome,
     )
 
 

@@ -325,7 +325,15 @@ def _specification(report: Mapping[str, Any]) -> list[str]:
         ),
         _table(["Bound at this org", "Name", "Hash", "Rows"], _binding_rows(run)),
         _table(["Policy", "Requirements", "Violations"], (_policy_row(p) for p in run["policies"])),
+        *_outcome_table(run),
     ]
+
+
+def _outcome_table(run: Mapping[str, Any]) -> list[str]:
+    """The run's state at this org and why (a failed run's reason), when the report says."""
+    if "state" not in run:
+        return []
+    return [_table(["State at this org", "Why"], [[run["state"], run["state_reason"] or "—"]])]
 
 
 def _secure_aggregation(report: Mapping[str, Any]) -> list[str]:

@@ -281,6 +281,17 @@ class RunFacts:
     shards_held: tuple[ShardHeld, ...] = ()
     anomalies: tuple[str, ...] = field(default=())
     binding: BindingFacts | None = None
+    outcome: tuple[str, str] | None = None
+    """The run's state at this org when the report was made, and why it is in it (a
+    failed run's reason; "" when there is none to give)."""
+
+
+def _outcome(outcome: tuple[str, str] | None) -> dict[str, Any]:
+    """The run section's ``state`` and ``state_reason`` (nothing when unknown)."""
+    if outcome is None:
+        return {}
+    state, reason = outcome
+    return {"state": state, "state_reason": reason}
 
 
 # --------------------------------------------------------------------------- traffic
@@ -542,6 +553,7 @@ def build_report(log: EgressLog, facts: RunFacts) -> dict[str, Any]:
             "binding": (facts.binding or BindingFacts(facts.spec.trainer)).to_dict(),
             "policies": policy_rows,
             "violations_total": sum(len(r["violations"]) for r in policy_rows),
+            **_outcome(facts.outcome),
         },
         "participants": participants,
         "secure_aggregation": asdict(facts.secure_aggregation),

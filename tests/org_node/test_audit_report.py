@@ -457,3 +457,15 @@ def test_head_messages_after_the_last_head_do_not_hold_the_report_back(tmp_path:
     send(log, "b", "agg.chunk", b"late", "r", 1)
     with pytest.raises(ReportError, match="covers its last message"):
         build_report(log, facts())
+
+
+def test_finding_3_a_failed_runs_reason_reaches_the_report(tmp_path: Path) -> None:
+    """Issue 21, finding 3: the reason a run failed is in its report (run section and
+    HTML page), not only in the event stream."""
+    log, _ = populated_log(tmp_path)
+    reason = "round 2 failed at ready: 1 participants are ready, fewer than 2"
+    report = build_report(log, facts(outcome=("failed", reason)))
+    validate_report(report)
+    assert report["run"]["state"] == "failed" and report["run"]["state_reason"] == reason
+    assert "fewer than 2" in render_html(report)
+    assert "state" not in build_report(log, facts())["run"]
