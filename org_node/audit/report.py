@@ -55,6 +55,7 @@ from org_node.audit.log import (
     canonical,
     format_time,
 )
+from org_node.audit.schema_check import check_against_schema
 from org_node.policy import Policy, RunSpec, check_run_against_policy
 from org_node.privacy import GaussianRound, RdpAccountant, SkellamRound
 from org_node.run_config import ATTEMPTS
@@ -596,66 +597,6 @@ def _schema() -> dict[str, Any]:
     return loaded
 
 
-_TYPES: dict[str, tuple[type, ...]] = {
-    "object": (dict,),
-    "array": (list,),
-    "string": (str,),
-    "integer": (int,),
-    "number": (int, float),
-    "boolean": (bool,),
-    "null": (type(None),),
-}
-
-
-def _check(value: Any, schema: Mapping[str, Any], path: str, root: Mapping[str, Any]) -> None:
-    if "$ref" in schema:
-        name = schema["$ref"].removeprefix("#/$defs/")
-        _check(value, root["$defs"][name], path, root)
-        return
-    if "type" in schema:
-        types = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
-        ok = any(
-            isinstance(value, _TYPES[t])
-            and not (t in ("integer", "number") and isinstance(value, bool))
-            for t in types
-        )
-        if not ok:
-            raise SchemaError(path, f"expected {' or '.join(types)}")
-    if "const" in schema and value != schema["const"]:
-        raise SchemaError(path, f"must be {schema['const']!r}")
-    if "enum" in schema and value not in schema["enum"]:
-        raise SchemaError(path, f"must be one of {', '.join(map(str, schema['enum']))}")
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        if "minimum" in schema and value < schema["minimum"]:
-            raise SchemaError(path, f"must be >= {schema['minimum']}")
-        if isinstance(value, float) and not math.isfinite(value):
-            raise SchemaError(path, "must be finite")
-    if (
-        isinstance(value, str)
-        and "pattern" in schema
-        and not re.fullmatch(schema["pattern"], value)
-    ):
-        raise SchemaError(path, f"does not match {schema['pattern']}")
-    if isinstance(value, dict):
-        for key in schema.get("required", ()):
-            if key not in value:
-                raise SchemaError(path, f"missing {key!r}")
-        props = schema.get("properties", {})
-        if schema.get("additionalProperties") is False:
-            extra = sorted(set(value) - set(props))
-            if extra:
-                raise SchemaError(path, f"unexpected {', '.join(extra)}")
-        extra_schema = schema.get("additionalProperties")
-        for key, sub in value.items():
-            if key in props:
-                _check(sub, props[key], f"{path}.{key}", root)
-            elif isinstance(extra_schema, dict):
-                _check(sub, extra_schema, f"{path}.{key}", root)
-    if isinstance(value, list) and "items" in schema:
-        for i, item in enumerate(value):
-            _check(item, schema["items"], f"{path}[{i}]", root)
-
-
 def validate_report(doc: Any) -> None:
     """Check ``doc`` against ``schema/report-v1.json``; :class:`SchemaError` names the field.
 
@@ -664,7 +605,7 @@ def validate_report(doc: Any) -> None:
     ``items`` and local ``$ref``.
     """
     schema = _schema()
-    _check(doc, schema, "report", schema)
+    check_against_schema(doc, schema, "report", SchemaError)
 
 
 def report_to_bytes(doc: Mapping[str, Any]) -> bytes:
