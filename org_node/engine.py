@@ -47,13 +47,8 @@ instead: a chain of ciphertext additions that ends at a per-round key holder, wh
 returns the sum to each participant encrypted under that participant's own key.
 Steps 6-8 are the same for both.
 
-Harness-only debug export: with ``debug_export`` set (the node allows it only when its
-config says ``harness = true``), each round's *plaintext* packed vector is written to
-``DIR/<org>/<run>/round-<r>.npy`` so that a test harness can recompute plain FedAvg,
-and while a file ``round-<r>.hold`` sits next to it the engine waits before it sends
-anything of that round (the harness kills an org there: its update made, not yet in
-the secure sum, every other org already in the round). Never on by default; never for
-a real deployment.
+Harness-only debug export (:mod:`org_node.debug_export`): never on by default, never for a
+real deployment.
 """
 
 from __future__ import annotations
@@ -71,6 +66,7 @@ import numpy as np
 from coordinator_free.rounds import MaskedSecureSum, RoundEngine, RoundFailed, SecureSum
 from coordinator_free.sealed import atomic_write
 
+from org_node.debug_export import DebugExport
 from org_node.privacy import (
     BudgetExceeded,
     PrivacyBudget,
@@ -107,7 +103,7 @@ from org_node.strategies import (
     params_shapes,
     unpack_weighted,
 )
-from org_node.training.exchange import LocalResult, npz_bytes
+from org_node.training.exchange import LocalResult
 from secure_agg.codec import FixedPointCodec
 from secure_agg.dp import DistributedSkellam, clip_l2
 from secure_agg.errors import SecAggError
@@ -246,7 +242,7 @@ class RunEngine:
         self.state_dir = Path(state_dir)
         self.checkpoint = checkpoint
         self.on_round = on_round
-        self.debug_export = debug_export
+        self.debug_export = DebugExport(debug_export, rounds.org_id, plan.run_key)
         self.catch_up = catch_up
         self.rng = rng if rng is not None else np.random.default_rng()
         self.clock = clock
@@ -336,7 +332,7 @@ class RunEngine:
             if not self.state.model:
                 raise EngineError("trainer", "the trainer's initial model holds no arrays")
             check_update(self.state.model, self.state.model)
-            self._export_initial(self.state.model)
+            self.debug_export.initial(self.state.model)
         local_stats = getattr(self.trainer, "statistics", None)
         if local_stats is None:
             return
@@ -454,36 +450,6 @@ class RunEngine:
             return [p * tau_eff for p in parts[:-1]], weight
         return parts, weight
 
-    def _export_path(self, round: int, suffix: str) -> Path | None:
-        """``DIR/<org>/<run>/round-<r><suffix>`` of the harness-only export, if it is on."""
-        if self.debug_export is None:
-            return None
-        return (
-            self.debug_export
-            / self.rounds.org_id
-            / self.plan.run_key
-            / f"round-{round:06d}{suffix}"
-        )
-
-    def _export_initial(self, model: Model) -> None:
-        """Harness only: the round-0 model (public to the federation) beside the exports."""
-        target = self._export_path(0, ".npy")
-        if target is not None:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write(target.parent / "initial.npz", npz_bytes(dict(model)))
-
-    def _export(self, round: int, packed: np.ndarray) -> None:
-        target = self._export_path(round, ".npy")
-        if target is not None:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            np.save(target, packed)
-
-    async def _held(self, round: int) -> None:
-        """Harness only: wait while ``round-<r>.hold`` sits next to the round's export."""
-        hold = self._export_path(round, ".hold")
-        while hold is not None and hold.exists():
-            await asyncio.sleep(0.05)
-
     async def _aggregate(self, round: int, vector: np.ndarray) -> _Aggregate:
         """The secure sum of this round (decoded). An attempt that fails is tried again
         under a later protocol round: at once when a peer already runs a later attempt
@@ -583,8 +549,8 @@ class RunEngine:
         t_trained = time.monotonic()
         check_update(result.update, model)
         packed = self._pack(result)
-        self._export(r, packed)
-        await self._held(r)
+        self.debug_export.update(r, packed)
+        await self.debug_export.held(r)
         try:
             vector = self.secure_sum.encode(packed)
         except SecAggError as exc:

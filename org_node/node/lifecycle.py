@@ -12,6 +12,8 @@ rows of recovered runs.
   each run's checkpoints live and die with the run and recovery finds every run's.
 * :func:`run_row` — the local row of a saved engine state; after a recovery, a new row
   for every run the org was in (running, or in the state it ended in).
+* :func:`engine_activity` — what a run's engine does now, for ``fedweave runs show``
+  and the dashboard: its stage and whom it waits for, or the quorum its round lacks.
 """
 
 from __future__ import annotations
@@ -29,22 +31,24 @@ from coordinator_free.checkpoints import (
 )
 from coordinator_free.erasure import CodeParams
 from coordinator_free.files import atomic_write
-from coordinator_free.rounds import ModelHashMismatch
+from coordinator_free.rounds import ModelHashMismatch, RoundEngine
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
 from org_node.db.models import Run
 from org_node.db.repo import append_audit_event
-from org_node.engine import EngineState, RunEngine, RunPlan
+from org_node.engine import ATTEMPTS, EngineState, RunEngine, RunPlan
 from org_node.node.context import NodeContext
 from org_node.privacy import PrivacyError
 from org_node.runs import RunState
+from org_node.services import RunActivity
 
 __all__ = [
     "FAILURE_FILE",
     "STATE_SET_PREFIX",
     "Failure",
     "clear_failure",
+    "engine_activity",
     "fresh_run_stores",
     "leave_out_removed",
     "read_failure",
@@ -195,3 +199,38 @@ def run_row(db: Engine, state: EngineState) -> str | None:
         )
         session.commit()
         return None if ended else row.id
+
+
+def engine_activity(engine: RunEngine, rounds: RoundEngine | None) -> RunActivity:
+    """What ``engine`` does now (read on the node's loop): its round, the stage, whose
+    messages the stage waits for, or the quorum its round waits for."""
+    doing, since = engine.activity
+    # the round counter moves on once a round's model is agreed, before its checkpoint
+    done = engine.state.round - (doing == "checkpointing")
+    now = RunActivity(done + 1, doing, since)
+    wait = engine.quorum
+    if doing == "quorum" and wait is not None:
+        return RunActivity(
+            wait.round,
+            doing,
+            wait.since,
+            attempt=wait.attempt,
+            orgs=wait.missing,
+            failures=wait.failures,
+            threshold=wait.threshold,
+            next_attempt=wait.next_at,
+            deadline=wait.since + engine.plan.quorum_wait_s,
+        )
+    if doing != "aggregating" or rounds is None:
+        return now
+    progress = rounds.progress(engine.plan.run_key)
+    if progress is None or progress.round // ATTEMPTS != engine.state.round:
+        return now
+    return RunActivity(
+        now.round,
+        doing,
+        progress.since,
+        stage=progress.stage,
+        attempt=progress.round % ATTEMPTS + 1,
+        orgs=progress.waiting_for,
+    )

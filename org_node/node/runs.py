@@ -32,7 +32,6 @@ from org_node.consent import ConsentRefused, RunBinding, binding_of
 from org_node.db.models import Run, RunMetric, utcnow
 from org_node.db.repo import append_audit_event, update_versioned
 from org_node.engine import (
-    ATTEMPTS,
     STATE_FILE,
     EngineError,
     EngineState,
@@ -51,6 +50,7 @@ from org_node.node.lifecycle import (
     REMOVED,
     Failure,
     clear_failure,
+    engine_activity,
     fresh_run_stores,
     leave_out_removed,
     read_failure,
@@ -285,37 +285,7 @@ class Runs:
         active = self.active
         if active is None or active.run_id != run_id:
             return None
-        engine = active.engine
-        doing, since = engine.activity
-        # the round counter moves on once a round's model is agreed, before its checkpoint
-        done = engine.state.round - (doing == "checkpointing")
-        now = RunActivity(done + 1, doing, since)
-        wait = engine.quorum
-        if doing == "quorum" and wait is not None:
-            return RunActivity(
-                wait.round,
-                doing,
-                wait.since,
-                attempt=wait.attempt,
-                orgs=wait.missing,
-                failures=wait.failures,
-                threshold=wait.threshold,
-                next_attempt=wait.next_at,
-                deadline=wait.since + engine.plan.quorum_wait_s,
-            )
-        if doing != "aggregating" or self.ctx.rounds is None:
-            return now
-        progress = self.ctx.rounds.progress(engine.plan.run_key)
-        if progress is None or progress.round // ATTEMPTS != engine.state.round:
-            return now
-        return RunActivity(
-            now.round,
-            doing,
-            progress.since,
-            stage=progress.stage,
-            attempt=progress.round % ATTEMPTS + 1,
-            orgs=progress.waiting_for,
-        )
+        return engine_activity(active.engine, self.ctx.rounds)
 
     def active_key(self) -> str:
         """The run key of the active run's engine ("" when none)."""
