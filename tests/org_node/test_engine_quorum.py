@@ -24,6 +24,7 @@ from org_node.engine import (
     RunPlan,
     run_key,
 )
+from org_node.node.lifecycle import engine_activity
 from org_node.policy import PolicyError, RunSpec
 from org_node.quorum import QuorumWait, backoff_s
 from org_node.run_config import QUORUM_WAIT_DEFAULT_S
@@ -103,20 +104,9 @@ def test_finding_1_a_round_waits_for_a_quorum_and_a_late_org_joins_the_attempt_u
 
         async def watch() -> None:
             while True:
-                wait = engines["org-a"].quorum
-                if engines["org-a"].activity[0] == "quorum" and wait is not None:
-                    seen.append(
-                        RunActivity(
-                            wait.round,
-                            "quorum",
-                            wait.since,
-                            attempt=wait.attempt,
-                            orgs=wait.missing,
-                            failures=wait.failures,
-                            threshold=wait.threshold,
-                            next_attempt=wait.next_at,
-                        )
-                    )
+                activity = engine_activity(engines["org-a"], None)
+                if activity.doing == "quorum":
+                    seen.append(activity)  # what runs show and the dashboard print
                 await asyncio.sleep(0.05)
 
         watcher = asyncio.create_task(watch())
