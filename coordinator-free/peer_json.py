@@ -15,7 +15,6 @@ import json
 import re
 from typing import Any
 
-import numpy as np
 from coordinator_free.errors import RefusalReason, Refused
 
 __all__ = ["MAX_JSON_DEPTH", "json_depth", "loads_bounded"]
@@ -27,6 +26,9 @@ MAX_JSON_DEPTH = 32
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _CHUNK = 1 << 20
+_SMALL = 1 << 16
+"""Up to this many brackets the depth is summed in Python (no numpy import: the CLI
+reads manifests through here and must start fast); above it, a MiB at a time in numpy."""
 _OPEN_SQUARE, _OPEN_CURLY = ord("["), ord("{")
 
 
@@ -34,9 +36,9 @@ def json_depth(data: bytes | str, limit: int = 1 << 62) -> int:
     """The deepest nesting of ``data``'s arrays and objects, strings left out; once it
     passes ``limit`` the count stops there (a value above ``limit``, not the depth).
 
-    No recursion and no Python loop over the bytes, whatever the input: the strings
-    are cut out and the brackets kept (both in C), then the depth is a running sum
-    over the brackets (numpy, a MiB at a time).
+    No recursion, whatever the input: the strings are cut out and the brackets kept
+    (both in C), then the depth is a running sum over the brackets (a short loop for a
+    small document, numpy a MiB at a time for a large one).
     """
     raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else bytes(data)
     if raw.count(b"[") + raw.count(b"{") == 0:
@@ -44,6 +46,10 @@ def json_depth(data: bytes | str, limit: int = 1 << 62) -> int:
     if b'"' in raw:
         raw = _STRING.sub(b"", raw)
     brackets = raw.translate(None, _NOT_BRACKETS)
+    if len(brackets) <= _SMALL:
+        return _small_depth(brackets, limit)
+    import numpy as np  # on use only: large documents
+
     deepest = depth = 0
     for start in range(0, len(brackets), _CHUNK):
         codes = np.frombuffer(brackets, np.uint8, min(_CHUNK, len(brackets) - start), start)
@@ -54,6 +60,17 @@ def json_depth(data: bytes | str, limit: int = 1 << 62) -> int:
         if deepest > limit:
             return deepest
         depth += int(running[-1])
+    return deepest
+
+
+def _small_depth(brackets: bytes, limit: int) -> int:
+    deepest = depth = 0
+    for code in brackets:  # only brackets are left: each one opens or closes
+        depth += 1 if code in (_OPEN_SQUARE, _OPEN_CURLY) else -1
+        if depth > deepest:
+            deepest = depth
+            if deepest > limit:
+                break
     return deepest
 
 

@@ -288,3 +288,15 @@ def test_json_depth_is_the_nesting_of_the_decoded_value(value: object) -> None:
     text = json.dumps(value)
     assert json_depth(text) == json_depth(text.encode()) == _depth(value)
     assert loads_bounded(text) == value
+
+
+def test_json_depth_is_the_same_summed_in_python_or_in_numpy() -> None:
+    """Small documents are summed in a loop (no numpy import for the CLI), large ones by
+    numpy a MiB at a time: both give the nesting of the document."""
+    from coordinator_free.peer_json import _SMALL, _small_depth
+
+    doc = "[" + ",".join(['[[1],{"a":[2,[3]]}]'] * (_SMALL // 4)) + "]"
+    brackets = bytes(c for c in doc.encode() if c in b"[]{}")
+    assert len(brackets) > _SMALL
+    assert json_depth(doc) == _small_depth(brackets, 1 << 62) == 5
+    assert json_depth('{"x": "[[[[[["}') == 1  # brackets inside strings do not count
