@@ -329,18 +329,13 @@ class Soak:
 
 
 def _final_hashes(soak: Soak) -> dict[str, tuple[int, str] | None]:
-    from org_node.engine import STATE_FILE, EngineError, EngineState
+    from org_node.harness.verdict import final_state
     from org_node.run_state import model_hash
 
     out: dict[str, tuple[int, str] | None] = {}
     for org, node in soak.obs.nodes.items():
-        try:
-            path = node.data_dir / "runs" / soak.obs.run_key / STATE_FILE
-            state = EngineState.from_bytes(path.read_bytes())
-        except (OSError, EngineError):
-            out[org] = None
-            continue
-        out[org] = (int(state.round), model_hash(state.model).hex())
+        state = final_state(node.data_dir, soak.obs.run_key)
+        out[org] = None if state is None else (int(state.round), model_hash(state.model).hex())
     return out
 
 

@@ -252,7 +252,7 @@ CONVERGE_TIMEOUT_S = 60.0
 """How long the harness waits for the nodes to see each other alive before the run."""
 
 
-def _wait_converged(nodes: list[NodeProcess], timeout: float = CONVERGE_TIMEOUT_S) -> list[str]:
+def wait_converged(nodes: list[NodeProcess], timeout: float = CONVERGE_TIMEOUT_S) -> list[str]:
     """Wait until each node sees every other one alive (a round started before that may
     leave out an org whose view lags); what was still not seen after ``timeout`` (empty
     when they converged)."""
@@ -267,7 +267,7 @@ def _wait_converged(nodes: list[NodeProcess], timeout: float = CONVERGE_TIMEOUT_
 def _converge_or_explain(obs: Observation) -> bool:
     """Wait for the membership views to converge before the run is proposed; when they
     never do, say so as the harness's failure reason (no run is started)."""
-    lacking = _wait_converged(list(obs.nodes.values()), CONVERGE_TIMEOUT_S)
+    lacking = wait_converged(list(obs.nodes.values()), CONVERGE_TIMEOUT_S)
     obs.membership_converged = not lacking
     if lacking:
         obs.errors.append(
@@ -587,12 +587,6 @@ def run_harness(
 
 
 # --------------------------------------------------------------------------- steps for others
-
-
-def wait_converged(nodes: list[NodeProcess], timeout: float = CONVERGE_TIMEOUT_S) -> list[str]:
-    """Wait until each of ``nodes`` sees every other one alive; what was still not seen
-    after ``timeout`` (empty when they converged)."""
-    return _wait_converged(nodes, timeout)
 
 
 def wipe_and_recover(procs: Processes, obs: Observation, org: str) -> dict[str, Any]:

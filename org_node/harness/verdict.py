@@ -41,6 +41,7 @@ __all__ = [
     "TOLERANCE",
     "VerdictError",
     "build_summary",
+    "final_state",
     "finish",
     "plaintext_fedavg",
     "write_summary",
@@ -54,7 +55,9 @@ class VerdictError(Exception):
     """The exported updates or the engine state cannot be read (the message says why)."""
 
 
-def _final_state(data_dir: Path, run_key: str) -> Any:
+def final_state(data_dir: Path, run_key: str) -> Any:
+    """The engine state the org in ``data_dir`` ended ``run_key`` with (None if it is
+    missing or unreadable)."""
     from org_node.engine import STATE_FILE, EngineError, EngineState
 
     path = data_dir / "runs" / run_key / STATE_FILE
@@ -250,7 +253,7 @@ def _final_models(
     rounds_done: dict[str, int] = {}
     models: dict[str, Any] = {}
     for org in obs.scenario.names:
-        state = _final_state(obs.nodes[org].data_dir, obs.run_key) if obs.run_key else None
+        state = final_state(obs.nodes[org].data_dir, obs.run_key) if obs.run_key else None
         if state is None:
             shas[org] = None
             rounds_done[org] = 0
