@@ -84,6 +84,15 @@ def _waiting_line(waiting: dict[str, Any] | None) -> str:
     return str(waiting.get("detail") or what)
 
 
+def _dp_line(dp: dict[str, Any]) -> str:
+    """The run's agreed DP mechanism, as ``runs show`` prints it."""
+    return (
+        f"dp: Skellam noise multiplier {fmt(dp['noise_multiplier'])}, l2 clip "
+        f"{fmt(dp['l2_clip'])}, delta {fmt(dp['delta'])}, {dp['frac_bits']} fraction bits, "
+        f"noise sized for the {dp['noise_for']} (every participant signed it)"
+    )
+
+
 def _doing_line(waiting: dict[str, Any] | None) -> str:
     """What a run under way does now (``runs show``'s ``now:`` line)."""
     if not waiting:
@@ -109,6 +118,8 @@ def _print_run(row: dict[str, Any]) -> None:
         f"spec: trainer {spec['trainer']}{pin}, backend {spec['backend']}, threshold "
         f"{spec['threshold']}, epsilon {fmt(spec.get('epsilon'))}"
     )
+    if spec.get("dp"):
+        typer.echo(_dp_line(spec["dp"]))
     if spec.get("data"):
         columns = ", ".join(f"{k}:{v}" for k, v in spec["data"].get("columns", {}).items())
         typer.echo(f"data: {spec['data']['kind']}" + (f" ({columns})" if columns else ""))

@@ -17,11 +17,12 @@ secure sum of its pre-training statistics:
    secure vector (:func:`org_node.strategies.pack_weighted`), so that orgs on a time
    budget (fewer steps) do not bias the model and no org reveals its weight or steps;
 4. **protect** — without DP the vector is quantized by the shared
-   :class:`~secure_agg.codec.FixedPointCodec`; with DP (the run spec's ``epsilon``)
-   the :class:`~org_node.privacy.PrivacyBudget` is checked *before* the round (hard
-   stop, :class:`~org_node.privacy.BudgetExceeded`) and
-   :func:`~org_node.privacy.protect_update` clips it and adds this org's Skellam
-   noise share;
+   :class:`~secure_agg.codec.FixedPointCodec`; with DP (the run spec's ``epsilon`` and
+   agreed ``dp`` mechanism, which must be this org's own) the budget is checked
+   *before* the round at the least noise a completed round carries (hard stop,
+   :class:`~org_node.privacy.BudgetExceeded`), :func:`~org_node.privacy.protect_update`
+   clips it and adds this org's Skellam noise share, and once the sum is out the
+   round is charged for the noise of its survivors;
 5. **aggregate** — the vector goes to the run's
    :class:`~coordinator_free.rounds.SecureSum` (masked backend: the leaderless
    :class:`~coordinator_free.rounds.RoundEngine`) and every survivor gets the same
@@ -69,12 +70,11 @@ from coordinator_free.sealed import atomic_write
 from org_node.debug_export import DebugExport
 from org_node.privacy import (
     BudgetExceeded,
-    PrivacyBudget,
     RdpAccountant,
     protect_update,
-    skellam_codec,
+    run_privacy,
+    skellam_round_for,
 )
-from org_node.privacy import skellam_round_for as _skellam_round_for
 from org_node.quorum import QuorumWait, back_off, backoff_s
 from org_node.run_config import (
     ATTEMPTS,
@@ -105,7 +105,7 @@ from org_node.strategies import (
 )
 from org_node.training.exchange import LocalResult
 from secure_agg.codec import FixedPointCodec
-from secure_agg.dp import DistributedSkellam, clip_l2
+from secure_agg.dp import clip_l2
 from secure_agg.errors import SecAggError
 
 __all__ = [
@@ -193,27 +193,6 @@ def _check_plan(plan: RunPlan, org_id: str, ckks: SecureSum | None) -> None:
         raise EngineError("participants", f"{org_id!r} is not a participant")
 
 
-def _privacy(
-    plan: RunPlan, config: EngineConfig
-) -> tuple[FixedPointCodec, DistributedSkellam | None, PrivacyBudget | None]:
-    """The fixed-point codec of the run's secure sum and, for a run with an epsilon, its
-    distributed DP noise and budget (the codec then leaves room for the noise)."""
-    n = len(plan.participants)
-    if plan.epsilon is None:
-        codec = FixedPointCodec(
-            bits=config.ring_bits, clip=config.clip, max_summands=n, frac_bits=config.frac_bits
-        )
-        return codec, None, None
-    if config.weighting != "uniform":
-        raise EngineError(
-            "engine.weighting",
-            "a run with DP needs 'uniform' weighting: the noisy sum of the weights "
-            "cannot divide the update, the count of survivors does",
-        )
-    codec, dp = skellam_codec(config, n)
-    return codec, dp, PrivacyBudget(plan.epsilon, config.delta)
-
-
 class RunEngine:
     """One org's rounds of one run (see the module docstring)."""
 
@@ -251,7 +230,7 @@ class RunEngine:
         # the round's wait for a quorum while one lasts (the ``quorum`` activity)
         self.quorum: QuorumWait | None = None
         self.strategy: Strategy = make_strategy(config.strategy, config.strategy_options)
-        self.codec, self.dp, self.budget = _privacy(plan, config)
+        self.codec, self.dp, self.budget = run_privacy(plan, config)
         # the backend, chosen once: the round's sums and the statistics' go through it
         self.secure_sum, self.stats_sum = self._backend(ckks)
         self.state = EngineState(
@@ -538,11 +517,7 @@ class RunEngine:
         r = self.state.round
         model = self.state.model
         names = sorted(model)
-        mechanism = None
-        if self.budget is not None and self.dp is not None:
-            dim = sum(int(np.size(v)) for v in model.values()) + 1 + int(self.config.fednova)
-            mechanism = _skellam_round_for(self.dp, dim)
-            self.budget.check(mechanism)  # BudgetExceeded: hard stop before the round
+        charge = self._charge_for(model)  # BudgetExceeded: hard stop before the round
         t_round = time.monotonic()
         self._doing("training")
         result = await asyncio.to_thread(self.trainer.train, model, r, self.strategy.local_config())
@@ -555,13 +530,17 @@ class RunEngine:
             vector = self.secure_sum.encode(packed)
         except SecAggError as exc:
             raise UpdateRejected("update", str(exc)) from None
-        epsilon = None
-        if self.budget is not None and mechanism is not None:
-            epsilon = self.budget.spend(mechanism)  # released from here on
         t_sum = time.monotonic()
         self._doing("aggregating")
-        agg = await self._aggregate(r, vector)
+        try:
+            agg = await self._aggregate(r, vector)
+        except Exception:
+            if charge is not None:  # the protected update may be out: the least noise
+                charge(self.plan.threshold)
+                await asyncio.to_thread(self.save_state)
+            raise
         secure_sum_s = time.monotonic() - t_sum
+        epsilon = None if charge is None else charge(len(agg.survivors))
         attempts = agg.attempts
         summed, weight = self._unpack(agg.total, len(agg.survivors))
         params = [model[k] for k in names]
@@ -610,6 +589,18 @@ class RunEngine:
             if done is not None:
                 await done
         return report
+
+    def _charge_for(self, model: Model) -> Callable[[int], float] | None:
+        """For a run with DP: check that a round fits the budget at the least noise a
+        completed round can carry (``threshold`` survivors' shares; raises
+        :class:`BudgetExceeded`), and return what charges the round for the noise of
+        its survivors, once released (the epsilon spent after it). None without DP."""
+        if self.budget is None or self.dp is None:
+            return None
+        budget, noise = self.budget, self.dp
+        dim = sum(int(np.size(v)) for v in model.values()) + 1 + int(self.config.fednova)
+        budget.check(skellam_round_for(noise, dim, self.plan.threshold))
+        return lambda survivors: budget.record(skellam_round_for(noise, dim, survivors))
 
     async def try_catch_up(self) -> bool:
         """Adopt a newer model the other participants agreed on (a node back from a

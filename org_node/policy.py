@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from org_node.datasets import DataSpec, DataSpecError
+from org_node.dp_spec import DpMechanism, DpMechanismError
 from org_node.run_config import QUORUM_WAIT_DEFAULT_S, QUORUM_WAIT_MAX_S
 
 __all__ = [
@@ -109,6 +110,10 @@ class RunSpec:
     quorum_wait_s: how long one round may wait for a quorum (``threshold`` participants
         ready) before the run fails; the round tries again with a bounded backoff
         meanwhile. 1 s to one day, default one hour.
+    dp: the DP mechanism every participant adds its noise with
+        (:class:`org_node.dp_spec.DpMechanism`); a run with an ``epsilon`` needs one
+        (the proposing node fills in its own when the proposal names none), a run
+        without takes none.
     """
 
     trainer: str
@@ -122,6 +127,7 @@ class RunSpec:
     config: Mapping[str, bool | int | float | str] = field(default_factory=dict)
     quorum: int | None = None
     quorum_wait_s: float = QUORUM_WAIT_DEFAULT_S
+    dp: DpMechanism | None = None
 
     def __post_init__(self) -> None:
         _trainer_name(self.trainer)
@@ -161,6 +167,7 @@ class RunSpec:
             raise PolicyError("threshold exceeds the number of participants")
         if self.epsilon is not None:
             object.__setattr__(self, "epsilon", _pos_float(self.epsilon, "epsilon"))
+        self._check_dp()
         if self.quorum is not None:
             _pos_int(self.quorum, "quorum")
             if not self.threshold <= self.quorum <= len(self.participants):
@@ -168,6 +175,17 @@ class RunSpec:
                     f"quorum must be between the threshold ({self.threshold}) and the "
                     f"number of participants ({len(self.participants)})"
                 )
+
+    def _check_dp(self) -> None:
+        if self.dp is None:
+            return
+        if not isinstance(self.dp, DpMechanism):
+            try:
+                object.__setattr__(self, "dp", DpMechanism.from_dict(self.dp))
+            except DpMechanismError as exc:
+                raise PolicyError(str(exc)) from None
+        if self.epsilon is None:
+            raise PolicyError("dp: a DP mechanism needs an epsilon (a run without DP takes none)")
 
     @property
     def consents_needed(self) -> int:
@@ -196,6 +214,7 @@ class RunSpec:
             "config": dict(self.config),
             "quorum": self.quorum,
             "quorum_wait_s": self.quorum_wait_s,
+            "dp": None if self.dp is None else self.dp.to_dict(),
         }
 
 

@@ -34,6 +34,8 @@ import numpy as np
 from dp_accounting import dp_event
 from dp_accounting.rdp import rdp_privacy_accountant
 
+from org_node.dp_spec import dp_disagreement
+from org_node.run_config import EngineConfig, EngineError, RunPlan
 from secure_agg.codec import FixedPointCodec
 from secure_agg.dp import DistributedSkellam, add_signed, clip_l2
 
@@ -41,7 +43,7 @@ if TYPE_CHECKING:
     import torch
     from torch.utils.data import DataLoader
 
-    from org_node.run_config import EngineConfig
+    from org_node.dp_spec import DpMechanism
 
 __all__ = [
     "DEFAULT_ORDERS",
@@ -53,10 +55,12 @@ __all__ = [
     "PrivacyError",
     "RdpAccountant",
     "SkellamRound",
+    "agreed_noise",
     "eps_from_rdp",
     "gaussian_rdp",
     "make_example_private",
     "protect_update",
+    "run_privacy",
     "skellam_codec",
     "skellam_rdp",
     "skellam_round_for",
@@ -245,30 +249,85 @@ class SkellamRound:
 Mechanism = GaussianRound | SkellamRound
 
 
-def skellam_round_for(dp: DistributedSkellam, dim: int | None = None) -> SkellamRound:
+def skellam_round_for(
+    dp: DistributedSkellam, dim: int | None = None, survivors: int | None = None
+) -> SkellamRound:
     """The :class:`SkellamRound` of a :class:`secure_agg.dp.DistributedSkellam` setting
-    (``dim``: vector length, to bound the stochastic-rounding growth of the norm)."""
+    (``dim``: vector length, to bound the stochastic-rounding growth of the norm).
+
+    ``survivors``: how many orgs' noise shares the released sum holds; the variance
+    charged is theirs, ``2 * mu_org * survivors`` (default: the ``n_orgs`` the shares
+    were sized for), so a round that lost orgs is charged for the noise it carried.
+    """
     p = dp.accountant_params(dim)
+    variance = p["variance_sum_ring"]
+    if survivors is not None:
+        if isinstance(survivors, bool) or not isinstance(survivors, int) or survivors < 1:
+            raise PrivacyConfigError(f"survivors must be an int >= 1, got {survivors!r}")
+        variance = 2.0 * dp.mu_org * survivors
     return SkellamRound(
-        l2_sensitivity=p["l2_sensitivity"],
-        l1_sensitivity=p["l1_sensitivity"],
-        variance=p["variance_sum_ring"],
+        l2_sensitivity=p["l2_sensitivity"], l1_sensitivity=p["l1_sensitivity"], variance=variance
     )
 
 
-def skellam_codec(config: EngineConfig, n: int) -> tuple[FixedPointCodec, DistributedSkellam]:
-    """The fixed-point codec of a run with org-level DP among ``n`` orgs, with room in the
-    ring for the noise (``20 sigma / sqrt(n)`` per share, 24 fraction bits unless set),
-    and the distributed Skellam noise on its scale (``config``: the ``[engine]`` table)."""
-    sigma = config.noise_multiplier * config.l2_clip
+def skellam_codec(
+    mechanism: DpMechanism, *, ring_bits: int, clip: float, participants: int, threshold: int
+) -> tuple[FixedPointCodec, DistributedSkellam]:
+    """The fixed-point codec of a run with the DP ``mechanism`` among ``participants``
+    orgs (reconstruction ``threshold``), with room in the ring for the noise
+    (``20 sigma / sqrt(shares)`` per share), and the distributed Skellam noise on its
+    scale, each org's share sized for ``mechanism.noise_shares(...)`` orgs."""
+    noise = agreed_noise(mechanism, participants, threshold)
     codec = FixedPointCodec(
-        bits=config.ring_bits,
-        clip=max(config.clip, config.l2_clip),
-        max_summands=n,
-        frac_bits=config.frac_bits if config.frac_bits is not None else 24,
-        noise_bound=20.0 * sigma / math.sqrt(n),
+        bits=ring_bits,
+        clip=max(clip, mechanism.l2_clip),
+        max_summands=participants,
+        frac_bits=mechanism.frac_bits,
+        noise_bound=20.0 * noise.sigma_sum / math.sqrt(noise.n_orgs),
     )
-    return codec, DistributedSkellam(config.l2_clip, config.noise_multiplier, n, codec.scale)
+    return codec, noise
+
+
+def agreed_noise(mechanism: DpMechanism, participants: int, threshold: int) -> DistributedSkellam:
+    """Each org's share of the noise of the agreed ``mechanism`` in a run of
+    ``participants`` orgs with reconstruction ``threshold`` (on the codec's scale,
+    ``2**frac_bits``)."""
+    shares = mechanism.noise_shares(participants, threshold)
+    return DistributedSkellam(
+        mechanism.l2_clip, mechanism.noise_multiplier, shares, 2.0**mechanism.frac_bits
+    )
+
+
+def run_privacy(
+    plan: RunPlan, config: EngineConfig
+) -> tuple[FixedPointCodec, DistributedSkellam | None, PrivacyBudget | None]:
+    """The fixed-point codec of the run's secure sum and, for a run with an epsilon, its
+    distributed DP noise on the mechanism of the run spec (which must be this org's own:
+    :class:`EngineError` otherwise) and budget (the codec then leaves room for the noise).
+    """
+    n = len(plan.participants)
+    if plan.epsilon is None:
+        codec = FixedPointCodec(
+            bits=config.ring_bits, clip=config.clip, max_summands=n, frac_bits=config.frac_bits
+        )
+        return codec, None, None
+    if config.weighting != "uniform":
+        raise EngineError(
+            "engine.weighting",
+            "a run with DP needs 'uniform' weighting: the noisy sum of the weights "
+            "cannot divide the update, the count of survivors does",
+        )
+    disagreement = dp_disagreement(plan.spec, config)
+    if disagreement is not None or plan.dp is None:
+        raise EngineError("dp", disagreement or "the run names no DP mechanism")
+    codec, dp = skellam_codec(
+        plan.dp,
+        ring_bits=config.ring_bits,
+        clip=config.clip,
+        participants=n,
+        threshold=plan.threshold,
+    )
+    return codec, dp, PrivacyBudget(plan.epsilon, plan.dp.delta)
 
 
 # --------------------------------------------------------------------------- accountant
@@ -377,6 +436,12 @@ class PrivacyBudget:
         """Check, then record the round; returns the epsilon spent after it."""
         self.check(next_round)
         self._acct.charge(next_round)
+        return self.spent
+
+    def record(self, released: Mechanism) -> float:
+        """Record a round whose protected update is already out, whatever it costs (a
+        release cannot be refused afterwards); returns the epsilon spent after it."""
+        self._acct.charge(released)
         return self.spent
 
     def rounds_left(self, mechanism: Mechanism, limit: int = 100_000) -> int:

@@ -15,6 +15,8 @@ from typing import Any
 
 from coordinator_free.validate import check_integer, check_keys, check_number
 
+from org_node.dp_spec import NOISE_FOR, DpMechanism, DpMechanismError
+
 __all__ = [
     "ATTEMPTS",
     "QUORUM_WAIT_DEFAULT_S",
@@ -81,9 +83,12 @@ class EngineConfig:
     quorum_backoff_s / quorum_backoff_max_s: a round that found no quorum tries again
         after ``quorum_backoff_s``, doubling each time up to ``quorum_backoff_max_s``
         (at once when a peer already runs a later attempt).
-    l2_clip / noise_multiplier / delta: org-level DP (only for runs with an epsilon):
-        L2 bound of the packed vector, noise std of the sum over ``l2_clip``, and the
-        delta at which epsilon is accounted.
+    l2_clip / noise_multiplier / delta / noise_for: this org's DP mechanism (with
+        ``frac_bits``, 24 when unset): L2 bound of the packed vector, noise std of the
+        sum over ``l2_clip``, the delta at which epsilon is accounted, and for whom each
+        org's noise share is sized (``participants`` or ``threshold``). A run with an
+        epsilon carries its mechanism in its spec (:class:`org_node.dp_spec.DpMechanism`);
+        the node proposes runs with this one and refuses a run with any other.
     """
 
     strategy: str = "fedavg"
@@ -104,6 +109,7 @@ class EngineConfig:
     l2_clip: float = 1.0e4
     noise_multiplier: float = 1.0
     delta: float = 1e-5
+    noise_for: str = "participants"
 
     def __post_init__(self) -> None:
         from org_node.strategies import StrategyError, make_strategy  # numpy: on use only
@@ -143,6 +149,8 @@ class EngineConfig:
         check_number(f"{s}.delta", self.delta, EngineError)
         if self.delta >= 1:
             raise EngineError(f"{s}.delta", "must be < 1")
+        if self.noise_for not in NOISE_FOR:
+            raise EngineError(f"{s}.noise_for", f"expected one of {', '.join(NOISE_FOR)}")
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> EngineConfig:
@@ -243,6 +251,7 @@ class RunPlan:
     name: str = ""
     spec: Mapping[str, Any] = field(default_factory=dict, compare=False)
     quorum_wait_s: float = QUORUM_WAIT_DEFAULT_S
+    dp: DpMechanism | None = None
 
     @classmethod
     def from_spec(
@@ -272,7 +281,18 @@ class RunPlan:
             threshold=threshold,
             epsilon=None if spec.get("epsilon") is None else float(spec["epsilon"]),
             quorum_wait_s=float(spec.get("quorum_wait_s") or QUORUM_WAIT_DEFAULT_S),
+            dp=_dp_of(spec),
         )
+
+
+def _dp_of(spec: Mapping[str, Any]) -> DpMechanism | None:
+    """The spec's DP mechanism (None for a run without one)."""
+    if spec.get("dp") is None:
+        return None
+    try:
+        return DpMechanism.from_dict(spec["dp"])
+    except DpMechanismError as exc:
+        raise EngineError("dp", str(exc)) from None
 
 
 def run_key(name: str, spec: Mapping[str, Any]) -> str:
@@ -287,11 +307,14 @@ def run_key(name: str, spec: Mapping[str, Any]) -> str:
         "epsilon": None,
         "trainer_hash": None,
         "quorum": None,
+        "dp": None,
     }
     body: dict[str, Any] = defaults | {"data": None, "config": {}} | dict(spec)
     body["participants"] = sorted(body.get("participants", ()))
     if body.get("epsilon") is not None:
         body["epsilon"] = repr(float(body["epsilon"]))
+    if body.get("dp") is not None:
+        body["dp"] = DpMechanism.from_dict(body["dp"]).key_body()
     wait = body.pop("quorum_wait_s", None)
     if wait is not None and float(wait) != QUORUM_WAIT_DEFAULT_S:
         # only a wait other than the default enters the key: a spec from before the

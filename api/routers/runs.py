@@ -153,7 +153,7 @@ def propose(
     row = Run(
         id=uuid.uuid4().hex,
         name=body.name,
-        spec=spec,
+        spec=dict(proposal.spec),  # with the DP mechanism the node filled in
         proposed_by=principal.name,
         run_key=proposal.run_key,
         origin=proposal.proposer,

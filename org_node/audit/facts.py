@@ -37,6 +37,7 @@ from typing import Any
 from sqlalchemy import Engine
 from sqlmodel import Session, col, select
 
+from org_node.audit.dp_section import skellam_dp_facts
 from org_node.audit.log import EgressLog, format_time
 from org_node.audit.report import (
     BindingFacts,
@@ -270,24 +271,38 @@ def _consents_by_key(
     return (), None
 
 
-def dp_facts(spec: RunSpec, config: Any, model_size: int, rounds_charged: int) -> DpFacts | None:
-    """The DP of a run with an ``epsilon``: the engine's distributed Skellam round
-    (``org_node.engine.RunEngine``: codec on ``ring_bits`` with room for the noise, the
-    mechanism of a ``model_size + 1 (+1 with FedNova)`` vector), charged
-    ``rounds_charged`` times; None for a run without DP."""
-    if spec.epsilon is None:
+def dp_facts(
+    spec: RunSpec, fednova: bool, model_size: int, rounds: Sequence[RoundFacts]
+) -> DpFacts | None:
+    """The DP of a run with an ``epsilon``: the run spec's agreed mechanism
+    (``org_node.engine.RunEngine``: a ``model_size + 1 (+1 with FedNova)`` vector, each
+    org's noise share sized as the mechanism says), each of ``rounds`` (those the node
+    charged) charged for the noise of its survivors; None for a run without DP or
+    without an agreed mechanism."""
+    if spec.epsilon is None or spec.dp is None:
         return None
-    from org_node.privacy import skellam_codec, skellam_round_for
+    taking_part = len(rounds[0].participants) if rounds else len(spec.participants)
+    agreed = {
+        "mechanism": spec.dp.to_dict(),
+        "participants": taking_part,
+        "threshold": spec.threshold,
+        "dimension": model_size + 1 + int(fednova),
+    }
+    charged = [(r.round, len(r.survivors)) for r in rounds]
+    return skellam_dp_facts(agreed, charged, spec.epsilon)
 
-    _codec, dp = skellam_codec(config, len(spec.participants))
-    dim = model_size + 1 + int(config.fednova)
-    mechanism = skellam_round_for(dp, dim)
-    return DpFacts(
-        mechanisms=(mechanism,) * rounds_charged,
-        delta=config.delta,
-        l2_clip=config.l2_clip,
-        epsilon_budget=spec.epsilon,
-    )
+
+def unfinished_charges(state: Any, shown: int) -> list[str]:
+    """An anomaly when the engine's accountant charged more rounds than the report
+    shows: rounds that failed after this org's protected update went out, charged at
+    the least noise a completed round carries (``threshold`` survivors)."""
+    charged = len((state.accountant or {}).get("rounds", ()))
+    if charged <= shown:
+        return []
+    return [
+        f"{charged - shown} unfinished round(s) charged at the least noise (threshold "
+        "survivors) are in this org's accountant but not among the rounds shown"
+    ]
 
 
 def shards_held_in(shard_root: Path) -> tuple[ShardHeld, ...]:
@@ -380,6 +395,7 @@ def node_run_facts(
     """
     from org_node.db.models import Run, RunMetric
     from org_node.engine import STATE_FILE, EngineError, EngineState, run_key
+    from org_node.privacy import PrivacyError
     from secure_agg.errors import SecAggError
 
     with Session(db) as session:
@@ -393,7 +409,7 @@ def node_run_facts(
         consents += peer_consents(session, key, org_id, federation_of(data_dir))
         binding = binding_facts(row)
         outcome = (row.state, row.state_reason or "")
-        charged = len(
+        charged = set(
             session.exec(
                 select(RunMetric.round).where(
                     RunMetric.run_id == run_id, RunMetric.name == "epsilon_spent"
@@ -408,10 +424,11 @@ def node_run_facts(
         try:
             state = EngineState.from_bytes((run_dir / STATE_FILE).read_bytes())
             size = sum(int(getattr(v, "size", 0)) for v in state.model.values())
-            dp = dp_facts(spec, config, size, charged)
-        except (OSError, EngineError, SecAggError) as exc:
+            dp = dp_facts(spec, config.fednova, size, [r for r in rounds if r.round in charged])
+            anomalies += unfinished_charges(state, len(dp.mechanisms) if dp else 0)
+        except (OSError, EngineError, SecAggError, PrivacyError) as exc:
             anomalies.append(f"the DP accounting could not be rebuilt: {exc}")
-    l2_clip = config.l2_clip if spec.epsilon is not None else None
+    l2_clip = spec.dp.l2_clip if spec.dp is not None else None
     return assemble_run_facts(
         key,
         spec,

@@ -387,12 +387,38 @@ def _differential_privacy(report: Mapping[str, Any]) -> list[str]:
             ],
             numeric=(2, 3, 4, 5),
         ),
+        *_agreed_mechanism(dp.get("agreed")),
         _epsilon_chart(dp),
         _table(
-            ["Round", "ε of the round", "ε cumulative"],
-            ([r["round"], r["epsilon"], r["epsilon_cumulative"]] for r in dp["rounds"]),
-            numeric=(0, 1, 2),
+            ["Round", "Survivors", "Noise ÷ sensitivity", "ε of the round", "ε cumulative"],
+            (
+                [
+                    r["round"],
+                    r.get("survivors", "—"),
+                    r.get("noise_over_sensitivity", "—"),
+                    r["epsilon"],
+                    r["epsilon_cumulative"],
+                ]
+                for r in dp["rounds"]
+            ),
+            numeric=(0, 1, 2, 3, 4),
         ),
+    ]
+
+
+def _agreed_mechanism(agreed: Mapping[str, Any] | None) -> list[str]:
+    """The mechanism every participant signed in the run spec, and what sizes it."""
+    if agreed is None:
+        return []
+    m = agreed["mechanism"]
+    return [
+        "<p>Agreed by every participant in the signed run spec: distributed Skellam "
+        f"noise, noise multiplier {_e(m['noise_multiplier'])}, L2 clip {_e(m['l2_clip'])}, "
+        f"δ {_e(m['delta'])}, {_e(m['frac_bits'])} fraction bits, each org's share sized "
+        f"for {_e(agreed['noise_shares'])} orgs ({_e(m['noise_for'])}; "
+        f"{_e(agreed['participants'])} participants, threshold {_e(agreed['threshold'])}), "
+        f"a vector of {_e(agreed['dimension'])} coordinates. Each round is charged for "
+        "the noise its survivors added.</p>"
     ]
 
 

@@ -88,6 +88,10 @@ class AuditError(Exception):
     """Root of the audit package's errors."""
 
 
+class ReportError(AuditError):
+    """Facts that cannot go into a report (missing, inconsistent or invalid)."""
+
+
 class LogFormatError(AuditError):
     """A log file or record that cannot be read; ``line`` is 1-based (0: not a line)."""
 

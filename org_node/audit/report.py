@@ -46,8 +46,8 @@ from pathlib import Path
 from typing import Any
 
 from org_node.audit.classes import FORBIDDEN_CLASSES, is_head_message
+from org_node.audit.dp_section import DpFacts, dp_section
 from org_node.audit.log import (
-    AuditError,
     EgressEntry,
     EgressLog,
     Refusal,
@@ -55,9 +55,9 @@ from org_node.audit.log import (
     canonical,
     format_time,
 )
+from org_node.audit.records import ReportError
 from org_node.audit.schema_check import check_against_schema
 from org_node.policy import Policy, RunSpec, check_run_against_policy
-from org_node.privacy import GaussianRound, RdpAccountant, SkellamRound
 from org_node.run_config import ATTEMPTS
 
 __all__ = [
@@ -110,10 +110,6 @@ PROTOCOL_ATTEMPTS = ATTEMPTS
 :data:`org_node.run_config.ATTEMPTS`):
 attempt ``a`` (0-based) of run round ``r`` (1-based) goes on the wire as protocol round
 ``(r - 1) * PROTOCOL_ATTEMPTS + a``; the egress log records the protocol round."""
-
-
-class ReportError(AuditError):
-    """Facts that cannot go into a report (missing, inconsistent or invalid)."""
 
 
 class UnknownRun(ReportError, LookupError):
@@ -184,22 +180,6 @@ class SecAggFacts:
         if self.ring_bits is not None and not 8 <= self.ring_bits <= 64:
             raise ReportError("ring_bits must be in [8, 64]")
         _finite(self.l2_clip, "l2_clip")
-
-
-@dataclass(frozen=True)
-class DpFacts:
-    """Org-level DP of the run: one mechanism per round, ε reported at ``delta``."""
-
-    mechanisms: tuple[GaussianRound | SkellamRound, ...]
-    delta: float
-    l2_clip: float
-    epsilon_budget: float | None = None
-
-    def __post_init__(self) -> None:
-        if not 0.0 < self.delta < 1.0:
-            raise ReportError("delta must be in (0, 1)")
-        _finite(self.l2_clip, "l2_clip")
-        _finite(self.epsilon_budget, "epsilon_budget")
 
 
 @dataclass(frozen=True)
@@ -389,35 +369,6 @@ def _policies(spec: RunSpec, policies: Mapping[str, Policy]) -> list[dict[str, A
     return out
 
 
-def _dp_section(dp: DpFacts | None) -> dict[str, Any] | None:
-    if dp is None:
-        return None
-    acct = RdpAccountant()
-    per_round = []
-    for index, mech in enumerate(dp.mechanisms):
-        acct.charge(mech)
-        per_round.append(
-            {
-                "round": index,
-                "epsilon": acct.round_epsilon(dp.delta),
-                "epsilon_cumulative": acct.epsilon(dp.delta),
-            }
-        )
-    mechs = {type(m).__name__ for m in dp.mechanisms}
-    noise = sorted({m.noise_multiplier for m in dp.mechanisms if isinstance(m, GaussianRound)})
-    return {
-        "mechanism": "gaussian"
-        if mechs == {"GaussianRound"}
-        else ("skellam" if mechs == {"SkellamRound"} else "mixed" if mechs else "none"),
-        "noise_multipliers": noise,
-        "l2_clip": dp.l2_clip,
-        "delta": dp.delta,
-        "epsilon_budget": dp.epsilon_budget,
-        "rounds": per_round,
-        "epsilon_total": acct.epsilon(dp.delta) if dp.mechanisms else 0.0,
-    }
-
-
 def _anomalies(
     facts: RunFacts, policy_rows: list[dict[str, Any]], refusals: Iterable[Refusal]
 ) -> list[dict[str, str]]:
@@ -558,7 +509,7 @@ def build_report(log: EgressLog, facts: RunFacts) -> dict[str, Any]:
         },
         "participants": participants,
         "secure_aggregation": asdict(facts.secure_aggregation),
-        "differential_privacy": _dp_section(facts.dp),
+        "differential_privacy": dp_section(facts.dp),
         "rounds": [_round_row(r) for r in facts.rounds],
         "traffic": traffic_of(entries, facts.run),
         "shards_held": [asdict(s) for s in facts.shards_held],

@@ -30,6 +30,7 @@ Items 2 to 5 are the chain check of :mod:`org_node.audit.chain` (whose
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,7 @@ from org_node.audit.chain import (
     lost_in_wipe,
     verify_records,
 )
+from org_node.audit.dp_section import recomputed_dp_section
 from org_node.audit.records import (
     EgressEntry,
     LogFormatError,
@@ -56,6 +58,7 @@ from org_node.audit.records import (
 from org_node.audit.report import (
     REPORT_SCHEMA_ID,
     SECTIONS,
+    ReportError,
     SchemaError,
     report_signing_bytes,
     report_to_bytes,
@@ -203,6 +206,7 @@ def verify_report(
         actual = traffic_of(entries, doc["run"]["id"])
         if doc["traffic"] != actual:
             raise Broken("traffic", _first_difference("traffic", doc["traffic"], actual))
+        _check_dp(doc)
         checked = check_peer_heads(chain, peer_heads)
     except Broken as exc:
         return VerifyResult(
@@ -227,6 +231,36 @@ def verify_report(
         + ("" if pinned else " (key from the report, not pinned)")
     )
     return VerifyResult(True, summary, "report", org, chain.entries, chain.heads, checked)
+
+
+def _check_dp(doc: Mapping[str, Any]) -> None:
+    """The DP section must be what its agreed mechanism, the rounds' survivors and the
+    spec's budget give (each figure to 1e-9 relative)."""
+    try:
+        actual = recomputed_dp_section(doc)
+    except (ReportError, ValueError, KeyError, TypeError) as exc:
+        raise Broken("differential_privacy", f"cannot be recomputed: {exc}") from None
+    if actual is None:
+        return
+    claimed = doc["differential_privacy"]
+    if not _close(claimed, actual):
+        raise Broken(
+            "differential_privacy",
+            "does not follow from the agreed mechanism and the rounds' survivors: "
+            + _first_difference("differential_privacy", claimed, actual),
+        )
+
+
+def _close(a: Any, b: Any) -> bool:
+    """Equal, numbers to 1e-9 relative (ε is recomputed, possibly on another machine)."""
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b, strict=True))
+    both_numbers = all(isinstance(v, int | float) and not isinstance(v, bool) for v in (a, b))
+    if both_numbers:
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+    return bool(a == b)
 
 
 def _check_consents(doc: Mapping[str, Any], trusted_keys: Mapping[str, bytes] | None) -> str:

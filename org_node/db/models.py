@@ -380,6 +380,23 @@ class DataSpecModel(SQLModel):
         return v
 
 
+class DpMechanismModel(SQLModel):
+    """The wire form of :class:`org_node.dp_spec.DpMechanism`: the DP mechanism every
+    participant of a run with an epsilon adds its noise with."""
+
+    model_config = {"extra": "forbid"}
+
+    noise_multiplier: float = Field(gt=0, le=1e6, description="Noise std of the sum over l2_clip.")
+    l2_clip: float = Field(gt=0, le=1e12, description="L2 bound of each org's packed update.")
+    delta: float = Field(gt=0, lt=1, description="The delta at which epsilon is accounted.")
+    frac_bits: int = Field(default=24, ge=1, le=48, description="Codec fraction bits.")
+    noise_for: Literal["participants", "threshold"] = Field(
+        default="participants",
+        description="For whom each org's noise share is sized: all planned participants, "
+        "or the threshold (any completed round then carries at least the nominal noise).",
+    )
+
+
 class RunSpecModel(SQLModel):
     """The wire form of :class:`org_node.policy.RunSpec`."""
 
@@ -420,6 +437,11 @@ class RunSpecModel(SQLModel):
         le=86400.0,
         description="How long one round may wait for a quorum (threshold participants "
         "ready) before the run fails; it retries with a bounded backoff meanwhile.",
+    )
+    dp: DpMechanismModel | None = Field(
+        default=None,
+        description="The DP mechanism of a run with an epsilon (default: the proposing "
+        "org's own); every participant refuses a run whose mechanism differs from its own.",
     )
 
     @field_validator("config")

@@ -34,6 +34,7 @@ from sqlmodel import Session, col, select
 
 from org_node.db.models import Run
 from org_node.db.repo import append_audit_event
+from org_node.dp_spec import with_own_dp
 from org_node.node.context import NodeContext
 from org_node.proposals import (
     CONSENT_TOPIC,
@@ -103,6 +104,7 @@ class RunProposals:
         m = self.ctx.require_manifest()
         if self.ctx.gossip is None:
             raise ServiceRefused("the node is not running in its federation")
+        spec = with_own_dp(spec, self.ctx.config.engine)
         proposal = make_proposal(self.ctx.me, m, name, spec, consent_timeout_s, start_delay_s)
         size = len(proposal.to_record())
         if size > self.ctx.gossip.config.max_record_bytes:

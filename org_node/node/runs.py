@@ -31,6 +31,7 @@ from org_node.audit.facts import record_round
 from org_node.consent import ConsentRefused, RunBinding, binding_of
 from org_node.db.models import Run, RunMetric, utcnow
 from org_node.db.repo import append_audit_event, update_versioned
+from org_node.dp_spec import dp_disagreement
 from org_node.engine import (
     STATE_FILE,
     EngineError,
@@ -146,6 +147,9 @@ class Runs:
             raise ServiceRefused("DP (epsilon) needs the masked backend, not ckks")
         if plan.threshold < 2:
             raise ServiceRefused("threshold must be at least 2 for a secure sum")
+        disagreement = dp_disagreement(spec, self.ctx.config.engine)
+        if disagreement is not None:
+            raise ServiceRefused(disagreement)
         return plan
 
     def on_run_accepted(self, run_id: str, spec: Mapping[str, Any]) -> None:

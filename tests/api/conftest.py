@@ -25,6 +25,8 @@ from api.settings import Settings
 from org_node.db.engine import DB_FILENAME, make_engine, migrate
 from org_node.db.models import Role
 from org_node.db.repo import create_token
+from org_node.dp_spec import with_own_dp
+from org_node.engine import EngineConfig
 from org_node.proposals import Consent, Proposal, consent_signing_bytes
 from org_node.run_store import store_consent
 from org_node.services import (
@@ -127,6 +129,8 @@ class FakeNode:
         if self.refuse_next is not None:
             exc, self.refuse_next = self.refuse_next, None
             raise exc
+        # as the node does: a run with an epsilon gets this org's DP mechanism
+        spec = with_own_dp(spec, EngineConfig())
         return make_proposal(ORG, self._manifest, name, spec, consent_timeout_s, start_delay_s)
 
     def announce_run(self, run_id: str) -> None:

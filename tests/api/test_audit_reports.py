@@ -138,6 +138,12 @@ def test_auditor_generates_and_reads_the_report(api: Api, run: Run) -> None:
     assert checked.ok and "1 signed consent(s) of other participants valid" in checked.summary
     dp = report["differential_privacy"]
     assert dp is not None and len(dp["rounds"]) == 2 and dp["epsilon_budget"] == 4.0
+    # each round charged for its survivors' noise, on the mechanism the spec carries
+    assert [x["survivors"] for x in dp["rounds"]] == [3, 2]
+    assert dp["agreed"]["mechanism"] == report["run"]["spec"]["dp"]
+    first, second = dp["rounds"]
+    assert second["noise_over_sensitivity"] < first["noise_over_sensitivity"]
+    assert second["epsilon"] > first["epsilon"]
     assert report["secure_aggregation"]["n"] == 3
     assert verify_report(report, trusted_keys={ORG: identity(ORG).public_key}).ok
     got = api.client.get(f"/v1/audit/runs/{run.id}/report", headers=api.h(Role.AUDITOR))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 import re
 from html.parser import HTMLParser
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 from coordinator_free.identity import OrgIdentity
 from coordinator_free.wire import Envelope
 
+from org_node.audit.dp_section import skellam_dp_facts
 from org_node.audit.html import bar_chart_svg, line_chart_svg, render_html
 from org_node.audit.log import EgressLog
 from org_node.audit.report import (
@@ -469,3 +471,42 @@ def test_finding_3_a_failed_runs_reason_reaches_the_report(tmp_path: Path) -> No
     assert report["run"]["state"] == "failed" and report["run"]["state_reason"] == reason
     assert "fewer than 2" in render_html(report)
     assert "state" not in build_report(log, facts())["run"]
+
+
+AGREED = {
+    "mechanism": {
+        "noise_multiplier": 2.0,
+        "l2_clip": 1.0,
+        "delta": 1e-5,
+        "frac_bits": 24,
+        "noise_for": "participants",
+    },
+    "participants": 3,
+    "threshold": 2,
+    "dimension": 10,
+}
+
+
+def test_the_dp_section_shows_each_rounds_survivors_noise_and_epsilon_and_verifies(
+    tmp_path: Path,
+) -> None:
+    """Issue 21: per round, the agreed mechanism, the survivors, the noise they added
+    (a multiple of the sensitivity) and ε; ``audit verify`` recomputes the section from
+    the agreed mechanism and the rounds' survivors, so a report whose ε does not follow
+    from them fails, naming the section."""
+    log, _ = populated_log(tmp_path)
+    honest = skellam_dp_facts(AGREED, [(1, 3), (2, 2)], 8.0)
+    report = build_report(log, facts(dp=honest))
+    dp = report["differential_privacy"]
+    assert [r["survivors"] for r in dp["rounds"]] == [3, 2]
+    assert dp["agreed"]["noise_shares"] == 3 and dp["noise_multipliers"] == [2.0]
+    ratio = dp["rounds"][1]["noise_over_sensitivity"] / dp["rounds"][0]["noise_over_sensitivity"]
+    assert ratio == pytest.approx(math.sqrt(2 / 3))
+    keys = {"a": identity("a").public_key}
+    assert verify_report(report, trusted_keys=keys).ok
+    # charged as if every round had all three survivors: less ε than was spent
+    flattering = skellam_dp_facts(AGREED, [(1, 3), (2, 3)], 8.0)
+    lied = build_report(log, facts(dp=flattering))
+    result = verify_report(lied, trusted_keys=keys)
+    assert not result.ok and "differential_privacy" in result.summary
+    assert "survivors" in result.summary, result.summary

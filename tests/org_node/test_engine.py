@@ -15,6 +15,7 @@ from coordinator_free.memory import InMemoryNetwork
 from coordinator_free.rounds import RoundConfig, RoundEngine, endpoint_signer, secagg_sessions
 from coordinator_free.rounds.ckks import CkksAggregator
 
+from org_node.dp_spec import DpMechanism
 from org_node.engine import (
     ATTEMPTS,
     EngineConfig,
@@ -79,18 +80,36 @@ class Federation:
             await e.close()
 
 
-def plan(rounds: int = 2, epsilon: float | None = None, backend: str = "masked") -> RunPlan:
-    spec = {
+def plan(
+    rounds: int = 2,
+    epsilon: float | None = None,
+    backend: str = "masked",
+    dp: EngineConfig | None = None,
+) -> RunPlan:
+    """A run of ORGS; with an ``epsilon``, its DP mechanism is ``dp``'s (the orgs')."""
+    spec: dict[str, Any] = {
         "trainer": "breast_cancer",
         "rounds": rounds,
         "participants": list(ORGS),
         "epsilon": epsilon,
     }
+    if epsilon is not None:
+        spec["dp"] = DpMechanism.of_engine(dp or fast()).to_dict()
     return RunPlan.from_spec("test-run", spec | {"backend": backend})
 
 
 def fast(**kw: Any) -> EngineConfig:
     return EngineConfig(ready_timeout_s=5, model_hash_timeout_s=5, **kw)
+
+
+DP_CONFIG = EngineConfig(
+    ready_timeout_s=5,
+    model_hash_timeout_s=5,
+    weighting="uniform",
+    l2_clip=10.0,
+    noise_multiplier=3.0,
+)
+"""Every org's engine config in the DP tests: one mechanism for all."""
 
 
 def make_engines(
@@ -216,8 +235,8 @@ def test_privacy_budget_stops_before_a_round_that_would_exceed_epsilon(tmp_path:
             fed,
             tmp_path,
             trainers,
-            plan(rounds=50, epsilon=3.0),
-            fast(weighting="uniform", l2_clip=10.0, noise_multiplier=1.5),
+            plan(rounds=50, epsilon=3.0, dp=DP_CONFIG),
+            DP_CONFIG,
         )
         try:
             return list(await asyncio.gather(*(e.run() for e in engines.values())))
@@ -508,8 +527,8 @@ def test_statistics_are_summed_securely_once_before_round_one_and_kept(tmp_path:
 def test_a_dp_run_refuses_statistics_released_without_noise(tmp_path: Path) -> None:
     fed = Federation()
     engine = RunEngine(
-        plan(rounds=1, epsilon=8.0),
-        fast(weighting="uniform", l2_clip=10.0, noise_multiplier=1.5),
+        plan(rounds=1, epsilon=8.0, dp=DP_CONFIG),
+        DP_CONFIG,
         rounds=fed.rounds["org-a"],
         trainer=StatsTrainer(0.1, np.array([1.0, 2.0])),
         state_dir=tmp_path,
@@ -567,6 +586,8 @@ def test_finding_3_a_dp_run_clips_before_the_range_check(tmp_path: Path) -> None
     is clipped to the L2 bound that DP applies anyway, and the run completes, instead of
     failing the range check that ran before the clip."""
 
+    config = fast(weighting="uniform", l2_clip=1.0, noise_multiplier=200.0)
+
     async def scenario() -> list[Any]:
         fed = Federation()
         await fed.start()
@@ -575,8 +596,8 @@ def test_finding_3_a_dp_run_clips_before_the_range_check(tmp_path: Path) -> None
             fed,
             tmp_path,
             trainers,
-            plan(rounds=2, epsilon=10.0),
-            fast(weighting="uniform", l2_clip=1.0, noise_multiplier=200.0),
+            plan(rounds=2, epsilon=10.0, dp=config),
+            config,
         )
         try:
             return list(await asyncio.gather(*(e.run() for e in engines.values())))
