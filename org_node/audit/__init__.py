@@ -8,7 +8,7 @@ HTML page; :func:`~org_node.audit.verify.verify_path` checks a log or a report.
 What it owns: the egress log's records and hashes (``records``), the chain check
 (``chain``), the log itself (``log``), the privacy classes of message kinds
 (``classes``), the exchange of signed heads (``heads``), the run reports (``report``,
-``html``, ``facts``), their verification (``verify``) and the ``audit`` commands
+``html``, ``facts``, and their DP section, ``dp_section``), their verification (``verify``) and the ``audit`` commands
 (``cli``).
 
 What it may import: ``coordinator_free`` and ``secure_agg`` (identities, envelopes,
@@ -16,7 +16,7 @@ the endpoint, DP parameters) and the rest of ``org_node`` (policies, privacy
 accounting, the database); never ``api``. Inside the package the modules form layers
 with no cycle (``pyproject.toml`` holds the import-linter contract), each importing
 only those below it: ``cli``; ``facts``; ``verify`` and ``heads``; ``report``;
-``html`` and ``log``; ``chain``; ``records``; ``classes``.
+``html``, ``log`` and ``dp_section``; ``chain``; ``records``; ``classes``.
 """
 
 from __future__ import annotations
