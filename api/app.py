@@ -122,6 +122,27 @@ def create_app(
         "federation membership, checkpoints and the audit log.",
         lifespan=lifespan,
     )
+    _attach_state(app, settings, node, engine, reads, limiter, observability, trainers)
+    for router in ROUTERS:
+        app.include_router(router)
+    app.include_router(dashboard.page_router)
+    app.add_exception_handler(Exception, _unexpected)
+    _add_middleware(app, settings)
+    return app
+
+
+def _attach_state(
+    app: FastAPI,
+    settings: Settings,
+    node: NodeServices,
+    engine: Engine,
+    reads: Reads,
+    limiter: AuthFailureLimiter | None,
+    observability: Observability | None,
+    trainers: TrainerCatalog | None,
+) -> None:
+    """What the routers read from ``app.state``: settings, database, the node and its
+    trainer catalog, the failed-authentication limiter and the observability."""
     app.state.settings = settings
     app.state.engine = engine
     app.state.reads = reads
@@ -140,22 +161,22 @@ def create_app(
     if rounds is not None and hasattr(rounds, "add_observer"):
         found.attach(rounds)
 
-    for router in ROUTERS:
-        app.include_router(router)
-    app.include_router(dashboard.page_router)
 
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        full = disk_full(exc)
-        if full is not None:  # nothing was written: the transaction rolled back
-            logger.error("%s %s: the disk is full: %s", request.method, request.url.path, full)
-            return JSONResponse(
-                status_code=507,
-                content={"detail": f"the node's disk is full, nothing was written: {full}"},
-            )
-        logger.error("unhandled %s on %s %s", type(exc).__name__, request.method, request.url.path)
-        return JSONResponse(status_code=500, content={"detail": "internal error"})
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    """507 for a full disk (nothing was written: the transaction rolled back), else 500
+    without the exception's text."""
+    full = disk_full(exc)
+    if full is not None:
+        logger.error("%s %s: the disk is full: %s", request.method, request.url.path, full)
+        return JSONResponse(
+            status_code=507,
+            content={"detail": f"the node's disk is full, nothing was written: {full}"},
+        )
+    logger.error("unhandled %s on %s %s", type(exc).__name__, request.method, request.url.path)
+    return JSONResponse(status_code=500, content={"detail": "internal error"})
 
+
+def _add_middleware(app: FastAPI, settings: Settings) -> None:
     app.add_middleware(FiniteJsonBodies)  # inside the size limit: it reads bounded bodies
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
     app.add_middleware(RequestCounter, counts=app.state.request_counts)
@@ -166,7 +187,6 @@ def create_app(
             allow_methods=["GET", "POST", "PATCH", "DELETE"],
             allow_headers=["Authorization", "Content-Type", "Idempotency-Key"],
         )
-    return app
 
 
 def disk_full(exc: BaseException) -> str | None:
