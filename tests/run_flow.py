@@ -7,11 +7,19 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import httpx
 
-__all__ = ["apropose_once", "await_states", "propose_once", "wait_states"]
+__all__ = [
+    "admin_clients",
+    "apropose_once",
+    "await_states",
+    "propose_once",
+    "seen",
+    "wait_states",
+]
 
 START_DELAY_S = 1
 """The tests' start delay after the last consent (the product's default is 5 s)."""
@@ -109,3 +117,43 @@ async def await_states(
             break
         await asyncio.sleep(0.05)
     return rows
+
+
+def admin_clients(
+    dirs: Mapping[str, Path], nodes: Mapping[str, Any]
+) -> dict[str, httpx.AsyncClient]:
+    """An admin API client per in-process node (``nodes``: org -> ``OrgNode``), each
+    with a fresh admin token of its org."""
+    from sqlmodel import Session
+
+    from api.app import create_app
+    from api.settings import Settings
+    from org_node.db.engine import default_database_url, make_engine
+    from org_node.db.models import Role
+    from org_node.db.repo import create_token
+
+    out = {}
+    for org, node in nodes.items():
+        with Session(make_engine(default_database_url(dirs[org]))) as s:
+            _, token = create_token(s, "test", Role.ADMIN)
+            s.commit()
+        out[org] = httpx.AsyncClient(
+            transport=httpx.ASGITransport(
+                app=create_app(Settings(data_dir=dirs[org]), node, engine=node.db)
+            ),
+            base_url="http://admin",
+            headers={"Authorization": f"Bearer {token}"},
+        )
+    return out
+
+
+async def seen(c: httpx.AsyncClient, ref: str, timeout: float = 20.0) -> dict[str, Any]:
+    """The run ``ref`` at the org of ``c``, once its proposal has arrived there."""
+    end = asyncio.get_running_loop().time() + timeout
+    while True:
+        r = await c.get(f"/v1/runs/{ref}")
+        if r.status_code == 200:
+            body: dict[str, Any] = r.json()
+            return body
+        assert asyncio.get_running_loop().time() < end, r.text
+        await asyncio.sleep(0.05)

@@ -17,8 +17,8 @@ import org_node.node.heads as node_heads
 from org_node.audit import SignedHead, read_log, verify_path
 from org_node.node import OrgNode
 from tests.org_node.test_node_inprocess import make_federation, start_nodes
-from tests.org_node.test_node_proposals import SPEC, _clients
-from tests.run_flow import apropose_once, await_states
+from tests.org_node.test_node_proposals import SPEC
+from tests.run_flow import admin_clients, apropose_once, await_states
 
 
 async def _held_by_peers(nodes: dict[str, OrgNode], org: str, at_least: int) -> None:
@@ -42,7 +42,7 @@ def test_a_truncated_log_fails_against_the_heads_its_peers_hold(
 
     async def scenario() -> tuple[list[SignedHead], list[SignedHead]]:
         nodes = await start_nodes(dirs, InMemoryNetwork())
-        clients = _clients(dirs, nodes)
+        clients = admin_clients(dirs, nodes)
         try:
             # no run yet: membership traffic alone gets a head within the period
             a = nodes["org-a"]

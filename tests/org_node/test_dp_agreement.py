@@ -9,17 +9,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import pytest
 from coordinator_free.memory import InMemoryNetwork
-from sqlmodel import Session
 
-from api.app import create_app
-from api.settings import Settings
-from org_node.db.engine import default_database_url, make_engine
-from org_node.db.models import Role
-from org_node.db.repo import create_token
 from org_node.dp_spec import DpMechanism, DpMechanismError, dp_disagreement, with_own_dp
 from org_node.engine import (
     EngineConfig,
@@ -34,7 +27,7 @@ from org_node.policy import PolicyError, RunSpec
 from org_node.privacy import RdpAccountant, agreed_noise, skellam_round_for
 from tests.org_node.test_engine import DP_CONFIG, ORGS, Federation, FixedTrainer, plan
 from tests.org_node.test_node_inprocess import make_federation, start_nodes
-from tests.run_flow import START_DELAY_S
+from tests.run_flow import START_DELAY_S, admin_clients, seen
 
 MECHANISM = DpMechanism(noise_multiplier=2.0, l2_clip=1.0, delta=1e-5)
 
@@ -49,25 +42,6 @@ def _set_dp(data_dir: Path, noise_multiplier: float) -> None:
     path.write_text(text)
 
 
-def _tokens(dirs: dict[str, Path]) -> dict[str, str]:
-    tokens = {}
-    for org, d in dirs.items():
-        with Session(make_engine(default_database_url(d))) as s:
-            _, tokens[org] = create_token(s, "test", Role.ADMIN)
-            s.commit()
-    return tokens
-
-
-async def _seen(client: httpx.AsyncClient, name: str) -> dict[str, Any]:
-    for _ in range(600):
-        r = await client.get(f"/v1/runs/{name}")
-        if r.status_code == 200:
-            row: dict[str, Any] = r.json()
-            return row
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"the proposal {name} never arrived")
-
-
 def test_finding_2_mismatched_dp_parameters_are_refused_at_consent(tmp_path: Path) -> None:
     """org-a at noise multiplier 0.8, org-b and org-c at 2.0 (the finding's setting): a
     run org-a proposes carries org-a's mechanism in its signed spec, and org-b and org-c
@@ -76,22 +50,12 @@ def test_finding_2_mismatched_dp_parameters_are_refused_at_consent(tmp_path: Pat
     dirs = make_federation(tmp_path)
     for org, nm in zip(ORGS, (0.8, 2.0, 2.0), strict=True):
         _set_dp(dirs[org], nm)
-    tokens = _tokens(dirs)
     spec = {"trainer": "breast_cancer", "rounds": 2, "participants": list(ORGS), "epsilon": 6.0}
 
     async def scenario() -> dict[str, Any]:
         network = InMemoryNetwork()
         nodes = await start_nodes(dirs, network)
-        clients = {
-            org: httpx.AsyncClient(
-                transport=httpx.ASGITransport(
-                    app=create_app(Settings(data_dir=dirs[org]), node, engine=node.db)
-                ),
-                base_url="http://admin",
-                headers={"Authorization": f"Bearer {tokens[org]}"},
-            )
-            for org, node in nodes.items()
-        }
+        clients = admin_clients(dirs, nodes)
         out: dict[str, Any] = {}
         try:
             body = {"name": "low-noise", "spec": spec, "start_delay_s": START_DELAY_S}
@@ -99,14 +63,14 @@ def test_finding_2_mismatched_dp_parameters_are_refused_at_consent(tmp_path: Pat
             assert r.status_code == 201, r.text
             out["proposed"] = r.json()["spec"]
             for org in ORGS:
-                out[f"seen-{org}"] = (await _seen(clients[org], "low-noise"))["spec"]
+                out[f"seen-{org}"] = (await seen(clients[org], "low-noise"))["spec"]
             out["accept"] = {
                 org: await clients[org].post("/v1/runs/low-noise/accept", json={}) for org in ORGS
             }
             body = {"name": "their-noise", "spec": spec, "start_delay_s": START_DELAY_S}
             r = await clients["org-b"].post("/v1/runs", json=body)
             assert r.status_code == 201, r.text
-            await _seen(clients["org-a"], "their-noise")
+            await seen(clients["org-a"], "their-noise")
             out["a-accepts-theirs"] = await clients["org-a"].post(
                 "/v1/runs/their-noise/accept", json={}
             )

@@ -16,54 +16,20 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import pytest
 from coordinator_free.membership import SwimConfig
 from coordinator_free.memory import InMemoryNetwork
-from sqlmodel import Session
 
 import org_node.node.proposals as node_proposals
-from api.app import create_app
-from api.settings import Settings
-from org_node.db.engine import default_database_url, make_engine
-from org_node.db.models import Role
-from org_node.db.repo import create_token
 from org_node.engine import EngineState
 from org_node.node import OrgNode
 from org_node.proposals import PROPOSAL_TOPIC, Proposal
 from org_node.training.exchange import LocalResult
 from tests.org_node.test_node_inprocess import ORGS, TinyTrainer, make_federation, start_nodes
-from tests.run_flow import START_DELAY_S, await_states
+from tests.run_flow import START_DELAY_S, admin_clients, await_states, seen
 
 SPEC = {"trainer": "breast_cancer", "rounds": 2, "participants": list(ORGS), "threshold": 2}
-
-
-def _clients(dirs: dict[str, Path], nodes: dict[str, OrgNode]) -> dict[str, httpx.AsyncClient]:
-    out = {}
-    for org, node in nodes.items():
-        with Session(make_engine(default_database_url(dirs[org]))) as s:
-            _, token = create_token(s, "test", Role.ADMIN)
-            s.commit()
-        out[org] = httpx.AsyncClient(
-            transport=httpx.ASGITransport(
-                app=create_app(Settings(data_dir=dirs[org]), node, engine=node.db)
-            ),
-            base_url="http://admin",
-            headers={"Authorization": f"Bearer {token}"},
-        )
-    return out
-
-
-async def _seen(c: httpx.AsyncClient, ref: str, timeout: float = 20.0) -> dict[str, Any]:
-    end = asyncio.get_running_loop().time() + timeout
-    while True:
-        r = await c.get(f"/v1/runs/{ref}")
-        if r.status_code == 200:
-            body: dict[str, Any] = r.json()
-            return body
-        assert asyncio.get_running_loop().time() < end, r.text
-        await asyncio.sleep(0.05)
 
 
 def test_a_decline_cancels_the_run_at_every_participant_with_its_reason(tmp_path: Path) -> None:
@@ -71,13 +37,13 @@ def test_a_decline_cancels_the_run_at_every_participant_with_its_reason(tmp_path
 
     async def scenario() -> dict[str, dict[str, Any]]:
         nodes = await start_nodes(dirs, InMemoryNetwork())
-        clients = _clients(dirs, nodes)
+        clients = admin_clients(dirs, nodes)
         try:
             r = await clients["org-a"].post("/v1/runs", json={"name": "c1", "spec": SPEC})
             assert r.status_code == 201, r.text
             key = r.json()["run_key"]
             for org in ORGS:  # proposed once, known everywhere by the same key
-                row = await _seen(clients[org], "c1")
+                row = await seen(clients[org], "c1")
                 assert row["run_key"] == key and row["state"] == "proposed"
                 assert row["origin"] == "org-a"
             assert (await clients["org-a"].post("/v1/runs/c1/accept", json={})).status_code == 200
@@ -108,7 +74,7 @@ def test_a_proposal_whose_key_is_not_its_specs_hash_is_ignored(tmp_path: Path) -
 
     async def scenario() -> tuple[int, int]:
         nodes = await start_nodes(dirs, InMemoryNetwork())
-        clients = _clients(dirs, nodes)
+        clients = admin_clients(dirs, nodes)
         try:
             good = Proposal.make("c2", SPEC, "org-b", 1_700_000_000_000, 3600, 5)
             body = json.loads(good.to_record())
@@ -118,8 +84,8 @@ def test_a_proposal_whose_key_is_not_its_specs_hash_is_ignored(tmp_path: Path) -
             gossip.publish(PROPOSAL_TOPIC, good.run_key, json.dumps(body).encode())
             honest = Proposal.make("c3", SPEC, "org-b", 1_700_000_000_000, 3600, 5)
             gossip.publish(PROPOSAL_TOPIC, honest.run_key, honest.to_record())
-            await _seen(clients["org-a"], "c3")  # the honest one, sent after, has arrived
-            await _seen(clients["org-c"], "c3")
+            await seen(clients["org-a"], "c3")  # the honest one, sent after, has arrived
+            await seen(clients["org-c"], "c3")
             a = await clients["org-a"].get("/v1/runs/c2")
             c = await clients["org-c"].get("/v1/runs/c2")
             return a.status_code, c.status_code
@@ -187,11 +153,11 @@ def test_a_member_away_longer_than_gossip_keeps_a_record_still_gets_the_proposal
         for node in nodes.values():
             assert node.gossip is not None
             node.gossip.config = dataclasses.replace(node.gossip.config, ttl_s=1.0)
-        clients = _clients(dirs, nodes)
+        clients = admin_clients(dirs, nodes)
         try:
             body = {"name": "c4", "spec": SPEC}
             assert (await clients["org-a"].post("/v1/runs", json=body)).status_code == 201
-            await _seen(clients["org-b"], "c4")
+            await seen(clients["org-b"], "c4")
             assert (await clients["org-b"].post("/v1/runs/c4/accept", json={})).is_success
             gossip_a = nodes["org-a"].gossip
             assert gossip_a is not None
@@ -199,13 +165,13 @@ def test_a_member_away_longer_than_gossip_keeps_a_record_still_gets_the_proposal
             while gossip_a.counters["expired"] < forgotten + 2:  # both records expired
                 await asyncio.sleep(0.1)
             nodes |= await _start(dirs, network, ("org-c",))
-            clients = _clients(dirs, nodes) | {o: clients[o] for o in ("org-a", "org-b")}
-            row = await _seen(clients["org-c"], "c4", timeout=30.0)
+            clients = admin_clients(dirs, nodes) | {o: clients[o] for o in ("org-a", "org-b")}
+            row = await seen(clients["org-c"], "c4", timeout=30.0)
             end = asyncio.get_running_loop().time() + 30.0
             while not any(c["org_id"] == "org-b" for c in row["consents"]):
                 assert asyncio.get_running_loop().time() < end, row
                 await asyncio.sleep(0.1)
-                row = await _seen(clients["org-c"], "c4")
+                row = await seen(clients["org-c"], "c4")
             return row
         finally:
             for c in clients.values():
@@ -227,12 +193,12 @@ def test_a_run_started_at_its_quorum_runs_with_those_that_consented(tmp_path: Pa
 
     async def scenario() -> tuple[dict[str, dict[str, Any]], list[Any], Any]:
         nodes = await start_nodes(dirs, InMemoryNetwork())
-        clients = _clients(dirs, nodes)
+        clients = admin_clients(dirs, nodes)
         try:
             body = {"name": "q1", "spec": spec, "consent_timeout_s": 10, "start_delay_s": 1}
             assert (await clients["org-a"].post("/v1/runs", json=body)).status_code == 201
             for org in ("org-a", "org-b"):
-                await _seen(clients[org], "q1")
+                await seen(clients[org], "q1")
                 assert (await clients[org].post("/v1/runs/q1/accept", json={})).is_success
             # 10 s to the deadline, then two rounds: well inside 40 s unless a round
             # waits out org-c's ready (30 s a round)
@@ -268,12 +234,12 @@ def test_a_round_under_way_says_whose_message_it_waits_for(tmp_path: Path) -> No
 
     async def scenario() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], str]:
         nodes = await _start(dirs, InMemoryNetwork(), ORGS, {"org-c": gate})
-        clients = _clients(dirs, nodes)
+        clients = admin_clients(dirs, nodes)
         try:
             body = {"name": "w1", "spec": SPEC, "start_delay_s": START_DELAY_S}
             assert (await clients["org-a"].post("/v1/runs", json=body)).status_code == 201
             for org in ORGS:
-                await _seen(clients[org], "w1")
+                await seen(clients[org], "w1")
                 assert (await clients[org].post("/v1/runs/w1/accept", json={})).is_success
             loop = asyncio.get_running_loop()
             end = loop.time() + 30.0
