@@ -153,6 +153,11 @@ def dp_disagreement(spec: Mapping[str, Any], engine: Any) -> str | None:
     for; None when the run has no epsilon or its mechanism is this org's own."""
     if spec.get("epsilon") is None:
         return None
+    if engine.weighting != "uniform":
+        return (
+            'a run with DP needs [engine] weighting = "uniform" here: the noisy sum of '
+            "the weights cannot divide the update, the count of survivors does"
+        )
     if spec.get("dp") is None:
         return (
             "the run has an epsilon but names no DP mechanism (dp), so its participants "

@@ -133,6 +133,8 @@ def test_a_node_fills_in_its_own_mechanism_and_names_every_difference() -> None:
     assert "noise_multiplier: the run's 0.8, this org's 2.0" in reason
     assert "delta: the run's 1e-06, this org's 1e-05" in reason
     assert "names no DP mechanism" in (dp_disagreement(spec, own) or "")
+    weighted = EngineConfig(noise_multiplier=2.0, l2_clip=1.0, delta=1e-5)
+    assert 'weighting = "uniform"' in (dp_disagreement(filled, weighted) or "")
 
 
 def test_an_engine_refuses_a_plan_whose_mechanism_is_not_its_own(tmp_path: Path) -> None:
