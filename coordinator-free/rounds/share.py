@@ -167,10 +167,9 @@ class ShareStage:
         try:
             ctx.session.settle_participants(ctx.u1)
         except (SecAggError, ValueError) as exc:
+            why = f"the shares of participants {sorted(lacking)} did not reach this node: "
             raise RoundFailed(
-                "share",
-                f"the shares of participants {sorted(lacking)} did not reach this node: {exc}",
-                missing=tuple(sorted(lacking)),
+                "share", f"{why if lacking else ''}{exc}", missing=tuple(sorted(lacking))
             ) from exc
         ctx.members = ctx.u1
         ctx.lap("agree-ready")
