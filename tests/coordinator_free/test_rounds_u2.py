@@ -8,7 +8,7 @@ import asyncio
 from collections.abc import Sequence
 
 import pytest
-from coordinator_free.rounds import RoundConfig
+from coordinator_free.rounds import RoundConfig, SecAggSession
 from coordinator_free.sim import Fault, FaultSpec, PeerKilled, RoundOutcome, SimConfig, Simulation
 
 QUICK = RoundConfig(
@@ -96,3 +96,32 @@ def test_finding_4_a_partial_share_send_and_a_silent_holder_never_give_a_wrong_s
     # the next round works without the dead
     assert second.problems() == []
     assert set(second.results) == set(orgs) - first.killed
+
+
+def test_finding_4_a_node_lacking_the_shares_of_a_participant_fails_by_name_and_masks_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # org-1 refuses org-3's shares after the participants were settled with org-3:
+    # masking without them would carry other masks than the participants know of, so
+    # org-1 fails its round naming org-3, and the others sum exactly without org-1
+    taken = SecAggSession.receive_share
+
+    def refuse(self: SecAggSession, sender: str, data: bytes) -> None:
+        if self.peer.me == "org-1" and sender == "org-3":
+            raise ValueError("refused for the test")
+        taken(self, sender, data)
+
+    monkeypatch.setattr(SecAggSession, "receive_share", refuse)
+
+    async def scenario() -> RoundOutcome:
+        async with Simulation(SimConfig(peers=6, length=64, seed=5, round_config=QUICK)) as sim:
+            return await sim.round(1)
+
+    out = asyncio.run(scenario())
+    assert out.problems() == []
+    assert "did not reach this node" in out.failures["org-1"]
+    assert "['org-3']" in out.failures["org-1"]
+    assert set(out.results) == {"org-0", "org-2", "org-3", "org-4", "org-5"}
+    for res in out.results.values():
+        assert "org-1" not in res.survivors
+        assert (res.sum == out.expected(res.survivors)).all()
