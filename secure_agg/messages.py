@@ -405,8 +405,8 @@ class UnmaskShares(Message):
 
     survivors: U3 as the sender was told it (sorted); the signature binds the answer to it.
     received_from: the sender's U2 view, the orgs whose ShareKeys it received (itself
-        included) and thus the dropped orgs it masked with; it lets every finaliser
-        remove exactly the pairwise masks that were added.
+        included) and thus the dropped orgs it masked with; a receiver holding the
+        survivors' agreed views refuses one that differs from the sender's.
     b_shares: (owner, share of b_owner) for owners in U3.
     s_shares: (owner, share of s_sk_owner) for owners dropped after sharing keys.
     No owner appears in both lists (Bonawitz §4: releasing both reveals x_owner).

@@ -83,6 +83,12 @@ class MaskedSum(Protocol):
         """Take the share message another participant sent this org."""
         ...
 
+    def settle_participants(self, participants: frozenset[str]) -> None:
+        """The members agreed on the participants ``U1``: this org masks with exactly
+        its holders among them, so every member knows which pairwise masks its masked
+        input carries; raises when it lacks the shares of one of them."""
+        ...
+
     def masked_input(self) -> np.ndarray:
         """This org's masked input (a ring array)."""
         ...
@@ -211,8 +217,12 @@ class SecAggSession:
         assert isinstance(msg, ShareKeys)
         self.peer.receive_shares(msg, authenticated=True)
 
+    def settle_participants(self, participants: frozenset[str]) -> None:
+        self.peer.close_shares(participants)
+
     def masked_input(self) -> np.ndarray:
-        self.peer.close_shares()
+        if self.peer.u2 is None:  # no participants were settled: the shares held
+            self.peer.close_shares()
         if self.codec is not None:  # the encoded vector is this session's own: mask in place
             return self.peer.masked_input(self._x, out=self._x)
         return self.peer.masked_input(self._x)

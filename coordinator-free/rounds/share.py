@@ -14,8 +14,9 @@ only.
 ``U1``. With SecAgg+ the shares come from the neighbours only, so matching hashes
 prove nothing about the rest: the agreement always runs, by the token (every node
 runs it), and a node proposes no holder of its shares whose own shares did not reach
-it (their masks would not cancel). The orgs of ``U1`` whose shares the session takes
-are the ring's members.
+it (their masks would not cancel). ``U1`` is the ring's members, and each node masks
+with exactly its holders in ``U1``: a node that lacks the shares of one of them fails
+its round rather than mask with a set the others cannot know.
 """
 
 from __future__ import annotations
@@ -160,13 +161,17 @@ class ShareStage:
                 ctx.session.receive_share, org, payload[HASH_BYTES:], "share", ctx.run, ctx.round
             ):
                 share_set.add(org)
-        # the ring sums the masked inputs of U1 less the holders whose shares this node
-        # refused (with the complete graph: exactly the orgs whose shares it holds)
-        ctx.members = ctx.u1 - ((ctx.holders & ctx.u1) - share_set)
-        if len(ctx.members) < t:
+        # this node masks with exactly its holders in U1, which every member knows
+        # (docs/SECURITY.md, "U2"); lacking the shares of one, it takes no part
+        lacking = (ctx.holders & ctx.u1) - share_set
+        try:
+            ctx.session.settle_participants(ctx.u1)
+        except (SecAggError, ValueError) as exc:
+            why = f"the shares of participants {sorted(lacking)} did not reach this node: "
             raise RoundFailed(
-                "share", f"{len(ctx.members)} orgs shared their keys, fewer than t={t}"
-            )
+                "share", f"{why if lacking else ''}{exc}", missing=tuple(sorted(lacking))
+            ) from exc
+        ctx.members = ctx.u1
         ctx.lap("agree-ready")
 
     async def _agree_participants(self, ctx: StageContext) -> frozenset[str]:

@@ -15,7 +15,7 @@ Stages (``Stage``), each closed explicitly when the overlay's deadline passes::
 
     ADVERTISE_KEYS  advertise_keys()      receive(AdvertiseKeys)  close_advertise() -> U1
     SHARE_KEYS      share_keys()          receive(ShareKeys)      close_shares()    -> U2
-    MASKED_INPUT    masked_input(x) -> y                          unmask(U3)        -> UnmaskShares
+    MASKED_INPUT    masked_input(x) -> y                          unmask(U3, views) -> UnmaskShares
     UNMASK          self_seed() -> b      receive(UnmaskShares)   finalize(sum)     -> sum of x over U3
                                           receive_seed(owner, b)
     DONE | ABORTED
@@ -26,12 +26,22 @@ pairwise masks of two survivors cancel in any sum, added in any order or by chun
 
 Without a server nobody hands out one U2: each peer's U2 is the set of orgs whose
 ShareKeys reached it, and an org that dropped half-way through sending its shares
-leaves views that differ. UnmaskShares therefore carries its sender's U2 view, and
-finalize removes a dropped org's pairwise mask exactly for the survivors that report
-holding its shares. A survivor that stays silent in UNMASK is assumed to share the
-reporters' view; when the reporters disagree about that dropped org, finalize aborts
-rather than guess. (A partial send that reached only silent survivors goes
-undetected: the overlay should deliver each ShareKeys batch whole or not at all.)
+leaves views that differ. So the survivors agree on every survivor's U2 before any
+share is released, and finalize removes a dropped org's pairwise masks exactly for
+the survivors whose agreed U2 holds it, silent ones included:
+
+* ``unmask(U3, views)`` takes them as the masked inputs committed to them (the
+  simulation carries each one's U2 with its masked input), or
+* ``close_shares(participants)`` fixes U2 to the peer's neighbourhood among the
+  participants the overlay agreed after the shares (refusing to mask without all of
+  their shares), and every survivor's view follows from that same set: what the round
+  engine does.
+
+A dropped org some survivor masked with whose mask key fewer than ``t`` survivors
+hold shares of can never be removed: ``unmask`` aborts naming it, before releasing
+anything. A release reporting another U2 than its sender's agreed one is refused.
+Without agreed views only the releases' reports are known, and a survivor that
+stays silent next to a dropped org is never guessed at: finalize aborts.
 
 Every input is validated completely before any state changes: a rejected message or
 call raises a specific :class:`~secure_agg.errors.ProtocolError` and leaves the peer

@@ -47,8 +47,10 @@ from secure_agg.protocol.unmasking import (
     CannotUnmask,
     Mask,
     UnmaskPlan,
+    agreed_views,
     plan_unmasking,
     removal_masks,
+    unremovable,
 )
 from secure_agg.ring import check_ring
 
@@ -179,14 +181,39 @@ class SecAggPeer(PeerState):
             self.config, sender, self.me, own.c.private, c_pk, msg.ciphertext
         )
 
-    def close_shares(self) -> frozenset[str]:
-        """The ShareKeys deadline passed: fix U2, the orgs whose shares this peer holds."""
+    def close_shares(self, participants: Iterable[str] | None = None) -> frozenset[str]:
+        """The ShareKeys deadline passed: fix U2, the orgs whose shares this peer holds.
+
+        ``participants``: the set the members agreed after the shares (``U1`` of the
+        round engine), when there is one. U2 is then this peer's neighbourhood among
+        them, exactly, so that every member knows which pairwise masks this peer's
+        masked input carries without being told: a participant whose shares this peer
+        does not hold raises :class:`InconsistentView` (nothing changes), and shares
+        of orgs outside them are neither masked with nor released.
+        """
         self._require_stage(Stage.SHARE_KEYS, action="close_shares()")
         if not self._shared:
             raise OutOfStage("share_keys() must be called before close_shares()")
         u2 = frozenset(self._held)
+        agreed = None
+        if participants is not None:
+            agreed = frozenset(participants)
+            assert self._u1 is not None
+            strangers = sorted(agreed - self._u1)
+            if strangers or self.me not in agreed:
+                raise InconsistentView(
+                    f"participants {sorted(agreed)} are not a set of U1 orgs with {self.me}"
+                )
+            lacking = sorted((self.neighbours & agreed) - u2)
+            if lacking:
+                raise InconsistentView(
+                    f"{self.me} holds no shares of participants {lacking}: its masked input "
+                    "would carry other masks than the participants know of"
+                )
+            u2 &= agreed
         self._need_threshold(len(u2), f"orgs of {self.me}'s neighbourhood shared keys")
         self._u2 = u2
+        self._participants = agreed
         self._stage = Stage.MASKED_INPUT
         return u2
 
@@ -220,8 +247,18 @@ class SecAggPeer(PeerState):
 
     # ---------------------------------------------------------------- stage 3
 
-    def unmask(self, survivors: Iterable[str]) -> UnmaskShares:
+    def unmask(
+        self, survivors: Iterable[str], views: Mapping[str, Iterable[str]] | None = None
+    ) -> UnmaskShares:
         """Round 4: release b-shares of survivors U3 and s_sk-shares of dropped holders-of-shares.
+
+        ``views``: the survivors' agreed U2 views (each survivor's own, as its masked
+        input committed to it): which dropped orgs' pairwise masks each masked input
+        carries. Without them, when :meth:`close_shares` was given the agreed
+        participants, each survivor's view is its neighbourhood among them. With
+        either, a dropped org whose masks fewer than ``t`` survivors hold shares to
+        remove aborts the round here, naming it, before anything is released; without
+        either, only the views the releases report are known (see :meth:`finalize`).
 
         May be called again in UNMASK with a revised survivor set; it then refuses
         (:class:`DoubleRelease`) to release the other kind of share for any org.
@@ -243,6 +280,7 @@ class SecAggPeer(PeerState):
                 raise InconsistentView(
                     f"survivors {missing} sent no shares to {self.me}: their masks with it would not cancel"
                 )
+        agreed = self._agreed_views(u3, views)
         if self._seeds and u3 != self._u3:
             raise DoubleRelease(
                 f"{self.me} refuses another survivor set: the self-mask seeds of "
@@ -250,7 +288,7 @@ class SecAggPeer(PeerState):
             )
         t = cfg.threshold
         release: dict[str, ShareKind] = {}
-        for owner in self._held:
+        for owner in self._u2:
             release[owner] = "b" if owner in u3 else "s"
         for owner, kind in release.items():
             earlier = self._released.get(owner)
@@ -263,6 +301,9 @@ class SecAggPeer(PeerState):
             raise self._abort(
                 f"only {len(u3)} survivors, threshold is {t}: the sum would expose too few orgs"
             )
+        stuck = None if agreed is None else unremovable(cfg, u3, agreed)
+        if stuck is not None:
+            raise self._abort(stuck)
         msg = UnmaskShares(
             self._header(Stage.UNMASK),
             survivors=tuple(sorted(u3)),
@@ -274,15 +315,41 @@ class SecAggPeer(PeerState):
         if self._u3 != u3:
             self._unmasks = {}
         self._u3 = u3
+        self._views = agreed
         self._unmasks[self.me] = msg
         self._stage = Stage.UNMASK
         return msg
+
+    def _agreed_views(
+        self, u3: frozenset[str], views: Mapping[str, Iterable[str]] | None
+    ) -> dict[str, frozenset[str]] | None:
+        """The survivors' agreed U2 views for ``u3`` (see :meth:`unmask`), checked;
+        :class:`InconsistentView` when they do not fit this peer's round."""
+        assert self._u1 is not None and self._u2 is not None
+        if views is None and self._participants is not None:
+            outside = sorted(u3 - self._participants)
+            if outside:
+                raise InconsistentView(f"survivors {outside} are not among the participants")
+            graph, agreed_set = self.config.graph, self._participants
+            views = {j: graph.closed(j) & agreed_set for j in u3}
+        if views is None:
+            return None
+        agreed = agreed_views(self.config, self._u1, u3, views)
+        if self.me in u3 and agreed[self.me] != self._u2:
+            raise InconsistentView(
+                f"the agreed U2 view of {self.me} is not the set whose shares it masked with"
+            )
+        if self._u3 == u3 and agreed != self._views:
+            raise InconsistentView("other U2 views for the survivor set already answered")
+        return agreed
 
     def receive_unmask(self, msg: UnmaskShares, *, authenticated: bool = False) -> None:
         self._authenticate(msg, authenticated)
         self._require_stage(Stage.UNMASK, action="receiving UnmaskShares")
         assert self._u1 is not None and self._u3 is not None
-        check_release(self.config, msg, u1=self._u1, u3=self._u3, heard=self._unmasks)
+        check_release(
+            self.config, msg, u1=self._u1, u3=self._u3, heard=self._unmasks, views=self._views
+        )
         self._unmasks[msg.sender] = msg
 
     def self_seed(self) -> bytes:
@@ -337,7 +404,16 @@ class SecAggPeer(PeerState):
     def _plan(self) -> UnmaskPlan:
         """Which secrets to reconstruct and which (survivor, dropped) masks to remove."""
         assert self._u3 is not None
-        return plan_unmasking(self.config, self.me, self._u3, self._unmasks, self._seeds)
+        assert self._u1 is not None
+        return plan_unmasking(
+            self.config,
+            self.me,
+            self._u3,
+            self._unmasks,
+            self._seeds,
+            agreed=self._views,
+            u1=self._u1,
+        )
 
     def missing_shares(self) -> dict[str, int]:
         """Per org whose secret finalize needs: how many more shares must still arrive."""

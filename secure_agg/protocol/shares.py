@@ -10,7 +10,7 @@ kept. Each function only reads its arguments: a refusal changes nothing.
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Container, Mapping
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
@@ -91,10 +91,11 @@ def check_release(
     u1: frozenset[str],
     u3: frozenset[str],
     heard: Container[str],
+    views: Mapping[str, frozenset[str]] | None = None,
 ) -> None:
     """Refuse an UnmaskShares that does not fit the round: a sender outside U1 or already
-    ``heard``, another survivor set, an impossible U2 view, or a share of the wrong kind,
-    owner or x."""
+    ``heard``, another survivor set, an impossible U2 view or, for a survivor, another
+    than its agreed one (``views``), or a share of the wrong kind, owner or x."""
     sender = msg.sender
     if sender not in u1:
         raise UnknownSender(f"{sender!r} did not advertise keys (not in U1)")
@@ -105,6 +106,8 @@ def check_release(
     view = frozenset(msg.received_from)
     if sender not in view or not view <= (config.graph.closed(sender) & u1):
         raise InconsistentView(f"{sender!r} reports an impossible U2 view {sorted(view)}")
+    if views is not None and sender in views and view != views[sender]:
+        raise InconsistentView(f"{sender!r} reports another U2 view than the agreed one")
     if sender in u3:
         missing = sorted((u3 & config.graph.neighbours(sender)) - view)
         if missing:

@@ -2,7 +2,8 @@
 
 :func:`simulate_round` builds a :class:`~secure_agg.protocol.peer.SecAggPeer` per
 participant, passes every message through its bytes to every recipient, lets chosen
-orgs go silent at a chosen stage, and returns a :class:`RoundResult`;
+orgs go silent at a chosen stage (and an org's ShareKeys reach only some of its
+holders), and returns a :class:`RoundResult`;
 :func:`run_round` returns the agreed sum alone. The randomness is fixed by a seed
 (numpy's generator): never use these for a real round.
 """
@@ -99,12 +100,18 @@ class _Simulation:
     """The peers of one simulated round, what each received and why any aborted."""
 
     def __init__(
-        self, config: ProtocolConfig, peers: dict[str, SecAggPeer], drop: Mapping[str, Stage]
+        self,
+        config: ProtocolConfig,
+        peers: dict[str, SecAggPeer],
+        drop: Mapping[str, Stage],
+        reach: Mapping[str, frozenset[str]],
     ) -> None:
         self.config = config
         self.peers = peers
         self.drop = drop
-        self.views: dict[str, list[bytes]] = {org: [] for org in peers}
+        self.reach = reach
+        self.received: dict[str, list[bytes]] = {org: [] for org in peers}
+        self.committed: dict[str, frozenset[str]] = {}
         self.aborted: dict[str, str] = {}
 
     def alive(self, stage: Stage) -> list[str]:
@@ -121,7 +128,7 @@ class _Simulation:
         for org in to:
             if org in self.aborted:
                 continue
-            self.views[org].append(wire)
+            self.received[org].append(wire)
             self.peers[org].receive(msg)
 
     def attempt(self, org: str, fn: Callable[..., _T], *args: object) -> _T | None:
@@ -141,8 +148,11 @@ class _Simulation:
 
     def share(self) -> None:
         for org in self.alive(Stage.SHARE_KEYS):
+            reach = self.reach.get(org)
             for recipient, m in self.peers[org].share_keys().items():
-                if recipient in self.alive(Stage.SHARE_KEYS):
+                if recipient in self.alive(Stage.SHARE_KEYS) and (
+                    reach is None or recipient in reach
+                ):
                     self.deliver(m.to_bytes(), [recipient])
         for org in self.alive(Stage.SHARE_KEYS):
             self.attempt(org, self.peers[org].close_shares)
@@ -150,9 +160,11 @@ class _Simulation:
     def mask(
         self, inputs: Mapping[str, np.ndarray], aggregate: Aggregate | None
     ) -> tuple[dict[str, np.ndarray], np.ndarray]:
-        """The survivors' masked inputs and their sum."""
+        """The survivors' masked inputs and their sum. Each masked input comes with its
+        sender's U2 (:attr:`committed`), the orgs whose pairwise masks it carries."""
         alive = self.alive(Stage.MASKED_INPUT)
         masked = {org: self.peers[org].masked_input(inputs[org]) for org in alive}
+        self.committed = {org: frozenset(self.peers[org].u2 or ()) for org in masked}
         if not masked:
             total = np.zeros(self.config.vector_length, dtype=ring_dtype(self.config.bits))
         elif aggregate is not None:
@@ -165,7 +177,7 @@ class _Simulation:
         """Every finisher's unmasked sum, after the releases went to every other one."""
         released: dict[str, bytes] = {}
         for org in self.alive(Stage.UNMASK):
-            msg = self.attempt(org, self.peers[org].unmask, survivors)
+            msg = self.attempt(org, self.peers[org].unmask, survivors, self.committed)
             if msg is not None:
                 released[org] = msg.to_bytes()
         finishers = self.alive(Stage.UNMASK)
@@ -180,8 +192,15 @@ class _Simulation:
 
 
 def _check_round(
-    config: ProtocolConfig, inputs: Mapping[str, np.ndarray], drop: Mapping[str, Stage]
+    config: ProtocolConfig,
+    inputs: Mapping[str, np.ndarray],
+    drop: Mapping[str, Stage],
+    reach: Mapping[str, frozenset[str]],
 ) -> None:
+    for org, holders in reach.items():
+        strangers = sorted(holders - set(config.participants))
+        if org not in config.participants or strangers:
+            raise ConfigError(f"reach: {org!r} and its holders must be participants")
     for org, st in drop.items():
         if org not in config.participants:
             raise ConfigError(f"drop: {org!r} is not a participant")
@@ -200,6 +219,7 @@ def simulate_round(
     *,
     aggregate: Aggregate | None = None,
     identities: tuple[Mapping[str, SignFn], VerifyFn] | None = None,
+    reach: Mapping[str, Iterable[str]] | None = None,
 ) -> RoundResult:
     """Run one round for every participant in memory, every message through its bytes.
 
@@ -210,9 +230,16 @@ def simulate_round(
     aggregate: adds the survivors' masked vectors (default: ring sum in ring order);
         tests pass one that sums in random order and chunks.
     identities: (signer per org, verify); default: Ed25519 keys derived from ``seed``.
+    reach: org -> the holders its ShareKeys reach; the others are lost. With
+        ``drop[org] = MASKED_INPUT`` it is an org that went silent half-way through
+        sending its shares.
+
+    The survivors unmask with U3 and their U2 views, which the simulation carries
+    with the masked inputs, as the overlay carries what the survivors agree on.
     """
     drop = dict(drop or {})
-    _check_round(config, inputs, drop)
+    holders = {org: frozenset(h) for org, h in (reach or {}).items()}
+    _check_round(config, inputs, drop, holders)
     signers, verify = identities or _ed25519_identities(config.participants, seed)
     peers = {
         org: SecAggPeer(
@@ -224,7 +251,7 @@ def simulate_round(
         )
         for org in config.participants
     }
-    sim = _Simulation(config, peers, drop)
+    sim = _Simulation(config, peers, drop, holders)
     sim.advertise()
     sim.share()
     masked, total = sim.mask(inputs, aggregate)
@@ -234,7 +261,7 @@ def simulate_round(
         sums=sums,
         survivors=survivors,
         masked=masked,
-        views=sim.views,
+        views=sim.received,
         aborted=sim.aborted,
         peers=peers,
     )

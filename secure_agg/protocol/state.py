@@ -81,8 +81,13 @@ class PeerState:
         self._shared = False
         self._held: dict[str, tuple[Share, Share]] = {}
         self._u2: frozenset[str] | None = None
+        # the participants agreed after the shares (close_shares), if any: every
+        # survivor's U2 is then its neighbourhood among them
+        self._participants: frozenset[str] | None = None
         self._masked = False
         self._u3: frozenset[str] | None = None
+        # the survivors' agreed U2 views for U3 (unmask), if any
+        self._views: dict[str, frozenset[str]] | None = None
         self._released: dict[str, ShareKind] = {}
         self._unmasks: dict[str, UnmaskShares] = {}
         # self-mask seeds of survivors revealed by their owners, checked against the
@@ -117,6 +122,16 @@ class PeerState:
         return self._u3
 
     @property
+    def participants(self) -> frozenset[str] | None:
+        """The participants agreed after the shares (:meth:`close_shares`), if given."""
+        return self._participants
+
+    @property
+    def views(self) -> Mapping[str, frozenset[str]] | None:
+        """The survivors' agreed U2 views for U3 (:meth:`unmask`), if any."""
+        return None if self._views is None else dict(self._views)
+
+    @property
     def released(self) -> Mapping[str, ShareKind]:
         """For every org whose share this peer released: which kind ("b" or "s")."""
         return dict(self._released)
@@ -134,8 +149,10 @@ class PeerState:
             self._shared,
             tuple(sorted(self._held.items(), key=lambda kv: kv[0])),
             self._u2,
+            self._participants,
             self._masked,
             self._u3,
+            None if self._views is None else tuple(sorted(self._views.items())),
             tuple(sorted(self._released.items())),
             tuple(sorted((k, v.to_bytes()) for k, v in self._unmasks.items())),
             tuple(sorted(self._seeds.items())),

@@ -27,8 +27,9 @@ CTX = RoundContext("fed", "run", 9)
 def _masked_round(
     n: int, t: int, bits: int, seed: int, dropped: frozenset[str] = frozenset()
 ) -> tuple[ProtocolConfig, dict[str, SecAggPeer], dict[str, np.ndarray], np.ndarray]:
-    """Every peer through MASKED_INPUT; ``dropped`` send their shares but no masked
-    input. Returns the config, the peers, the inputs and the survivors' masked sum."""
+    """Every peer through MASKED_INPUT, all agreed as participants after the shares
+    (as the round engine does); ``dropped`` send their shares but no masked input.
+    Returns the config, the peers, the inputs and the survivors' masked sum."""
     parts = orgs(n)
     cfg = ProtocolConfig(CTX, parts, t, 37, bits)
     signers, verify = hmac_identities(parts)
@@ -45,7 +46,7 @@ def _masked_round(
         for q, share in out.items():
             peers[q].receive_shares(share)
     for peer in peers.values():
-        peer.close_shares()
+        peer.close_shares(parts)
     inputs = random_inputs(cfg, rng)
     masked = {p: peers[p].masked_input(inputs[p]) for p in parts if p not in dropped}
     return cfg, peers, inputs, ring_sum(masked[p] for p in sorted(masked))
