@@ -66,6 +66,8 @@ import numpy as np
 from coordinator_free.rounds import MaskedSecureSum, RoundEngine, RoundFailed, SecureSum
 from coordinator_free.sealed import atomic_write
 
+from org_node.compression import CompressionError
+from org_node.compressor import compressor_for
 from org_node.debug_export import DebugExport
 from org_node.privacy import (
     BudgetExceeded,
@@ -170,6 +172,7 @@ class _Aggregate:
     attempts: int
     bytes_sent: int
     waited_s: float = 0.0
+    ring_bytes_sent: int = 0
 
 
 Checkpoint = Callable[[bytes, int], Awaitable[Any]]
@@ -252,6 +255,7 @@ class RunEngine:
         self.quorum: QuorumWait | None = None
         self.strategy: Strategy = make_strategy(config.strategy, config.strategy_options)
         self.codec, self.dp, self.budget = _privacy(plan, config)
+        self.compressor = compressor_for(plan, self.codec)  # None: compression none
         # the backend, chosen once: the round's sums and the statistics' go through it
         self.secure_sum, self.stats_sum = self._backend(ckks)
         self.state = EngineState(
@@ -269,7 +273,7 @@ class RunEngine:
         if ckks is not None and self.plan.backend == "ckks":
             return ckks, ckks
         secure_sum = MaskedSecureSum(
-            self.rounds, clip=self.codec.clip, encode=self._protect, decode=self.codec.decode
+            self.rounds, clip=self.codec.clip, encode=self._protect, decode=self._decode
         )
         n = len(self.plan.participants)
         stats = FixedPointCodec(bits=64, clip=STATS_CLIP, max_summands=n)
@@ -286,6 +290,8 @@ class RunEngine:
         self.state.strategy = self.strategy.state_dict()
         if self.budget is not None and self.budget.accountant is not None:
             self.state.accountant = self.budget.accountant.state_dict()
+        if self.compressor is not None:
+            self.state.compression = self.compressor.to_bytes()
         data = self.state.to_bytes()
         self.state_dir.mkdir(parents=True, exist_ok=True)
         atomic_write(self.state_path, data)
@@ -307,6 +313,11 @@ class RunEngine:
             if state.accountant is not None:
                 acct.load_state_dict(state.accountant)
             self.budget.accountant = acct
+        if self.compressor is not None and state.compression is not None:
+            try:
+                self.compressor.load(state.compression)
+            except CompressionError as exc:
+                raise EngineError("state.compression", str(exc)) from None
         self.state = state
 
     def resume(self) -> bool:
@@ -428,10 +439,17 @@ class RunEngine:
         return packed
 
     def _protect(self, packed: np.ndarray) -> np.ndarray:
+        if self.compressor is not None:  # never with DP (_check_plan)
+            return self.compressor.encode(packed, self.rng)
         if self.dp is not None:
             ring, _factor = protect_update(packed, codec=self.codec, dp=self.dp, rng=self.rng)
             return ring
         return self.codec.encode(packed, self.rng)
+
+    def _decode(self, total: np.ndarray) -> np.ndarray:
+        if self.compressor is not None:
+            return self.compressor.decode(total)
+        return self.codec.decode(total)
 
     def _unpack(self, total: np.ndarray, survivors: int) -> tuple[list[np.ndarray], float]:
         """``(sum of w * delta, sum of w)`` from the decoded sum.
@@ -485,6 +503,7 @@ class RunEngine:
                 attempt + 1,
                 summed.bytes_sent,
                 wait.waited(self.clock()) if wait.failures else 0.0,
+                summed.ring_bytes_sent,
             )
 
     def _later_attempt(self, after: int, base: int) -> int:
@@ -551,6 +570,8 @@ class RunEngine:
         packed = self._pack(result)
         self.debug_export.update(r, packed)
         await self.debug_export.held(r)
+        if self.compressor is not None:  # the round's support: hashes the model, off the loop
+            await asyncio.to_thread(self.compressor.start_round, self.plan.run_key, r, model)
         try:
             vector = self.secure_sum.encode(packed)
         except SecAggError as exc:
@@ -577,6 +598,8 @@ class RunEngine:
             agg.survivors,
             timeout=self.config.model_hash_timeout_s,
         )
+        if self.compressor is not None:
+            self.compressor.commit(len(agg.survivors))
         self.state.model = new_model
         self.state.round = r + 1
         data = await asyncio.to_thread(self.save_state)  # it fsyncs: off the loop
@@ -591,6 +614,7 @@ class RunEngine:
         metrics.setdefault("local_compute_s", t_trained - t_round)
         metrics["secure_sum_s"] = secure_sum_s
         metrics["quorum_wait_s"] = agg.waited_s
+        metrics["ring_bytes_sent"] = float(agg.ring_bytes_sent)
         metrics["round_s"] = time.monotonic() - t_round
         report = RoundReport(
             run_key=self.plan.run_key,
@@ -628,6 +652,10 @@ class RunEngine:
         if round <= self.state.round or round > self.plan.rounds:
             return False
         check_update(model, self.state.model)
+        if self.compressor is not None and self.compressor.keeps_agreed_state:
+            raise RunFailed(
+                f"compression {self.plan.compression}: its q8 ranges cannot be caught up"
+            )
         if any(v is not None for v in self.strategy.state_dict()["arrays"].values()):
             raise RunFailed(
                 f"the federation is at round {round}, this node at {self.state.round}, and "

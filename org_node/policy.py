@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from org_node.compression import COMPRESSION_NONE, Compression, CompressionError
 from org_node.datasets import DataSpec, DataSpecError
 from org_node.run_config import QUORUM_WAIT_DEFAULT_S, QUORUM_WAIT_MAX_S
 
@@ -109,6 +110,10 @@ class RunSpec:
     quorum_wait_s: how long one round may wait for a quorum (``threshold`` participants
         ready) before the run fails; the round tries again with a bounded backoff
         meanwhile. 1 s to one day, default one hour.
+    compression: how each org compresses its update before masking
+        (:mod:`org_node.compression`): ``none`` (default), ``q8``, ``random-k=F`` or
+        ``random-k=F,q8``; stored in its canonical form. Masked backend only, never
+        with an epsilon.
     """
 
     trainer: str
@@ -122,6 +127,7 @@ class RunSpec:
     config: Mapping[str, bool | int | float | str] = field(default_factory=dict)
     quorum: int | None = None
     quorum_wait_s: float = QUORUM_WAIT_DEFAULT_S
+    compression: str = COMPRESSION_NONE
 
     def __post_init__(self) -> None:
         _trainer_name(self.trainer)
@@ -168,6 +174,17 @@ class RunSpec:
                     f"quorum must be between the threshold ({self.threshold}) and the "
                     f"number of participants ({len(self.participants)})"
                 )
+        self._check_compression()
+
+    def _check_compression(self) -> None:
+        try:
+            compression = Compression.parse(self.compression)
+            compression.check_run(
+                participants=len(self.participants), backend=self.backend, epsilon=self.epsilon
+            )
+        except CompressionError as exc:
+            raise PolicyError(str(exc)) from None
+        object.__setattr__(self, "compression", str(compression))
 
     @property
     def consents_needed(self) -> int:
@@ -196,6 +213,7 @@ class RunSpec:
             "config": dict(self.config),
             "quorum": self.quorum,
             "quorum_wait_s": self.quorum_wait_s,
+            "compression": self.compression,
         }
 
 

@@ -243,6 +243,7 @@ class RunPlan:
     name: str = ""
     spec: Mapping[str, Any] = field(default_factory=dict, compare=False)
     quorum_wait_s: float = QUORUM_WAIT_DEFAULT_S
+    compression: str = "none"
 
     @classmethod
     def from_spec(
@@ -272,6 +273,7 @@ class RunPlan:
             threshold=threshold,
             epsilon=None if spec.get("epsilon") is None else float(spec["epsilon"]),
             quorum_wait_s=float(spec.get("quorum_wait_s") or QUORUM_WAIT_DEFAULT_S),
+            compression=str(spec.get("compression") or "none"),
         )
 
 
@@ -297,6 +299,8 @@ def run_key(name: str, spec: Mapping[str, Any]) -> str:
         # only a wait other than the default enters the key: a spec from before the
         # field keeps its key
         body["quorum_wait_s"] = repr(float(wait))
+    if body.get("compression", "none") in (None, "none"):
+        body.pop("compression", None)  # likewise: only a compression enters the key
     if body.get("data") is not None:
         from org_node.datasets import DataSpec
 

@@ -28,6 +28,7 @@ from sqlmodel import Field, SQLModel
 from org_node.datasets import SPEC_TYPES
 from org_node.db.columns import UTCDateTime, utcnow
 from org_node.db.columns import timestamp as _ts
+from org_node.compression import Compression, CompressionError
 from org_node.policy import PolicyError, RunSpec
 from org_node.runs import RunState
 
@@ -421,6 +422,23 @@ class RunSpecModel(SQLModel):
         description="How long one round may wait for a quorum (threshold participants "
         "ready) before the run fails; it retries with a bounded backoff meanwhile.",
     )
+    compression: str = Field(
+        default="none",
+        min_length=1,
+        max_length=100,
+        description="How each org compresses its update before masking: none, q8 (8-bit "
+        "levels in a 16-bit ring), random-k=F (the same pseudo-random fraction F of the "
+        "coordinates at every org, error feedback kept locally) or random-k=F,q8. Masked "
+        "backend only, never with an epsilon.",
+    )
+
+    @field_validator("compression")
+    @classmethod
+    def _compression(cls, v: str) -> str:
+        try:
+            return str(Compression.parse(v))  # canonical: what the run key hashes
+        except CompressionError as exc:
+            raise ValueError(str(exc)) from None
 
     @field_validator("config")
     @classmethod
