@@ -105,7 +105,8 @@ class Q8Codec:
         low = np.floor(v)
         uniforms = expand(rng.bytes(32), x.shape[0], 32).astype(np.float64) * 2.0**-32
         q = low + (uniforms < v - low)
-        return q.astype(np.int16).view(np.uint16)
+        levels: np.ndarray = q.astype(np.int16).view(np.uint16)
+        return levels
 
     def decode(self, y: np.ndarray, ranges: np.ndarray) -> np.ndarray:
         """Read a 16-bit ring vector (an encoding, or a sum of up to ``max_summands``)."""

@@ -25,10 +25,10 @@ from pydantic import field_validator, model_validator
 from sqlalchemy import JSON, BigInteger
 from sqlmodel import Field, SQLModel
 
+from org_node.compression import Compression, CompressionError
 from org_node.datasets import SPEC_TYPES
 from org_node.db.columns import UTCDateTime, utcnow
 from org_node.db.columns import timestamp as _ts
-from org_node.compression import Compression, CompressionError
 from org_node.policy import PolicyError, RunSpec
 from org_node.runs import RunState
 

@@ -50,9 +50,7 @@ def test_one_encoding_is_within_one_level_and_8_bits() -> None:
 def test_values_beyond_their_range_are_clipped_to_it() -> None:
     rng = np.random.default_rng(2)
     ranges = np.array([1.0, 1.0, 2.0])
-    decoded = Q8Codec().decode(
-        Q8Codec().encode(np.array([5.0, -7.0, 2.0]), ranges, rng), ranges
-    )
+    decoded = Q8Codec().decode(Q8Codec().encode(np.array([5.0, -7.0, 2.0]), ranges, rng), ranges)
     np.testing.assert_array_equal(decoded, [1.0, -1.0, 2.0])
 
 
