@@ -21,7 +21,9 @@ secure sum of its pre-training statistics:
    the :class:`~org_node.privacy.PrivacyBudget` is checked *before* the round (hard
    stop, :class:`~org_node.privacy.BudgetExceeded`) and
    :func:`~org_node.privacy.protect_update` clips it and adds this org's Skellam
-   noise share;
+   noise share; with the run spec's ``compression`` (never with DP) the
+   :class:`~org_node.compressor.Compressor` encodes it instead (random-k, q8, error
+   feedback: :mod:`org_node.compression`);
 5. **aggregate** — the vector goes to the run's
    :class:`~coordinator_free.rounds.SecureSum` (masked backend: the leaderless
    :class:`~coordinator_free.rounds.RoundEngine`) and every survivor gets the same
