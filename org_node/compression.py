@@ -39,7 +39,8 @@ Both combine (``random-k=0.1,q8``: about 0.2 bytes per parameter).
 The residual and the ranges are kept in the engine state (persisted every round). The
 ranges are agreed state that a model alone does not carry, so a run with ``q8`` cannot
 catch a node up by adopting the federation's model (:meth:`RunEngine.try_catch_up`);
-with ``random-k`` alone it can, and the node's residual then starts from zero.
+with ``random-k`` alone it can (the node keeps the residual of its own state: what it
+has not sent yet is still its to send).
 
 Not with DP: the distributed noise is calibrated to the dense codec's ring, and the
 summed maxima would be released without noise; a spec with both an ``epsilon`` and a
