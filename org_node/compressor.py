@@ -71,6 +71,7 @@ class _Round:
     q8: bool
     residual: np.ndarray | None = None
     range_sums: np.ndarray | None = None
+    sent: np.ndarray | None = None
 
 
 class Compressor:
@@ -142,16 +143,32 @@ class Compressor:
             own = self.q8.decode(levels, ranges)
             tail = self.tail.encode(np.concatenate([extras, maxima]), rng)
             vector = np.concatenate([levels, to_limbs(tail)])
+            own_extras = self.tail.decode(tail)[: extras.shape[0]]
         else:
             vector = self.codec.encode(np.concatenate([sent, extras, maxima]), rng)
-            own = self.codec.decode(vector)[: sent.shape[0]]
+            decoded = self.codec.decode(vector)
+            own = decoded[: sent.shape[0]]
+            own_extras = decoded[sent.shape[0] : sent.shape[0] + extras.shape[0]]
         left = target.copy()
+        contribution = np.zeros(packed.shape[0])
         if plan.index is None:
             left -= own
+            contribution[:body_size] = own
         else:
             left[plan.index] -= own
-        plan.residual = left
+            contribution[plan.index] = own
+        contribution[body_size:] = own_extras
+        plan.residual, plan.sent = left, contribution
         return vector
+
+    def contribution(self) -> np.ndarray:
+        """What this org's last encoded vector carries, as a packed vector: its own
+        decoding (zeros where nothing was sent). The ring sum decodes to the sum of
+        these over the survivors, up to float rounding (the harness's plaintext check)."""
+        plan = self._plan()
+        if plan.sent is None:
+            raise CompressionError("encode comes before contribution")
+        return plan.sent
 
     def _maxima(self, sent: np.ndarray, plan: _Round) -> np.ndarray:
         """This org's largest ``|value|`` sent in each tensor."""

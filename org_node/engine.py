@@ -578,6 +578,8 @@ class RunEngine:
             vector = self.secure_sum.encode(packed)
         except SecAggError as exc:
             raise UpdateRejected("update", str(exc)) from None
+        if self.compressor is not None:  # what the sum carries of this org (harness check)
+            self.debug_export.update(r, self.compressor.contribution())
         epsilon = None
         if self.budget is not None and mechanism is not None:
             epsilon = self.budget.spend(mechanism)  # released from here on

@@ -312,3 +312,24 @@ def test_a_q8_run_cannot_catch_a_node_up_by_the_model(tmp_path: Path) -> None:
     )
     with pytest.raises(RunFailed, match="q8"):
         asyncio.run(engines["org-a"].try_catch_up())
+
+
+@pytest.mark.parametrize("text", ["q8", "random-k=0.3,q8", "random-k=0.3"])
+def test_the_ring_sum_decodes_to_the_sum_of_each_orgs_contribution(text: str) -> None:
+    """What the harness's plaintext check relies on: every org's own decoding of its
+    vector, summed, is what the secure sum decodes to (q8: from its second round)."""
+    codec = FixedPointCodec(bits=32, clip=100.0, max_summands=3)
+    comps = [Compressor(Compression.parse(text), participants=3, codec=codec) for _ in range(3)]
+    rng = np.random.default_rng(2)
+    for r in range(2):
+        vectors, mine = [], []
+        for comp in comps:
+            comp.start_round("run", r, _model())
+            packed = np.concatenate([rng.normal(size=sum(SIZES)) * 0.2, [3.0, 1.0]])
+            vectors.append(comp.encode(packed, rng))
+            mine.append(comp.contribution())
+        total = vectors[0] + vectors[1] + vectors[2]  # the ring sum (wraps like the ring)
+        for comp in comps:
+            np.testing.assert_allclose(comp.decode(total), np.sum(mine, axis=0), atol=1e-6)
+            comp.commit(3)
+        assert total.dtype == (np.uint16 if r == 1 and "q8" in text else np.uint32)
