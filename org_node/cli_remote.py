@@ -129,6 +129,8 @@ def _print_run(row: dict[str, Any]) -> None:
     typer.echo(f"participants: {', '.join(spec['participants'])} ({needed} must consent)")
     if spec.get("quorum_wait_s") is not None:
         typer.echo(f"quorum wait: a round waits up to {fmt(spec['quorum_wait_s'])} s for a quorum")
+    if spec.get("compression") not in (None, "none"):
+        typer.echo(f"compression: {spec['compression']}")
     if row.get("trainer_hash"):
         typer.echo(f"bound trainer: {spec['trainer']} {row['trainer_hash'][:12]}…")
     if row.get("dataset_name"):
@@ -300,6 +302,14 @@ def runs_propose(
             "(default 3600, at most 86400).",
         ),
     ] = None,
+    compression: Annotated[
+        str | None,
+        typer.Option(
+            "--compression",
+            help="Compress each org's update before masking: none (default), q8, "
+            "random-k=F or random-k=F,q8 (masked backend, no epsilon).",
+        ),
+    ] = None,
     consent_timeout: Annotated[
         int, typer.Option("--consent-timeout", help="Seconds the participants have to consent.")
     ] = 3600,
@@ -323,6 +333,7 @@ def runs_propose(
         "epsilon": epsilon,
         "quorum": quorum,
         "quorum_wait_s": quorum_wait,
+        "compression": compression,
     }
     spec = _proposed_spec(spec_file, flags, data_kind, column or [], config or [])
     with client(url, token, data_dir) as api:

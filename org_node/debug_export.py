@@ -45,7 +45,8 @@ class DebugExport:
             atomic_write(target.parent / "initial.npz", npz_bytes(dict(model)))
 
     def update(self, round: int, packed: np.ndarray) -> None:
-        """Round ``round``'s packed plaintext update."""
+        """Round ``round``'s packed plaintext update (under a compression, written again
+        once encoded: what the org's compressed vector carries)."""
         target = self.path(round, ".npy")
         if target is not None:
             target.parent.mkdir(parents=True, exist_ok=True)

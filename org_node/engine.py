@@ -22,7 +22,9 @@ secure sum of its pre-training statistics:
    *before* the round at the least noise a completed round carries (hard stop,
    :class:`~org_node.privacy.BudgetExceeded`), :func:`~org_node.privacy.protect_update`
    clips it and adds this org's Skellam noise share, and once the sum is out the
-   round is charged for the noise of its survivors;
+   round is charged for the noise of its survivors; with the run spec's
+   ``compression`` (never with DP) the :class:`~org_node.compressor.Compressor`
+   encodes it instead (random-k, q8, error feedback: :mod:`org_node.compression`);
 5. **aggregate** — the vector goes to the run's
    :class:`~coordinator_free.rounds.SecureSum` (masked backend: the leaderless
    :class:`~coordinator_free.rounds.RoundEngine`) and every survivor gets the same
@@ -67,6 +69,8 @@ import numpy as np
 from coordinator_free.rounds import MaskedSecureSum, RoundEngine, RoundFailed, SecureSum
 from coordinator_free.sealed import atomic_write
 
+from org_node.compression import CompressionError
+from org_node.compressor import compressor_for
 from org_node.debug_export import DebugExport
 from org_node.privacy import (
     BudgetExceeded,
@@ -170,27 +174,12 @@ class _Aggregate:
     attempts: int
     bytes_sent: int
     waited_s: float = 0.0
+    ring_bytes_sent: int = 0
 
 
 Checkpoint = Callable[[bytes, int], Awaitable[Any]]
 CatchUp = Callable[[str, int], Awaitable[tuple[int, Model] | None]]
 """``catch_up(run_key, round)``: a newer agreed ``(round, model)`` of the run, or None."""
-
-
-def _check_plan(plan: RunPlan, org_id: str, ckks: SecureSum | None) -> None:
-    """Refuse a plan this org cannot run: an unknown backend, CKKS without the node's
-    aggregator or with an epsilon, or an org that is not a participant."""
-    if plan.backend == "ckks":
-        if ckks is None:
-            raise EngineError("backend", "a CKKS run needs the node's CkksAggregator")
-        if plan.epsilon is not None:
-            raise EngineError(
-                "epsilon", "DP noise shares need the masked backend; CKKS runs take no epsilon"
-            )
-    elif plan.backend != "masked":
-        raise EngineError("backend", f"unknown backend {plan.backend!r}")
-    if org_id not in plan.participants:
-        raise EngineError("participants", f"{org_id!r} is not a participant")
 
 
 class RunEngine:
@@ -213,7 +202,7 @@ class RunEngine:
         rng: np.random.Generator | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        _check_plan(plan, rounds.org_id, ckks)
+        plan.check_runnable(rounds.org_id, has_ckks=ckks is not None)
         self.plan = plan
         self.config = config
         self.rounds = rounds
@@ -231,6 +220,7 @@ class RunEngine:
         self.quorum: QuorumWait | None = None
         self.strategy: Strategy = make_strategy(config.strategy, config.strategy_options)
         self.codec, self.dp, self.budget = run_privacy(plan, config)
+        self.compressor = compressor_for(plan, self.codec)  # None: compression none
         # the backend, chosen once: the round's sums and the statistics' go through it
         self.secure_sum, self.stats_sum = self._backend(ckks)
         self.state = EngineState(
@@ -248,7 +238,7 @@ class RunEngine:
         if ckks is not None and self.plan.backend == "ckks":
             return ckks, ckks
         secure_sum = MaskedSecureSum(
-            self.rounds, clip=self.codec.clip, encode=self._protect, decode=self.codec.decode
+            self.rounds, clip=self.codec.clip, encode=self._protect, decode=self._decode
         )
         n = len(self.plan.participants)
         stats = FixedPointCodec(bits=64, clip=STATS_CLIP, max_summands=n)
@@ -265,6 +255,8 @@ class RunEngine:
         self.state.strategy = self.strategy.state_dict()
         if self.budget is not None and self.budget.accountant is not None:
             self.state.accountant = self.budget.accountant.state_dict()
+        if self.compressor is not None:
+            self.state.compression = self.compressor.to_bytes()
         data = self.state.to_bytes()
         self.state_dir.mkdir(parents=True, exist_ok=True)
         atomic_write(self.state_path, data)
@@ -286,6 +278,11 @@ class RunEngine:
             if state.accountant is not None:
                 acct.load_state_dict(state.accountant)
             self.budget.accountant = acct
+        if self.compressor is not None and state.compression is not None:
+            try:
+                self.compressor.load(state.compression)
+            except CompressionError as exc:
+                raise EngineError("state.compression", str(exc)) from None
         self.state = state
 
     def resume(self) -> bool:
@@ -407,10 +404,17 @@ class RunEngine:
         return packed
 
     def _protect(self, packed: np.ndarray) -> np.ndarray:
+        if self.compressor is not None:  # never with DP (RunSpec refuses it)
+            return self.compressor.encode(packed, self.rng)
         if self.dp is not None:
             ring, _factor = protect_update(packed, codec=self.codec, dp=self.dp, rng=self.rng)
             return ring
         return self.codec.encode(packed, self.rng)
+
+    def _decode(self, total: np.ndarray) -> np.ndarray:
+        if self.compressor is not None:
+            return self.compressor.decode(total)
+        return self.codec.decode(total)
 
     def _unpack(self, total: np.ndarray, survivors: int) -> tuple[list[np.ndarray], float]:
         """``(sum of w * delta, sum of w)`` from the decoded sum.
@@ -464,6 +468,7 @@ class RunEngine:
                 attempt + 1,
                 summed.bytes_sent,
                 wait.waited(self.clock()) if wait.failures else 0.0,
+                summed.ring_bytes_sent,
             )
 
     def _later_attempt(self, after: int, base: int) -> int:
@@ -526,10 +531,14 @@ class RunEngine:
         packed = self._pack(result)
         self.debug_export.update(r, packed)
         await self.debug_export.held(r)
+        if self.compressor is not None:  # the round's support: hashes the model, off the loop
+            await asyncio.to_thread(self.compressor.start_round, self.plan.run_key, r, model)
         try:
             vector = self.secure_sum.encode(packed)
         except SecAggError as exc:
             raise UpdateRejected("update", str(exc)) from None
+        if self.compressor is not None:  # what the sum carries of this org (harness check)
+            self.debug_export.update(r, self.compressor.contribution())
         t_sum = time.monotonic()
         self._doing("aggregating")
         try:
@@ -556,20 +565,16 @@ class RunEngine:
             agg.survivors,
             timeout=self.config.model_hash_timeout_s,
         )
+        if self.compressor is not None:
+            self.compressor.commit(len(agg.survivors))
         self.state.model = new_model
         self.state.round = r + 1
-        data = await asyncio.to_thread(self.save_state)  # it fsyncs: off the loop
-        every = self.config.checkpoint_every
-        if self.checkpoint is not None and every and (r + 1) % every == 0:
-            self._doing("checkpointing")
-            try:
-                await self.checkpoint(data, r + 1)
-            except Exception as exc:  # a lost checkpoint never stops training
-                logger.warning("%s: checkpoint of round %d failed: %s", self.org, r + 1, exc)
+        await self._persist(r + 1)
         metrics = {k: float(v) for k, v in result.metrics.items() if math.isfinite(v)}
         metrics.setdefault("local_compute_s", t_trained - t_round)
         metrics["secure_sum_s"] = secure_sum_s
         metrics["quorum_wait_s"] = agg.waited_s
+        metrics["ring_bytes_sent"] = float(agg.ring_bytes_sent)
         metrics["round_s"] = time.monotonic() - t_round
         report = RoundReport(
             run_key=self.plan.run_key,
@@ -589,6 +594,19 @@ class RunEngine:
             if done is not None:
                 await done
         return report
+
+    async def _persist(self, done: int) -> None:
+        """Save the state after round ``done`` (it fsyncs: off the loop) and, every
+        ``checkpoint_every`` rounds, push it as shards (a lost checkpoint never stops
+        training)."""
+        data = await asyncio.to_thread(self.save_state)
+        every = self.config.checkpoint_every
+        if self.checkpoint is not None and every and done % every == 0:
+            self._doing("checkpointing")
+            try:
+                await self.checkpoint(data, done)
+            except Exception as exc:
+                logger.warning("%s: checkpoint of round %d failed: %s", self.org, done, exc)
 
     def _charge_for(self, model: Model) -> Callable[[int], float] | None:
         """For a run with DP: check that a round fits the budget at the least noise a
@@ -619,6 +637,10 @@ class RunEngine:
         if round <= self.state.round or round > self.plan.rounds:
             return False
         check_update(model, self.state.model)
+        if self.compressor is not None and self.compressor.keeps_agreed_state:
+            raise RunFailed(
+                f"compression {self.plan.compression}: its q8 ranges cannot be caught up"
+            )
         if any(v is not None for v in self.strategy.state_dict()["arrays"].values()):
             raise RunFailed(
                 f"the federation is at round {round}, this node at {self.state.round}, and "

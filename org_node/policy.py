@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from org_node.compression import COMPRESSION_NONE, Compression, CompressionError
 from org_node.datasets import DataSpec, DataSpecError
 from org_node.dp_spec import DpMechanism, DpMechanismError
 from org_node.run_config import QUORUM_WAIT_DEFAULT_S, QUORUM_WAIT_MAX_S
@@ -114,6 +115,10 @@ class RunSpec:
         (:class:`org_node.dp_spec.DpMechanism`); a run with an ``epsilon`` needs one
         (the proposing node fills in its own when the proposal names none), a run
         without takes none.
+    compression: how each org compresses its update before masking
+        (:mod:`org_node.compression`): ``none`` (default), ``q8``, ``random-k=F`` or
+        ``random-k=F,q8``; stored in its canonical form. Masked backend only, never
+        with an epsilon.
     """
 
     trainer: str
@@ -128,6 +133,7 @@ class RunSpec:
     quorum: int | None = None
     quorum_wait_s: float = QUORUM_WAIT_DEFAULT_S
     dp: DpMechanism | None = None
+    compression: str = COMPRESSION_NONE
 
     def __post_init__(self) -> None:
         _trainer_name(self.trainer)
@@ -175,6 +181,17 @@ class RunSpec:
                     f"quorum must be between the threshold ({self.threshold}) and the "
                     f"number of participants ({len(self.participants)})"
                 )
+        self._check_compression()
+
+    def _check_compression(self) -> None:
+        try:
+            compression = Compression.parse(self.compression)
+            compression.check_run(
+                participants=len(self.participants), backend=self.backend, epsilon=self.epsilon
+            )
+        except CompressionError as exc:
+            raise PolicyError(str(exc)) from None
+        object.__setattr__(self, "compression", str(compression))
 
     def _check_dp(self) -> None:
         if self.dp is None:
@@ -215,6 +232,7 @@ class RunSpec:
             "quorum": self.quorum,
             "quorum_wait_s": self.quorum_wait_s,
             "dp": None if self.dp is None else self.dp.to_dict(),
+            "compression": self.compression,
         }
 
 

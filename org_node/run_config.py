@@ -252,6 +252,22 @@ class RunPlan:
     spec: Mapping[str, Any] = field(default_factory=dict, compare=False)
     quorum_wait_s: float = QUORUM_WAIT_DEFAULT_S
     dp: DpMechanism | None = None
+    compression: str = "none"
+
+    def check_runnable(self, org_id: str, *, has_ckks: bool) -> None:
+        """Refuse a plan this org cannot run: an unknown backend, CKKS without the node's
+        aggregator or with an epsilon, or an org that is not a participant."""
+        if self.backend == "ckks":
+            if not has_ckks:
+                raise EngineError("backend", "a CKKS run needs the node's CkksAggregator")
+            if self.epsilon is not None:
+                raise EngineError(
+                    "epsilon", "DP noise shares need the masked backend; CKKS runs take no epsilon"
+                )
+        elif self.backend != "masked":
+            raise EngineError("backend", f"unknown backend {self.backend!r}")
+        if org_id not in self.participants:
+            raise EngineError("participants", f"{org_id!r} is not a participant")
 
     @classmethod
     def from_spec(
@@ -282,6 +298,7 @@ class RunPlan:
             epsilon=None if spec.get("epsilon") is None else float(spec["epsilon"]),
             quorum_wait_s=float(spec.get("quorum_wait_s") or QUORUM_WAIT_DEFAULT_S),
             dp=_dp_of(spec),
+            compression=str(spec.get("compression") or "none"),
         )
 
 
@@ -320,6 +337,8 @@ def run_key(name: str, spec: Mapping[str, Any]) -> str:
         # only a wait other than the default enters the key: a spec from before the
         # field keeps its key
         body["quorum_wait_s"] = repr(float(wait))
+    if body.get("compression", "none") in (None, "none"):
+        body.pop("compression", None)  # likewise: only a compression enters the key
     if body.get("data") is not None:
         from org_node.datasets import DataSpec
 

@@ -102,6 +102,8 @@ class EngineState:
     """``{"name": ..., "spec": ...}``: enough to rebuild the run after a wiped disk."""
     statistics: np.ndarray | None = None
     """The federation's secure sum of the trainer's pre-training statistics, if any."""
+    compression: bytes | None = None
+    """The update compressor's state (:meth:`org_node.compressor.Compressor.to_bytes`)."""
 
     def to_bytes(self) -> bytes:
         meta = {
@@ -119,6 +121,8 @@ class EngineState:
             parts["accountant"] = json.dumps(self.accountant).encode()
         if self.statistics is not None:
             parts["statistics"] = np.ascontiguousarray(self.statistics, dtype="<f8").tobytes()
+        if self.compression is not None:
+            parts["compression"] = self.compression
         return pack_parts(parts)
 
     @classmethod
@@ -139,6 +143,7 @@ class EngineState:
                     if "statistics" in parts
                     else None
                 ),
+                compression=parts.get("compression"),
             )
         except (SealedError, KeyError, ValueError, OSError, StrategyError) as exc:
             raise EngineError("state", f"unreadable engine state: {exc}") from None

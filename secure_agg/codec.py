@@ -1,4 +1,4 @@
-"""Fixed-point codec between float vectors and the ring ``Z_2^b`` (b = 32 or 64).
+"""Fixed-point codec between float vectors and the ring ``Z_2^b`` (b = 16, 32 or 64).
 
 Encoding (Bonawitz et al., CCS'17, Section 4 quantize to ``Z_R``; Agarwal et al.,
 NeurIPS'21, Section 4 scale-and-round for distributed discrete noise):
@@ -51,7 +51,11 @@ __all__ = ["FixedPointCodec"]
 _CHUNK = 1 << 15
 _TWO_32 = float(1 << 32)
 _LITTLE_ENDIAN = sys.byteorder == "little"
-_SIGNED: dict[int, np.dtype[Any]] = {32: np.dtype(np.int32), 64: np.dtype(np.int64)}
+_SIGNED: dict[int, np.dtype[Any]] = {
+    16: np.dtype(np.int16),
+    32: np.dtype(np.int32),
+    64: np.dtype(np.int64),
+}
 
 
 def _fits(n: int, clip: float, noise_bound: float, frac_bits: int, limit: int) -> bool:
@@ -83,7 +87,7 @@ class FixedPointCodec:
     """
 
     bits: int = 32
-    """Ring width, 32 or 64."""
+    """Ring width, 16, 32 or 64."""
     clip: float = 1.0
     """Every coordinate is clipped to ``[-clip, clip]`` before scaling."""
     max_summands: int = 1
@@ -136,7 +140,7 @@ class FixedPointCodec:
         Randomness: one 32-byte key ``rng.bytes(32)`` keys an AES-256-CTR keystream
         (all-zero counter block) read as little-endian 32-bit uniforms ``r``, one per
         coordinate. The result depends only on ``rng``'s state, never on chunking.
-        For ``bits=32`` a coordinate ``v`` becomes ``(floor(v * 2^32) + r) >> 32``; for
+        For ``bits=16`` or ``32`` a coordinate ``v`` becomes ``(floor(v * 2^32) + r) >> 32``; for
         ``bits=64`` it becomes ``floor(v) + [r < frac(v) * 2^32]``.
 
         Raises:
@@ -160,7 +164,7 @@ class FixedPointCodec:
         signed = out.view(_SIGNED[self.bits])
         m = min(size, _CHUNK)
         v = np.empty(m, dtype=np.float64)
-        work = np.empty(m, dtype=np.int64 if self.bits == 32 else np.float64)
+        work = np.empty(m, dtype=np.float64 if self.bits == 64 else np.int64)
         r = np.empty(m, dtype=np.uint32)
         up = np.empty(m, dtype=np.bool_)
         zeros = np.zeros(4 * m, dtype=np.uint8)
@@ -170,7 +174,7 @@ class FixedPointCodec:
             keystream.update_into(zeros[: 4 * k].data, rk.view(np.uint8).data)
             if not _LITTLE_ENDIAN:
                 rk.byteswap(inplace=True)
-            if self.bits == 32:
+            if self.bits < 64:
                 self._round32(x[start : start + k], v[:k], work[:k], rk)
             else:
                 self._round64(x[start : start + k], v[:k], work[:k], rk, up[:k])
@@ -178,7 +182,7 @@ class FixedPointCodec:
         return out
 
     def _round32(self, x: np.ndarray, v: np.ndarray, t: np.ndarray, r: np.ndarray) -> None:
-        """``t = (floor(clip(x) * scale * 2^32) + r) >> 32``, exact in int64 for 32-bit rings.
+        """``t = (floor(clip(x) * scale * 2^32) + r) >> 32``, exact in int64 for 16- and 32-bit rings.
 
         Rounds up with probability ``floor(frac * 2^32) / 2^32``.
         """

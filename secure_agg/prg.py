@@ -6,7 +6,7 @@ This is the ``PRG`` of Bonawitz et al. (CCS'17, Section 4): every seed is used f
 exactly one expansion (pairwise seeds come from HKDF bound to the round and the pair,
 self-mask seeds are fresh per round), so a fixed counter start is safe.
 
-The keystream is read as little-endian 32- or 64-bit words, so ``expand(seed, n, 32)``
+The keystream is read as little-endian 16-, 32- or 64-bit words, so ``expand(seed, n, 32)``
 is a prefix of the same byte stream as ``expand(seed, n // 2, 64)``. It is written with
 ``update_into`` straight into the destination (or into one reused scratch buffer),
 in chunks of :data:`CHUNK_BYTES`: no full-size temporary and no per-element Python.
@@ -34,6 +34,7 @@ _ZERO_COUNTER = bytes(16)
 _ZEROS = np.zeros(CHUNK_BYTES, dtype=np.uint8)
 _ZEROS.flags.writeable = False
 _LITTLE_ENDIAN = sys.byteorder == "little"
+_BITS = {np.dtype(np.uint16): 16, np.dtype(np.uint32): 32, np.dtype(np.uint64): 64}
 
 
 def _keystream(seed: bytes, start: int = 0) -> CipherContext:
@@ -67,7 +68,7 @@ def expand(seed: bytes, length: int, bits: int) -> np.ndarray:
 
     Raises:
         ConfigError: the seed is not 32 bytes, ``length`` is negative or ``bits`` is
-            not 32 or 64.
+            not 16, 32 or 64.
     """
     dtype = ring_dtype(bits)
     if isinstance(length, bool) or not isinstance(length, int) or length < 0:
@@ -125,12 +126,9 @@ def add_masks(
         RingError: ``target`` is not a contiguous, writeable one-dimensional ring array.
         ConfigError: a ``sign`` is not +1 or -1, or a seed is not 32 bytes.
     """
-    if isinstance(target, np.ndarray) and target.dtype == np.uint64:
-        bits = 64
-    elif isinstance(target, np.ndarray) and target.dtype == np.uint32:
-        bits = 32
-    else:
-        raise RingError("target must be a uint32 or uint64 numpy array")
+    if not isinstance(target, np.ndarray) or target.dtype not in _BITS:
+        raise RingError("target must be a uint16, uint32 or uint64 numpy array")
+    bits = _BITS[target.dtype]
     check_ring(target, bits)
     if not target.flags.c_contiguous or not target.flags.writeable:
         raise RingError("target must be C-contiguous and writeable")

@@ -1,6 +1,7 @@
-"""Arithmetic in the ring ``Z_2^b`` for ``b`` in {32, 64}.
+"""Arithmetic in the ring ``Z_2^b`` for ``b`` in {16, 32, 64}.
 
-Ring elements are stored as ``np.uint32`` (``b = 32``) or ``np.uint64`` (``b = 64``)
+Ring elements are stored as ``np.uint16`` (``b = 16``, the ring of 8-bit compressed
+updates: :mod:`secure_agg.q8`), ``np.uint32`` (``b = 32``) or ``np.uint64`` (``b = 64``)
 one-dimensional arrays. Unsigned integer arithmetic in numpy wraps modulo ``2^b``,
 which is exactly the ring addition used by masked secure aggregation
 (Bonawitz et al., CCS'17, Section 4: masks cancel in ``Z_R``).
@@ -18,19 +19,23 @@ from .errors import ConfigError, RingError
 __all__ = ["RING_BITS", "check_ring", "ring_add", "ring_dtype", "ring_sub", "ring_sum"]
 
 #: The supported ring widths.
-RING_BITS: tuple[int, ...] = (32, 64)
+RING_BITS: tuple[int, ...] = (16, 32, 64)
 
-_DTYPES: dict[int, np.dtype[Any]] = {32: np.dtype(np.uint32), 64: np.dtype(np.uint64)}
+_DTYPES: dict[int, np.dtype[Any]] = {
+    16: np.dtype(np.uint16),
+    32: np.dtype(np.uint32),
+    64: np.dtype(np.uint64),
+}
 
 
 def ring_dtype(bits: int) -> np.dtype[Any]:
     """Return the unsigned dtype that stores elements of ``Z_2^bits``.
 
     Raises:
-        ConfigError: ``bits`` is not 32 or 64.
+        ConfigError: ``bits`` is not 16, 32 or 64.
     """
     if isinstance(bits, bool) or bits not in _DTYPES:
-        raise ConfigError(f"bits must be 32 or 64, got {bits!r}")
+        raise ConfigError(f"bits must be 16, 32 or 64, got {bits!r}")
     return _DTYPES[bits]
 
 
@@ -40,7 +45,7 @@ def _bits_of(a: np.ndarray) -> int:
     for bits, dtype in _DTYPES.items():
         if a.dtype == dtype:
             return bits
-    raise RingError(f"ring arrays must have dtype uint32 or uint64, got {a.dtype}")
+    raise RingError(f"ring arrays must have dtype uint16, uint32 or uint64, got {a.dtype}")
 
 
 def check_ring(a: np.ndarray, bits: int, length: int | None = None) -> None:

@@ -420,3 +420,18 @@ def test_audit_verify_from_peers_catches_a_log_cut_short(client_api: Api, tmp_pa
     r = invoke(client_api, "audit", "verify", str(cut), "--from-peers")
     assert r.exit_code == 1
     assert "entries 2..2 were removed" in r.output
+
+
+def test_runs_propose_sets_a_compression_and_show_prints_it(client_api: Api) -> None:
+    """``runs propose --compression`` stores the canonical form, ``runs show`` prints it;
+    a compression the spec refuses (with an epsilon) fails with the reason."""
+    base = ["runs", "propose", "--trainer", "tabular", "--rounds", "2"]
+    base += ["--participant", "org-a", "--participant", "org-b"]
+    r = invoke(client_api, *base, "--name", "small", "--compression", "q8,random-k=0.1")
+    assert r.exit_code == 0, r.output
+    shown = invoke(client_api, "runs", "show", "small", role=Role.AUDITOR)
+    assert "compression: random-k=0.1,q8" in shown.output
+    r = invoke(client_api, *base, "--name", "dp", "--compression", "q8", "--epsilon", "2")
+    assert r.exit_code == 1 and "epsilon" in r.output
+    r = invoke(client_api, *base, "--name", "bad", "--compression", "top-k=0.1")
+    assert r.exit_code == 1 and "random-k" in r.output

@@ -9,7 +9,7 @@ all-gather steps the finished chunks travel once more around the ring. Each node
 ``2 (n - 1) / n`` times the vector's bytes, whatever ``n`` is, instead of the ``n - 1``
 times of an all-to-all exchange or the star's ``n - 1`` times at its centre.
 
-Arithmetic is modulo ``2^b`` on ``np.uint32`` / ``np.uint64`` arrays (the ring of
+Arithmetic is modulo ``2^b`` on ``np.uint16`` / ``np.uint32`` / ``np.uint64`` arrays (the ring of
 :mod:`secure_agg.ring`), so partial sums of masked vectors wrap exactly like the
 secure-aggregation masks expect. A missing, late or malformed chunk, an unreachable
 successor or an abort from any ring member ends the call with :class:`RingBroken`,

@@ -48,6 +48,9 @@ __all__ = [
 
 _T = TypeVar("_T")
 
+RING_DTYPES = (np.dtype(np.uint16), np.dtype(np.uint32), np.dtype(np.uint64))
+"""The ring arrays the reducer sums (:mod:`secure_agg.ring`'s 16-, 32- and 64-bit rings)."""
+
 
 @dataclass(frozen=True)
 class RingCall:
@@ -244,8 +247,8 @@ class RingReducer:
             raise ValueError(f"{me} is not in the ring {list(order)}")
         if len(set(order)) != len(order):
             raise ValueError("ring members must be distinct")
-        if vector.ndim != 1 or vector.dtype not in (np.dtype(np.uint32), np.dtype(np.uint64)):
-            raise ValueError("the ring reduces 1-D uint32 or uint64 arrays")
+        if vector.ndim != 1 or vector.dtype not in RING_DTYPES:
+            raise ValueError("the ring reduces 1-D uint16, uint32 or uint64 arrays")
         self.open(call.run, call.round)
         box = self._boxes[(call.run, call.round)]
         rid = ring_id(order, call.attempt)

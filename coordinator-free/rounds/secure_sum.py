@@ -33,12 +33,15 @@ class SumResult:
     dropped: the participants whose vectors are not, sorted.
     bytes_sent: payload bytes this org sent for the sum (0 where the backend does not
         count them).
+    ring_bytes_sent: of ``bytes_sent``, the ring's chunks: the summed vector itself
+        (0 where the backend does not count them).
     """
 
     total: np.ndarray
     survivors: tuple[str, ...]
     dropped: tuple[str, ...]
     bytes_sent: int
+    ring_bytes_sent: int = 0
 
 
 class SecureSum(Protocol):
@@ -145,7 +148,9 @@ class MaskedSecureSum:
     ) -> SumResult:
         result = await self.rounds.run_round(run, round, contribution, deadline=deadline)
         total = self._decode(np.asarray(result.sum))
-        return SumResult(total, result.survivors, result.dropped, result.bytes_sent)
+        return SumResult(
+            total, result.survivors, result.dropped, result.bytes_sent, result.ring_bytes_sent
+        )
 
     async def check_model_hash(
         self, run: str, round: int, digest: bytes, peers: Iterable[str], *, timeout: float

@@ -147,7 +147,7 @@ class SecAggSession:
     or malformed; this adapter only decodes messages and closes each stage when the
     engine has agreed on it. A float input is encoded with ``codec`` (clip, scale,
     stochastic rounding; ``codec.max_summands`` must cover the participants) and the
-    sum decoded back; a ring input (``uint32`` / ``uint64``) is summed as it is.
+    sum decoded back; a ring input (``uint16`` / ``uint32`` / ``uint64``) is summed as it is.
 
     A message whose signer (``msg.sender``) is not the envelope's sender is refused;
     one that is has been authenticated by the envelope's signature over these very
@@ -178,7 +178,7 @@ class SecAggSession:
             self.codec = codec
             x = codec.encode(x, encode_rng if encode_rng is not None else np.random.default_rng())
             bits = codec.bits
-        elif x.dtype == np.dtype(np.uint32) or x.dtype == np.dtype(np.uint64):
+        elif x.dtype in (np.dtype(np.uint16), np.dtype(np.uint32), np.dtype(np.uint64)):
             bits = x.dtype.itemsize * 8
         else:
             raise ValueError(f"inputs are float arrays or ring arrays, not {x.dtype}")

@@ -25,6 +25,7 @@ from pydantic import field_validator, model_validator
 from sqlalchemy import JSON, BigInteger
 from sqlmodel import Field, SQLModel
 
+from org_node.compression import Compression, CompressionError
 from org_node.datasets import SPEC_TYPES
 from org_node.db.columns import UTCDateTime, utcnow
 from org_node.db.columns import timestamp as _ts
@@ -443,6 +444,23 @@ class RunSpecModel(SQLModel):
         description="The DP mechanism of a run with an epsilon (default: the proposing "
         "org's own); every participant refuses a run whose mechanism differs from its own.",
     )
+    compression: str = Field(
+        default="none",
+        min_length=1,
+        max_length=100,
+        description="How each org compresses its update before masking: none, q8 (8-bit "
+        "levels in a 16-bit ring), random-k=F (the same pseudo-random fraction F of the "
+        "coordinates at every org, error feedback kept locally) or random-k=F,q8. Masked "
+        "backend only, never with an epsilon.",
+    )
+
+    @field_validator("compression")
+    @classmethod
+    def _compression(cls, v: str) -> str:
+        try:
+            return str(Compression.parse(v))  # canonical: what the run key hashes
+        except CompressionError as exc:
+            raise ValueError(str(exc)) from None
 
     @field_validator("config")
     @classmethod

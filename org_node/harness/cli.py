@@ -4,6 +4,7 @@ fedweave harness --orgs 3 --rounds 5 --out demo
 fedweave harness --orgs 4 --rounds 3 --kill org2@2:reduce --out kill-demo
 fedweave harness --orgs 3 --rounds 4 --wipe org3@2 --out wipe-demo
 fedweave harness --orgs 3 --rounds 3 --backend ckks --delay-ms 20 --out ckks-demo
+fedweave harness --orgs 3 --rounds 5 --compression random-k=0.1,q8 --out compressed-demo
 fedweave harness --orgs 3 --rounds 5 --flower-app ./my-flower-app --out flower-demo
 fedweave harness --orgs 3 --rounds 5 --data ./hospitals --target diagnosis --out data-demo
 
@@ -53,6 +54,12 @@ def harness(
     strategy: Annotated[
         str, typer.Option("--strategy", help="fedavg, fedprox, fedadam or diloco.")
     ] = "fedavg",
+    compression: Annotated[
+        str,
+        typer.Option(
+            "--compression", help="none, q8, random-k=F or random-k=F,q8 (the run spec's)."
+        ),
+    ] = "none",
     kill: Annotated[
         list[str] | None,
         typer.Option("--kill", help="ORG@ROUND[:STAGE] (train|reduce): kill -9 there."),
@@ -87,6 +94,7 @@ def harness(
             task=task,
             backend=backend,
             strategy=strategy,
+            compression=compression,
             kills=tuple(parse_kill(k) for k in kill or []),
             wipes=tuple(parse_wipe(w) for w in wipe or []),
             delay_ms=delay_ms,

@@ -167,6 +167,7 @@ class Scenario:
     flower_app / data / target: what the orgs train instead of a demo task (see the
         module docstring).
     worker: ``persistent`` (one local worker per org for the run) or ``per-round``.
+    compression: the run spec's ``compression`` (:mod:`org_node.compression`).
     """
 
     orgs: int
@@ -186,6 +187,7 @@ class Scenario:
     data: str | None = None
     target: str | None = None
     worker: str = "persistent"
+    compression: str = "none"
     names: tuple[str, ...] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -305,6 +307,7 @@ class Scenario:
                 "--backend ckks: a CKKS round needs every participant (no dropout "
                 "recovery), so kills and wipes need --backend masked"
             )
+        self._validate_compression()
         if self.wipes and self.strategy in STATEFUL_STRATEGIES:
             raise ScenarioError(
                 f"--wipe with --strategy {self.strategy}: a wiped org rejoins by adopting "
@@ -314,6 +317,21 @@ class Scenario:
             raise ScenarioError(
                 "--wipe: a recovering org needs two other live orgs that agree on the "
                 f"model to rejoin; {n} orgs with {len(self.kills)} killed have too few"
+            )
+
+    def _validate_compression(self) -> None:
+        from org_node.compression import Compression, CompressionError
+
+        try:
+            compression = Compression.parse(self.compression)
+            compression.check_run(participants=self.orgs, backend=self.backend, epsilon=None)
+        except CompressionError as exc:
+            raise ScenarioError(f"--compression: {exc}") from None
+        object.__setattr__(self, "compression", str(compression))
+        if self.wipes and compression.q8:
+            raise ScenarioError(
+                f"--wipe with --compression {compression}: a wiped org rejoins by adopting "
+                "the federation's model, and q8's agreed ranges are not in the model"
             )
 
     def _validate_trainer(self) -> None:
@@ -353,6 +371,7 @@ class Scenario:
             "worker": self.worker,
             "backend": self.backend,
             "strategy": self.strategy,
+            "compression": self.compression,
             "threshold": self.t,
             "kills": [str(k) for k in self.kills],
             "wipes": [str(w) for w in self.wipes],

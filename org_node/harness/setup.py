@@ -196,6 +196,8 @@ def run_spec(s: Scenario) -> dict[str, Any]:
         "backend": s.backend,
         "threshold": s.t,
     }
+    if s.compression != "none":
+        spec["compression"] = s.compression
     if s.data is not None:
         spec["data"], spec["config"] = _tabular(s)
     return spec

@@ -19,6 +19,9 @@ the run engine does (FedNova normalization, then the strategy); ``max_abs_diff``
 largest coordinate difference between that model and the federated one. The secure sum
 differs from the plain one by its fixed-point rounding (masked) or its CKKS noise and
 result grid (``org_node.engine.RESULT_GRID_BITS``) only, so the tolerance is small.
+With a ``compression``, each org exports what its compressed vector carries (its own
+decoding: the random-k support, q8's levels, the residual left out), so the check is
+that the secure sum of the compressed vectors is their plain sum.
 """
 
 from __future__ import annotations

@@ -118,6 +118,9 @@ def test_unknown_run_and_bad_specs(api: Api) -> None:
         {"backend": "plain"},
         {"rounds": 0},
         {"surprise": 1},
+        {"compression": "top-k=0.1"},
+        {"compression": "q8", "epsilon": 1.0},
+        {"compression": "random-k=0.1", "backend": "ckks"},
     ]
     for bad in bads:
         r = api.client.post("/v1/runs", json={"name": "x", "spec": RUN_SPEC | bad}, headers=api.h())
@@ -324,3 +327,14 @@ def test_finding_9_a_failed_run_may_be_resumed_and_one_paused_in_its_last_round_
     assert next_state(RunState.PAUSED, RunAction.COMPLETE) is RunState.COMPLETED
     # a failed run has still ended: streams stop, datasets and trainers are free again
     assert RunState.FAILED in TERMINAL_STATES and RunState.PAUSED not in TERMINAL_STATES
+
+
+def test_a_proposal_stores_its_compression_in_canonical_form(api: Api) -> None:
+    spec = RUN_SPEC | {"compression": "q8,random-k=0.1", "epsilon": None}
+    body = {"name": "small", "spec": spec}
+    r = api.client.post("/v1/runs", json=body, headers=api.h(Role.ADMIN))
+    assert r.status_code == 201, r.text
+    assert r.json()["spec"]["compression"] == "random-k=0.1,q8"
+    plain = api.client.post("/v1/runs", json={"name": "plain", "spec": RUN_SPEC}, headers=api.h())
+    assert plain.status_code == 201, plain.text
+    assert plain.json()["spec"]["compression"] == "none"

@@ -100,14 +100,13 @@ async def _allreduce(
 @given(
     n=st.integers(1, 6),
     length=st.integers(0, 40),
-    wide=st.booleans(),
+    dtype=st.sampled_from([np.uint16, np.uint32, np.uint64]),
     chain=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 def test_allreduce_equals_modular_sum(
-    n: int, length: int, wide: bool, chain: bool, seed: int
+    n: int, length: int, dtype: type[np.unsignedinteger], chain: bool, seed: int
 ) -> None:
-    dtype = np.uint64 if wide else np.uint32
     outs, expected, _, _ = asyncio.run(
         _allreduce(n, length, dtype, seed, min_chunk=10**6 if chain else 1)
     )

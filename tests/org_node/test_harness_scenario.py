@@ -127,6 +127,15 @@ def test_a_valid_scenario_fills_names_and_threshold() -> None:
             {"orgs": 2, "rounds": 3, "threshold": 2, "wipes": (Wipe("org1", 1),)},
             "below the threshold",
         ),
+        ({"orgs": 3, "rounds": 2, "compression": "top-k=0.1"}, "--compression: .*random-k"),
+        (
+            {"orgs": 3, "rounds": 2, "backend": "ckks", "compression": "q8"},
+            "--compression: .*masked backend",
+        ),
+        (
+            {"orgs": 4, "rounds": 3, "compression": "q8", "wipes": (Wipe("org1", 1),)},
+            "q8's agreed ranges",
+        ),
     ],
 )
 def test_impossible_scenarios_are_refused(kwargs: dict[str, object], message: str) -> None:
@@ -367,3 +376,15 @@ def test_fedweave_harness_is_on_the_console_app(tmp_path: Path) -> None:
     assert result.exit_code == 2
     assert "refused: --kill org5@1:train: unknown org 'org5'" in result.output
     assert not out.exists()
+
+
+def test_a_compression_goes_into_the_proposed_spec_in_its_canonical_form() -> None:
+    from org_node.harness.setup import run_spec
+
+    scenario = Scenario(orgs=3, rounds=2, compression="q8, random-k=0.1")
+    assert scenario.compression == "random-k=0.1,q8"
+    assert run_spec(scenario)["compression"] == "random-k=0.1,q8"
+    assert scenario.to_dict()["compression"] == "random-k=0.1,q8"
+    assert "compression" not in run_spec(Scenario(orgs=3, rounds=2))  # none: the old key
+    # random-k alone survives a wipe: the rejoining org needs only the model
+    assert Scenario(orgs=4, rounds=3, compression="random-k=0.5", wipes=(Wipe("org1", 1),))

@@ -43,7 +43,7 @@ def test_default_resolves_largest_frac_bits() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "names"),
     [
-        ({"bits": 16}, ["bits"]),
+        ({"bits": 8}, ["bits"]),
         ({"clip": 0.0}, ["clip"]),
         ({"clip": math.nan}, ["clip"]),
         ({"clip": math.inf}, ["clip"]),
@@ -58,7 +58,7 @@ def test_default_resolves_largest_frac_bits() -> None:
         ({"noise_bound": 1e10, "max_summands": 4}, ["noise_bound", "bits=64"]),
     ],
     ids=[
-        "bits-16",
+        "bits-8",
         "clip-zero",
         "clip-nan",
         "clip-inf",
@@ -215,3 +215,12 @@ def test_error_bound_is_nearly_attained() -> None:
     error = np.abs(codec.decode(codec.encode(x, np.random.default_rng(3))) - x).max()
     bound = codec.sum_error_bound(1)
     assert 0.99 * bound < error <= bound
+
+
+def test_the_16_bit_ring_holds_a_fixed_point_sum_too() -> None:
+    codec = FixedPointCodec(bits=16, clip=1.0, max_summands=4)
+    assert codec.frac_bits == 12  # 4 * 2^12 <= 2^15 - 1
+    rng = np.random.default_rng(0)
+    xs = [rng.uniform(-1, 1, size=100) for _ in range(4)]
+    total = codec.decode(ring_sum(codec.encode(x, rng) for x in xs))
+    assert np.abs(total - np.sum(xs, axis=0)).max() <= codec.sum_error_bound(4)

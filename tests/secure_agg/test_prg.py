@@ -51,7 +51,7 @@ def test_different_seeds_differ_and_empty_is_empty() -> None:
 
 @pytest.mark.parametrize(
     ("seed", "length", "bits"),
-    [(bytes(16), 4, 32), (b"x" * 33, 4, 32), (bytes(32), -1, 32), (bytes(32), 4, 16)],
+    [(bytes(16), 4, 32), (b"x" * 33, 4, 32), (bytes(32), -1, 32), (bytes(32), 4, 8)],
     ids=["short-seed", "long-seed", "negative-length", "bad-bits"],
 )
 def test_expand_rejects_bad_arguments(seed: bytes, length: int, bits: int) -> None:
@@ -171,3 +171,13 @@ def test_vector_files_are_current() -> None:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert module.main(["--check"]) == 0
+
+
+def test_16_bit_masks_cancel_and_read_the_same_keystream() -> None:
+    seed = bytes(range(32))
+    words = expand(seed, 10, 16)
+    assert words.dtype == np.uint16
+    np.testing.assert_array_equal(words.view(np.uint32), expand(seed, 5, 32))
+    target = np.arange(10, dtype=np.uint16)
+    add_masks(target, [(seed, 1), (bytes(32), 1), (seed, -1), (bytes(32), -1)])
+    np.testing.assert_array_equal(target, np.arange(10, dtype=np.uint16))

@@ -385,7 +385,7 @@ def test_config_sorts_participants_and_indexes() -> None:
         ({"threshold": 1}, "threshold"),
         ({"threshold": 4}, "threshold"),
         ({"vector_length": 0}, "vector_length"),
-        ({"bits": 16}, "bits"),
+        ({"bits": 8}, "bits"),
         ({"neighbours": 1}, "neighbours"),
         ({"neighbours": 3}, "neighbours"),
         ({"ctx": "fed/run/3"}, "ctx"),

@@ -11,12 +11,16 @@ from secure_agg.errors import ConfigError, RingError
 from secure_agg.ring import check_ring, ring_add, ring_dtype, ring_sub, ring_sum
 
 
-@pytest.mark.parametrize(("bits", "dtype"), [(32, np.uint32), (64, np.uint64)], ids=["b32", "b64"])
+@pytest.mark.parametrize(
+    ("bits", "dtype"),
+    [(16, np.uint16), (32, np.uint32), (64, np.uint64)],
+    ids=["b16", "b32", "b64"],
+)
 def test_ring_dtype(bits: int, dtype: type) -> None:
     assert ring_dtype(bits) == np.dtype(dtype)
 
 
-@pytest.mark.parametrize("bits", [0, 16, 31, 128, True], ids=str)
+@pytest.mark.parametrize("bits", [0, 8, 31, 128, True], ids=str)
 def test_ring_dtype_rejects_other_widths(bits: int) -> None:
     with pytest.raises(ConfigError, match="bits"):
         ring_dtype(bits)
@@ -93,3 +97,10 @@ def test_ring_sum_matches_integer_sum_mod_2b(bits: int, rows: list[list[int]]) -
     assert [int(v) for v in diff] == [
         (a - b) % modulus for a, b in zip(rows[0], rows[-1], strict=True)
     ]
+
+
+def test_the_16_bit_ring_wraps_mod_2_16() -> None:
+    a = np.array([65535, 1, 40000], dtype=np.uint16)
+    b = np.array([1, 65535, 40000], dtype=np.uint16)
+    np.testing.assert_array_equal(ring_add(a, b), [0, 0, (80000) % 65536])
+    np.testing.assert_array_equal(ring_sub(b, a), [2, 65534, 0])

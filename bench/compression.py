@@ -1,0 +1,387 @@
+"""Compressed secure updates: bytes on the wire, accuracy, and bytes to a target loss.
+
+Run ``python -m bench.compression [--quick] [--json PATH]``. Every figure comes from
+real :class:`~org_node.engine.RunEngine` runs: 4 orgs, each with its own
+:class:`~coordinator_free.rounds.RoundEngine` (signed messages, pairwise masks,
+Shamir-shared seeds, the ring reduce-scatter and all-gather) on the in-memory network
+of the simulator, training in-process. Each row compares a compressed run (run spec
+``compression``, :mod:`org_node.compression`) against the dense one, measured in the
+same run of the benchmark. Rows:
+
+* ``wire_bytes_per_param[C]`` for ``dense`` (the 32-bit ring), ``q8`` and
+  ``random-k=0.1,q8``: the ring payload bytes (the round's byte counter of ring chunks:
+  the masked vector, frame headers included) the busiest node sent in the run's last
+  round, ÷ the model's parameters ÷ ``2 (n - 1) / n`` (what a ring all-reduce sends of
+  a vector per node, 1.5 at n = 4). The model is a synthetic one of random updates
+  (``P`` parameters in 4 tensors), so that only the encoding matters. Targets 4.0,
+  ``<= 2.0``, ``<= 0.25``. q8's first round is its calibration round (the dense
+  codec), hence the last round.
+* ``acc_vs_dense[task=T,compression=C]``: held-out accuracy after R rounds of FedAvg
+  (local SGD, Dirichlet(0.5) label skew on digits, IID windows on gpt) with
+  compression C ÷ the same federation without it (the 32-bit ring). Target ``>= 0.98``.
+* ``bytes_to_target_vs_fedavg_dense[task=gpt,compression=random-k=0.1,q8]``: FedAvg
+  without compression (local AdamW, H steps a round, R rounds) sets the target, its
+  final held-out loss; DiLoCo (the same inner loop, outer Nesterov) with
+  ``random-k=0.1,q8`` runs (at most 3R rounds) until its held-out loss reaches it. The
+  row is the bytes the busiest node sent (every payload of the secure sum: ready,
+  shares, ring, unmasking) until then ÷ those of FedAvg-dense's R rounds; infinite when
+  DiLoCo never gets there (the note then gives its best loss). Target ``<= 0.05``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from coordinator_free.endpoint import Endpoint
+from coordinator_free.identity import OrgIdentity
+from coordinator_free.memory import InMemoryNetwork
+from coordinator_free.rounds import RoundConfig, RoundEngine, endpoint_signer, secagg_sessions
+
+from bench.common import Report, run_main
+from org_node.engine import ATTEMPTS, EngineConfig, RoundReport, RunEngine, RunPlan
+from org_node.tasks import Task, evaluate, load_state, load_task, model_state
+from org_node.tasks.partition import dirichlet_partition, iid_partition
+from org_node.training.exchange import LocalResult
+
+__all__ = ["FedRun", "main", "run_federation"]
+
+N_ORGS = 4
+ALPHA = 0.5
+DENSE = "none"
+Q8 = "q8"
+SPARSE_Q8 = "random-k=0.1,q8"
+OUTER_LR = 0.7
+OUTER_MOMENTUM = 0.5
+"""DiLoCo's outer Nesterov step with random-k (the paper's 0.9 momentum overshoots when
+each coordinate's update arrives once every ~1/F rounds, with its residual)."""
+RING_FACTOR = 2 * (N_ORGS - 1) / N_ORGS
+"""What a ring all-reduce sends of a vector per node (reduce-scatter, then all-gather)."""
+
+
+# --------------------------------------------------------------------------- trainers
+
+
+class RandomTrainer:
+    """Random updates of a synthetic model (the wire rows: only the encoding matters)."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+
+    def train(
+        self, global_state: Mapping[str, np.ndarray], round: int, options: Mapping[str, Any]
+    ) -> LocalResult:
+        rng = np.random.default_rng([self.seed, round])
+        update = {
+            k: (0.01 * rng.standard_normal(np.shape(v))).astype(np.float32)
+            for k, v in global_state.items()
+        }
+        return LocalResult(update, 100, 10, {})
+
+
+class TaskTrainer:
+    """One org's local job, in-process: ``steps`` steps from the global model on its
+    share of a bundled task, SGD (FedAvg) or the strategy's AdamW (DiLoCo's inner loop,
+    whose state the org keeps across rounds)."""
+
+    def __init__(self, task: Task, indices: np.ndarray, org: int, setup: FedRun) -> None:
+        data = task.build_data()
+        idx = torch.as_tensor(indices, dtype=torch.long)
+        self.x, self.y = data.inputs[idx], data.targets[idx]
+        self.task, self.org, self.setup = task, org, setup
+        self.model = task.build_model(setup.seed)
+        self.opt: torch.optim.Optimizer | None = None
+
+    def _optimizer(self, options: Mapping[str, Any]) -> torch.optim.Optimizer:
+        if self.opt is None:
+            if options.get("optimizer", self.setup.optimizer) == "adamw":
+                lr = float(options.get("lr", self.setup.lr))
+                wd = float(options.get("weight_decay", 0.0))
+                self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=wd)
+            else:
+                self.opt = torch.optim.SGD(self.model.parameters(), lr=self.setup.lr)
+        return self.opt
+
+    def train(
+        self, global_state: Mapping[str, np.ndarray], round: int, options: Mapping[str, Any]
+    ) -> LocalResult:
+        load_state(self.model, dict(global_state))
+        opt = self._optimizer(options)
+        steps = int(options.get("local_steps", self.setup.local_steps))
+        gen = torch.Generator().manual_seed(self.setup.seed * 1_000_003 + self.org * 10_007 + round)
+        self.model.train()
+        for _ in range(steps):
+            batch = torch.randint(0, len(self.y), (self.setup.batch_size,), generator=gen)
+            opt.zero_grad()
+            self.task.loss(self.model(self.x[batch]), self.y[batch]).backward()  # type: ignore[no-untyped-call]
+            opt.step()
+        local = model_state(self.model)
+        update = {k: local[k] - np.asarray(global_state[k], np.float32) for k in local}
+        return LocalResult(update, len(self.y), steps, {})
+
+
+# --------------------------------------------------------------------------- federation
+
+
+@dataclass(frozen=True)
+class FedRun:
+    """One federated run: ``task`` (a bundled task, or ``synthetic:P`` for the wire rows),
+    its compression and strategy, R rounds of H local steps."""
+
+    task: str
+    rounds: int
+    local_steps: int
+    compression: str = DENSE
+    strategy: str = "fedavg"
+    strategy_options: Mapping[str, Any] = field(default_factory=dict)
+    optimizer: str = "sgd"
+    lr: float = 0.1
+    batch_size: int = 32
+    seed: int = 0
+
+
+@dataclass
+class FedResult:
+    """Per round: the model after it, each org's payload and ring bytes."""
+
+    models: list[dict[str, np.ndarray]] = field(default_factory=list)
+    sent: list[dict[str, int]] = field(default_factory=list)
+    ring: list[dict[str, int]] = field(default_factory=list)
+
+    def busiest(self, upto: int | None = None) -> int:
+        """Bytes the busiest node sent over the first ``upto`` rounds (all by default)."""
+        rounds = self.sent[:upto]
+        return max(sum(r[o] for r in rounds) for o in rounds[0])
+
+
+def _synthetic(params: int) -> dict[str, np.ndarray]:
+    """A model of ``params`` parameters in 4 tensors (a 2-D one and three smaller)."""
+    rows = params // 1000
+    small = (params - rows * 990) // 3
+    shapes = [(rows, 990), (small,), (small,), (params - rows * 990 - 2 * small,)]
+    return {f"t{i}": np.zeros(s, dtype=np.float32) for i, s in enumerate(shapes)}
+
+
+def _trainers(setup: FedRun) -> tuple[dict[str, np.ndarray], list[Any]]:
+    if setup.task.startswith("synthetic:"):
+        model = _synthetic(int(setup.task.partition(":")[2]))
+        return model, [RandomTrainer(i) for i in range(N_ORGS)]
+    task = load_task(setup.task)
+    data = task.build_data()
+    if data.labels is None:
+        parts = iid_partition(len(data), N_ORGS, seed=setup.seed)
+    else:
+        parts = dirichlet_partition(data.labels, N_ORGS, ALPHA, seed=setup.seed, min_size=20)
+    model = model_state(task.build_model(setup.seed))
+    return model, [TaskTrainer(task, p, i, setup) for i, p in enumerate(parts)]
+
+
+def _engine_config(setup: FedRun) -> EngineConfig:
+    return EngineConfig(
+        strategy=setup.strategy,
+        strategy_options=dict(setup.strategy_options),
+        weighting="uniform",
+        ring_bits=32,
+        clip=64.0,  # covers FedNova's tau and every delta / tau coordinate
+        checkpoint_every=0,
+        ready_timeout_s=60.0,
+        model_hash_timeout_s=60.0,
+    )
+
+
+async def _run(setup: FedRun, state_dir: Path) -> FedResult:
+    orgs = tuple(f"org{i}" for i in range(N_ORGS))
+    network = InMemoryNetwork()
+    ids = {
+        o: OrgIdentity.generate(o, private_bytes=bytes([i + 1]) * 32) for i, o in enumerate(orgs)
+    }
+    keys = {o: i.public_key for o, i in ids.items()}
+    endpoints = {o: Endpoint(ids[o], "bench", network.transport(o), lambda: keys) for o in orgs}
+    config = RoundConfig(ready_timeout=60, stage_timeout=60, lookahead_rounds=2 * ATTEMPTS)
+    rounds = {
+        o: RoundEngine(e, lambda: orgs, secagg_sessions(*endpoint_signer(e), seed=7), config)
+        for o, e in endpoints.items()
+    }
+    spec = {
+        "trainer": "bench",
+        "rounds": setup.rounds,
+        "participants": list(orgs),
+        "compression": setup.compression,
+    }
+    plan = RunPlan.from_spec(f"bench-{setup.task}", spec)
+    model, trainers = _trainers(setup)
+    result = FedResult()
+    reports: dict[int, dict[str, RoundReport]] = {}
+    engines: dict[str, RunEngine] = {}
+
+    def on_round(report: RoundReport, org: str) -> None:
+        reports.setdefault(report.round, {})[org] = report
+        if org == orgs[0]:
+            result.models.append({k: v.copy() for k, v in engines[org].state.model.items()})
+
+    engines.update(
+        {
+            o: RunEngine(
+                plan,
+                _engine_config(setup),
+                rounds=rounds[o],
+                trainer=trainers[i],
+                state_dir=state_dir / o,
+                initial_model=model,
+                rng=np.random.default_rng([setup.seed, i]),
+                on_round=lambda report, o=o: on_round(report, o),  # type: ignore[misc]
+            )
+            for i, o in enumerate(orgs)
+        }
+    )
+    for e in endpoints.values():
+        await e.start()
+    try:
+        outcomes = await asyncio.gather(*(e.run() for e in engines.values()))
+    finally:
+        for e in endpoints.values():
+            await e.close()
+    if len({o.model_hash for o in outcomes}) != 1:
+        raise RuntimeError("the nodes ended with different models")
+    for r in sorted(reports):
+        result.sent.append({o: rep.bytes_sent for o, rep in reports[r].items()})
+        result.ring.append(
+            {o: int(rep.metrics["ring_bytes_sent"]) for o, rep in reports[r].items()}
+        )
+    return result
+
+
+def run_federation(setup: FedRun) -> FedResult:
+    """Run ``setup`` to the end; every node's model hash must agree."""
+    with tempfile.TemporaryDirectory() as tmp:
+        return asyncio.run(_run(setup, Path(tmp)))
+
+
+# --------------------------------------------------------------------------- rows
+
+
+def wire_rows(report: Report, params: int) -> None:
+    bytes_per_param: dict[str, float] = {}
+    notes: dict[str, str] = {}
+    for compression in (DENSE, Q8, SPARSE_Q8):
+        res = run_federation(FedRun(f"synthetic:{params}", 3, 1, compression=compression))
+        ring = max(res.ring[-1].values())
+        total = max(res.sent[-1].values())
+        bytes_per_param[compression] = ring / params / RING_FACTOR
+        notes[compression] = (
+            f"{N_ORGS} orgs, {params} parameters in 4 tensors; last round's ring bytes of "
+            f"the busiest node {ring} ÷ params ÷ {RING_FACTOR:g} (ring all-reduce); all "
+            f"payload of that round {total / params / RING_FACTOR:.4f} B/param"
+        )
+    dense = bytes_per_param[DENSE]
+    for compression, label, target in (
+        (DENSE, "dense", None),
+        (Q8, "q8", "<= 2.0"),
+        (SPARSE_Q8, SPARSE_Q8, "<= 0.25"),
+    ):
+        report.add(
+            f"wire_bytes_per_param[{label}]",
+            bytes_per_param[compression],
+            "B/param",
+            None if compression == DENSE else dense,
+            target=target,
+            target_is_absolute=True,
+            note=notes[compression]
+            + ("; dense = the 32-bit ring (target 4.0)" if compression == DENSE else ""),
+        )
+
+
+def accuracy_rows(report: Report, quick: bool) -> None:
+    for task, rounds, steps, lr in (
+        (("digits", 10, 10, 0.1), ("gpt", 6, 10, 0.5))
+        if quick
+        else (("digits", 30, 10, 0.1), ("gpt", 20, 10, 0.5))
+    ):
+        base = FedRun(task, rounds, steps, lr=lr, batch_size=32 if task == "digits" else 16)
+        dense = evaluate(task, run_federation(base).models[-1])["accuracy"]
+        for compression in (Q8, SPARSE_Q8):
+            setup = FedRun(**{**base.__dict__, "compression": compression})
+            acc = evaluate(task, run_federation(setup).models[-1])["accuracy"]
+            report.add(
+                f"acc_vs_dense[task={task},compression={compression}]",
+                acc,
+                "accuracy",
+                dense,
+                target=">= 0.98",
+                note=(
+                    f"{N_ORGS} orgs, FedAvg, R={rounds}, {steps} local SGD steps (lr {lr}); "
+                    "dense = the 32-bit ring"
+                ),
+            )
+
+
+def bytes_to_target_row(report: Report, quick: bool) -> None:
+    rounds, steps, lr = (6, 10, 1e-3) if quick else (12, 10, 1e-3)
+    fedavg = FedRun("gpt", rounds, steps, optimizer="adamw", lr=lr, batch_size=16)
+    dense = run_federation(fedavg)
+    target = evaluate("gpt", dense.models[-1])["loss"]
+    most = 3 * rounds
+    diloco = FedRun(
+        "gpt",
+        most,
+        steps,
+        compression=SPARSE_Q8,
+        strategy="diloco",
+        strategy_options={
+            "inner_steps": steps,
+            "inner_lr": lr,
+            "inner_weight_decay": 0.0,
+            "outer_lr": OUTER_LR,
+            "outer_momentum": OUTER_MOMENTUM,
+        },
+        batch_size=16,
+    )
+    res = run_federation(diloco)
+    losses = [evaluate("gpt", m)["loss"] for m in res.models]
+    reached = next((r + 1 for r, loss in enumerate(losses) if loss <= target), None)
+    base = dense.busiest()
+    spent = res.busiest(reached) if reached is not None else res.busiest()
+    report.add(
+        f"bytes_to_target_vs_fedavg_dense[task=gpt,compression={SPARSE_Q8},strategy=diloco]",
+        float(spent) if reached is not None else math.inf,
+        "B",
+        float(base),
+        ratio=spent / base if reached is not None else math.inf,
+        target="<= 0.05",
+        note=(
+            f"{N_ORGS} orgs, IID; FedAvg-dense (32-bit ring, {steps} local AdamW steps of "
+            f"lr {lr:g}, R={rounds}) ends at held-out loss {target:.4f}; DiLoCo (same inner "
+            f"loop, outer lr {OUTER_LR}, momentum {OUTER_MOMENTUM}) + {SPARSE_Q8} "
+            + (
+                f"reaches it in round {reached}"
+                if reached is not None
+                else f"does not within {most} rounds (best {min(losses):.4f}; "
+                f"{spent} B spent, {spent / base:.3f} of FedAvg-dense's)"
+            )
+            + "; bytes: every payload the busiest node sent"
+        ),
+    )
+
+
+def body(report: Report) -> None:
+    quick = report.quick
+    wire_rows(report, 200_000 if quick else 1_000_000)
+    accuracy_rows(report, quick)
+    bytes_to_target_row(report, quick)
+
+
+def main(argv: Sequence[str] | None = None) -> Report:
+    torch.set_num_threads(1)
+    return run_main("compression", body, argv, description=__doc__ or "")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

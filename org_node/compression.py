@@ -1,0 +1,139 @@
+"""Compressed secure updates: the run spec's ``compression``, parsed and checked.
+
+This module is light (no numpy: the run spec imports it); the compressor itself, which
+the run engine calls each round, is :class:`org_node.compressor.Compressor`.
+
+A run may ask (run spec ``compression``) that every org compress its packed update
+(:func:`org_node.strategies.pack_weighted`: the model's coordinates, then the weight
+and FedNova's ``w * tau``) before it is masked. The compression is the same at every
+node, and nothing in it depends on one org's private values:
+
+``random-k=F``
+    every org sends the same coordinates: in each tensor of ``s`` values, the
+    ``ceil(F * s)`` whose keys are smallest, the keys a pure function of the round's
+    agreed seed (:func:`org_node.compressor.round_seed`: SHA-256 of the run key, the round and the hash of
+    the global model every node holds and verified). The support is public and
+    independent of any org's data, so sparsity reveals nothing about which of an org's
+    values were large (per-org top-k would, under secure aggregation). The selected
+    values are sent **unscaled**: the sum is a biased estimate for one round, and the
+    rest of each org's update stays in its **error-feedback residual** (Stich et al.,
+    "Sparsified SGD with memory", NeurIPS 2018), added to its next update, so nothing
+    is lost, only delayed: over rounds, what an org sent plus its residual equals what
+    it meant to send.
+``q8``
+    each sent model coordinate becomes an 8-bit level (:class:`secure_agg.q8.Q8Codec`:
+    stochastic rounding, unbiased within range) summed in the **16-bit ring**, 2 bytes
+    on the wire instead of the dense codec's 4 or 8; at most
+    :data:`Q8_MAX_PARTICIPANTS` (257) participants fit its headroom (the spec refuses
+    more). The range of tensor ``t`` in round ``r`` is the mean over the survivors of
+    round ``r - 1`` of each org's largest ``|value|`` in that tensor: each org adds its
+    maxima to the round's secure sum, so the range is an aggregate every survivor
+    decodes identically, never one org's value. Round 0 has no such range yet: it is
+    sent with the run's dense codec (a calibration round). A value beyond the range is
+    clipped to it, and the quantization error and the clipped part go to the residual.
+    The weight, ``w * tau`` and the maxima need more than 8 bits: they travel exactly,
+    as 64-bit fixed-point values cut into byte limbs (:func:`secure_agg.q8.to_limbs`).
+
+Both combine (``random-k=0.1,q8``: about 0.2 bytes per parameter).
+
+The residual and the ranges are kept in the engine state (persisted every round). The
+ranges are agreed state that a model alone does not carry, so a run with ``q8`` cannot
+catch a node up by adopting the federation's model (:meth:`RunEngine.try_catch_up`);
+with ``random-k`` alone it can (the node keeps the residual of its own state: what it
+has not sent yet is still its to send).
+
+Not with DP: the distributed noise is calibrated to the dense codec's ring, and the
+summed maxima would be released without noise; a spec with both an ``epsilon`` and a
+``compression`` is refused, as is one with the CKKS backend.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["COMPRESSION_NONE", "Q8_MAX_PARTICIPANTS", "Compression", "CompressionError"]
+
+COMPRESSION_NONE = "none"
+"""The run spec's default: the dense codec, and no entry in the run key."""
+
+Q8_MAX_PARTICIPANTS = 257
+"""The most participants of a q8 run: their 8-bit levels and byte limbs sum in the
+16-bit ring without wrapping (``min`` of :data:`secure_agg.q8.MAX_SUMMANDS` and
+:data:`secure_agg.q8.MAX_LIMB_SUMMANDS`)."""
+
+
+class CompressionError(ValueError):
+    """A compression the run spec cannot take, or a compressor state that is unreadable."""
+
+
+@dataclass(frozen=True)
+class Compression:
+    """A parsed ``compression``: the random-k fraction (None: every coordinate) and q8."""
+
+    fraction: float | None = None
+    q8: bool = False
+
+    @classmethod
+    def parse(cls, text: object) -> Compression:
+        """``none``, ``q8``, ``random-k=F`` or ``random-k=F,q8`` (either order), ``0 < F < 1``."""
+        if not isinstance(text, str) or not text.strip():
+            raise CompressionError(
+                "compression must be a string: none, q8, random-k=F or random-k=F,q8"
+            )
+        if text.strip() == COMPRESSION_NONE:
+            return cls()
+        fraction: float | None = None
+        q8 = False
+        for raw in text.split(","):
+            part = raw.strip()
+            if part == "q8" and not q8:
+                q8 = True
+            elif part.startswith("random-k=") and fraction is None:
+                fraction = _fraction(part.removeprefix("random-k="))
+            else:
+                raise CompressionError(
+                    f"compression {text!r}: {part!r} is not q8 or random-k=F (each at most "
+                    "once); choose none, q8, random-k=F or random-k=F,q8"
+                )
+        return cls(fraction, q8)
+
+    @property
+    def none(self) -> bool:
+        return self.fraction is None and not self.q8
+
+    def __str__(self) -> str:
+        """The canonical text (what the run spec stores and the run key hashes)."""
+        parts = [] if self.fraction is None else [f"random-k={self.fraction!r}"]
+        return ",".join([*parts, *(["q8"] if self.q8 else [])]) or COMPRESSION_NONE
+
+    def check_run(self, *, participants: int, backend: str, epsilon: float | None) -> None:
+        """Refuse a run this compression cannot serve (CKKS, DP, too many for q8)."""
+        if self.none:
+            return
+        if backend != "masked":
+            raise CompressionError(
+                f"compression {self}: the {backend} backend sums ciphertexts, not ring "
+                "vectors; compression needs the masked backend (or compression none)"
+            )
+        if epsilon is not None:
+            raise CompressionError(
+                f"compression {self} with an epsilon: the DP noise is calibrated to the "
+                "dense codec's ring and q8's ranges would be released without noise; "
+                "use compression none for a run with DP"
+            )
+        if self.q8 and participants > Q8_MAX_PARTICIPANTS:
+            raise CompressionError(
+                f"compression q8: {participants} participants exceed the {Q8_MAX_PARTICIPANTS} "
+                "whose 8-bit levels the 16-bit ring can sum; drop q8"
+            )
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise CompressionError(f"random-k={text}: the fraction is not a number") from None
+    if not (math.isfinite(value) and 0.0 < value < 1.0):
+        raise CompressionError(f"random-k={text}: the fraction must lie strictly between 0 and 1")
+    return value

@@ -1,0 +1,254 @@
+"""One org's compressor of its packed updates: the round's agreed seed, the random-k
+support, q8 levels, the error-feedback residual and q8's agreed ranges.
+
+What each compression does and why is in :mod:`org_node.compression`; this module is
+what the run engine (:class:`~org_node.engine.RunEngine`) calls each round:
+:meth:`Compressor.start_round` (over the global model), :meth:`Compressor.encode` (the
+org's ring vector), :meth:`Compressor.decode` (the ring sum back to a packed sum) and
+:meth:`Compressor.commit` (the round completed: keep the residual and the ranges).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from coordinator_free.sealed import SealedError, pack_parts, unpack_parts
+
+from org_node.compression import Compression, CompressionError
+from org_node.run_config import EngineError, RunPlan
+from org_node.run_state import model_hash
+from secure_agg.codec import FixedPointCodec
+from secure_agg.prg import expand
+from secure_agg.q8 import MAX_LIMB_SUMMANDS, Q8Codec, from_limbs, to_limbs
+
+__all__ = ["Compressor", "compressor_for", "round_seed", "support"]
+
+_SEED_DOMAIN = b"fedweave/compression/random-k/v1\x00"
+_RANGE_FLOOR = 1e-30
+"""The smallest q8 range: a tensor whose maxima summed to 0 still divides by a range."""
+
+
+def round_seed(run_key: str, round: int, model_digest: bytes) -> bytes:
+    """The round's agreed seed: SHA-256 of the run key, the round and the global model's
+    hash (every participant holds the same model and verified its hash)."""
+    h = hashlib.sha256(_SEED_DOMAIN)
+    h.update(run_key.encode() + b"\x00" + int(round).to_bytes(8, "big") + model_digest)
+    return h.digest()
+
+
+def support(seed: bytes, sizes: Sequence[int], fraction: float) -> np.ndarray:
+    """The sorted body indices every org sends: in each tensor of ``s`` values, the
+    ``ceil(fraction * s)`` with the smallest keys. The keys are one AES-CTR expansion
+    of ``seed`` (:func:`secure_agg.prg.expand`), made distinct by the index in their low
+    bits, so the choice is a pure function of ``seed`` on every platform."""
+    total = int(sum(sizes))
+    keys = expand(seed, total, 64)
+    out: list[np.ndarray] = []
+    offset = 0
+    for size in sizes:
+        k = min(size, max(1, math.ceil(fraction * size)))
+        low = max(1, int(size - 1).bit_length())
+        local = (keys[offset : offset + size] >> np.uint64(low)) << np.uint64(low)
+        local |= np.arange(size, dtype=np.uint64)
+        chosen = np.argpartition(local, k - 1)[:k] if k < size else np.arange(size)
+        out.append(np.sort(chosen).astype(np.int64) + offset)
+        offset += size
+    return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+
+@dataclass
+class _Round:
+    """One round's plan: the support (None: every coordinate), each sent coordinate's
+    tensor, whether the body goes as q8 levels, and what encode left for decode."""
+
+    index: np.ndarray | None
+    tensor_of: np.ndarray
+    starts: np.ndarray
+    q8: bool
+    residual: np.ndarray | None = None
+    range_sums: np.ndarray | None = None
+    sent: np.ndarray | None = None
+
+
+class Compressor:
+    """One org's compression of its packed updates (see the module docstring).
+
+    ``codec`` is the run's dense codec (random-k alone, and q8's calibration round);
+    ``tail_clip`` bounds the values that travel as 64-bit limbs under q8 (the weight,
+    ``w * tau`` and the summed maxima): the engine's clip.
+    """
+
+    def __init__(
+        self, compression: Compression, *, participants: int, codec: FixedPointCodec
+    ) -> None:
+        self.compression = compression
+        self.n = participants
+        self.codec = codec
+        self.q8 = Q8Codec(max_summands=participants) if compression.q8 else None
+        self.tail = FixedPointCodec(bits=64, clip=codec.clip, max_summands=participants)
+        self.residual: np.ndarray | None = None
+        self.ranges: np.ndarray | None = None
+        self.sizes: list[int] = []
+        self._round: _Round | None = None
+
+    @property
+    def keeps_agreed_state(self) -> bool:
+        """Whether the rounds depend on state agreed earlier (q8's ranges)."""
+        return self.q8 is not None
+
+    # -- one round --------------------------------------------------------------------
+
+    def start_round(self, run_key: str, round: int, model: Mapping[str, np.ndarray]) -> None:
+        """Plan round ``round`` over the global ``model`` (tensors by sorted name)."""
+        names = sorted(model)
+        self.sizes = [int(np.size(model[k])) for k in names]
+        total = sum(self.sizes)
+        if self.residual is not None and self.residual.shape != (total,):
+            raise CompressionError("the saved residual does not fit the model")
+        if self.ranges is not None and self.ranges.shape != (len(names),):
+            raise CompressionError("the saved q8 ranges do not fit the model")
+        starts = np.cumsum([0, *self.sizes[:-1]]).astype(np.int64)
+        fraction = self.compression.fraction
+        if fraction is None:
+            index = None
+            tensor_of = np.repeat(np.arange(len(names)), self.sizes)
+        else:
+            index = support(round_seed(run_key, round, model_hash(model)), self.sizes, fraction)
+            tensor_of = np.searchsorted(starts, index, side="right") - 1
+        q8 = self.q8 is not None and self.ranges is not None
+        self._round = _Round(index, tensor_of, starts, q8)
+
+    def _plan(self) -> _Round:
+        if self._round is None:
+            raise CompressionError("start_round comes before encode and decode")
+        return self._round
+
+    def encode(self, packed: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """This org's ring vector for ``packed`` (its residual added), and the residual
+        that remains once it is sent (kept until :meth:`commit`)."""
+        plan = self._plan()
+        body_size = sum(self.sizes)
+        body, extras = packed[:body_size], packed[body_size:]
+        target = body if self.residual is None else body + self.residual
+        sent = target if plan.index is None else target[plan.index]
+        maxima = self._maxima(sent, plan) if self.q8 is not None else np.zeros(0)
+        if plan.q8:
+            assert self.q8 is not None and self.ranges is not None
+            ranges = self.ranges[plan.tensor_of]
+            levels = self.q8.encode(sent, ranges, rng)
+            own = self.q8.decode(levels, ranges)
+            tail = self.tail.encode(np.concatenate([extras, maxima]), rng)
+            vector = np.concatenate([levels, to_limbs(tail)])
+            own_extras = self.tail.decode(tail)[: extras.shape[0]]
+        else:
+            vector = self.codec.encode(np.concatenate([sent, extras, maxima]), rng)
+            decoded = self.codec.decode(vector)
+            own = decoded[: sent.shape[0]]
+            own_extras = decoded[sent.shape[0] : sent.shape[0] + extras.shape[0]]
+        left = target.copy()
+        contribution = np.zeros(packed.shape[0])
+        if plan.index is None:
+            left -= own
+            contribution[:body_size] = own
+        else:
+            left[plan.index] -= own
+            contribution[plan.index] = own
+        contribution[body_size:] = own_extras
+        plan.residual, plan.sent = left, contribution
+        return vector
+
+    def contribution(self) -> np.ndarray:
+        """What this org's last encoded vector carries, as a packed vector: its own
+        decoding (zeros where nothing was sent). The ring sum decodes to the sum of
+        these over the survivors, up to float rounding (the harness's plaintext check)."""
+        plan = self._plan()
+        if plan.sent is None:
+            raise CompressionError("encode comes before contribution")
+        return plan.sent
+
+    def _maxima(self, sent: np.ndarray, plan: _Round) -> np.ndarray:
+        """This org's largest ``|value|`` sent in each tensor."""
+        out = np.zeros(len(self.sizes))
+        np.maximum.at(out, plan.tensor_of, np.abs(sent))
+        return np.minimum(out, self.codec.clip)
+
+    def decode(self, total: np.ndarray) -> np.ndarray:
+        """The summed packed vector (zeros where nothing was sent) from the ring sum."""
+        plan = self._plan()
+        sent = plan.tensor_of.shape[0]
+        if plan.q8:
+            assert self.q8 is not None and self.ranges is not None
+            body = self.q8.decode(total[:sent], self.ranges[plan.tensor_of])
+            tail = self.tail.decode(from_limbs(total[sent:], min(self.n, MAX_LIMB_SUMMANDS)))
+        else:
+            values = self.codec.decode(total)
+            body, tail = values[:sent], values[sent:]
+        tensors = len(self.sizes) if self.q8 is not None else 0
+        extras = tail[: tail.shape[0] - tensors]
+        plan.range_sums = tail[tail.shape[0] - tensors :] if tensors else None
+        out = np.zeros(sum(self.sizes) + extras.shape[0])
+        if plan.index is None:
+            out[:sent] = body
+        else:
+            out[plan.index] = body
+        out[sum(self.sizes) :] = extras
+        return out
+
+    def commit(self, survivors: int) -> None:
+        """The round completed with ``survivors`` orgs' vectors in its sum: keep the
+        residual encode left and, under q8, the next round's ranges (the survivors'
+        mean of their maxima)."""
+        plan = self._plan()
+        self.residual = plan.residual
+        if plan.range_sums is not None:
+            self.ranges = np.maximum(plan.range_sums / max(1, survivors), _RANGE_FLOOR)
+        self._round = None
+
+    # -- persistence ------------------------------------------------------------------
+
+    def to_bytes(self) -> bytes:
+        parts: dict[str, bytes] = {"meta": str(self.compression).encode()}
+        for name, value in (("residual", self.residual), ("ranges", self.ranges)):
+            if value is not None:
+                parts[name] = np.ascontiguousarray(value, dtype="<f8").tobytes()
+        return pack_parts(parts)
+
+    def load(self, data: bytes) -> None:
+        """Continue from :meth:`to_bytes` of the same run's compressor."""
+        try:
+            parts = unpack_parts(data)
+            kept = parts["meta"].decode()
+        except (SealedError, KeyError, UnicodeDecodeError) as exc:
+            raise CompressionError(f"unreadable compressor state: {exc}") from None
+        if kept != str(self.compression):
+            raise CompressionError(f"compressor state of {kept!r}, not {self.compression}")
+
+        def array(name: str) -> np.ndarray | None:
+            raw = parts.get(name)
+            if raw is None:
+                return None
+            if len(raw) % 8:
+                raise CompressionError(f"unreadable compressor state: {name}")
+            return np.frombuffer(raw, dtype="<f8").astype(np.float64)
+
+        self.residual, self.ranges = array("residual"), array("ranges")
+
+
+def compressor_for(plan: RunPlan, codec: FixedPointCodec) -> Compressor | None:
+    """The run's compressor over its dense ``codec``, or None for ``none``; raises
+    :class:`~org_node.run_config.EngineError` (field ``compression``) for a compression
+    the run cannot take (CKKS, an epsilon, too many participants for q8)."""
+    try:
+        compression = Compression.parse(plan.compression)
+        compression.check_run(
+            participants=len(plan.participants), backend=plan.backend, epsilon=plan.epsilon
+        )
+    except CompressionError as exc:
+        raise EngineError("compression", str(exc)) from None
+    if compression.none:
+        return None
+    return Compressor(compression, participants=len(plan.participants), codec=codec)

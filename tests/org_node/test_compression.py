@@ -1,0 +1,338 @@
+"""Compressed secure updates: the spec field, the random-k support, error feedback, and
+runs of three real round engines with q8 and random-k (model hashes agree)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from org_node.compression import Q8_MAX_PARTICIPANTS, Compression, CompressionError
+from org_node.compressor import Compressor, round_seed, support
+from org_node.dp_spec import DpMechanism
+from org_node.engine import EngineError, RunEngine, RunFailed, RunPlan, run_key
+from org_node.policy import PolicyError, RunSpec
+from org_node.run_state import EngineState
+from org_node.training.exchange import LocalResult
+from secure_agg.codec import FixedPointCodec
+from secure_agg.q8 import MAX_LIMB_SUMMANDS, MAX_SUMMANDS
+from tests.org_node.test_engine import ORGS, Federation, fast, make_engines
+
+SPEC: dict[str, Any] = {"trainer": "digits", "rounds": 3, "participants": list(ORGS)}
+SIZES = [40, 7, 3]
+BIG = {"w": np.zeros((40, 50), dtype=np.float32), "b": np.zeros(50, dtype=np.float32)}
+
+
+# --------------------------------------------------------------------------- the spec
+
+
+@pytest.mark.parametrize(
+    ("text", "canonical"),
+    [
+        ("none", "none"),
+        ("q8", "q8"),
+        ("random-k=0.1", "random-k=0.1"),
+        ("random-k=0.1,q8", "random-k=0.1,q8"),
+        ("q8, random-k=0.25", "random-k=0.25,q8"),
+    ],
+)
+def test_a_compression_is_stored_in_its_canonical_form(text: str, canonical: str) -> None:
+    spec = RunSpec.from_dict(SPEC | {"compression": text})
+    assert spec.compression == canonical
+    assert spec.to_dict()["compression"] == canonical
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("q4", "q8 or random-k"),
+        ("random-k=0", "strictly between 0 and 1"),
+        ("random-k=1", "strictly between 0 and 1"),
+        ("random-k=abc", "not a number"),
+        ("random-k=nan", "strictly between"),
+        ("q8,q8", "at most once"),
+        ("random-k=0.1,random-k=0.2", "at most once"),
+        ("", "must be a string"),
+        (3, "must be a string"),
+    ],
+)
+def test_a_bad_compression_is_refused_with_a_clear_error(text: object, words: str) -> None:
+    with pytest.raises(PolicyError, match=words):
+        RunSpec.from_dict(SPEC | {"compression": text})
+
+
+def test_compression_is_refused_with_ckks_or_an_epsilon_or_too_many_for_q8() -> None:
+    with pytest.raises(PolicyError, match="masked backend"):
+        RunSpec.from_dict(SPEC | {"compression": "q8", "backend": "ckks"})
+    with pytest.raises(PolicyError, match="epsilon"):
+        RunSpec.from_dict(SPEC | {"compression": "random-k=0.1", "epsilon": 1.0})
+    many = [f"org{i}" for i in range(Q8_MAX_PARTICIPANTS + 1)]
+    with pytest.raises(PolicyError, match="16-bit ring"):
+        RunSpec.from_dict(SPEC | {"participants": many, "compression": "q8"})
+    # random-k alone sums in the dense ring: any number of participants
+    assert RunSpec.from_dict(SPEC | {"participants": many, "compression": "random-k=0.5"})
+    # none goes with everything
+    assert RunSpec.from_dict(SPEC | {"backend": "ckks", "epsilon": 1.0, "compression": "none"})
+
+
+def test_q8_participant_limit_is_what_the_16_bit_ring_holds() -> None:
+    assert min(MAX_SUMMANDS, MAX_LIMB_SUMMANDS) == Q8_MAX_PARTICIPANTS
+
+
+def test_only_a_compression_other_than_none_enters_the_run_key() -> None:
+    key = run_key("r", SPEC)
+    assert run_key("r", SPEC | {"compression": "none"}) == key
+    assert run_key("r", RunSpec.from_dict(SPEC).to_dict()) == key
+    q8 = run_key("r", SPEC | {"compression": "q8"})
+    assert q8 != key
+    assert run_key("r", SPEC | {"compression": "random-k=0.1,q8"}) not in (key, q8)
+
+
+def test_the_engine_refuses_a_plan_whose_compression_it_cannot_run(tmp_path: Path) -> None:
+    fed = Federation()
+    config = fast(weighting="uniform")
+    dp = DpMechanism.of_engine(config).to_dict()  # DP agreed: compression alone refuses
+    plan = RunPlan.from_spec("r", SPEC | {"compression": "q8", "epsilon": 1.0, "dp": dp})
+    with pytest.raises(EngineError, match="compression"):
+        RunEngine(
+            plan,
+            config,
+            rounds=fed.rounds["org-a"],
+            trainer=object(),  # type: ignore[arg-type]
+            state_dir=tmp_path,
+        )
+
+
+# --------------------------------------------------------------------------- the support
+
+
+def test_the_support_is_a_pure_function_of_the_agreed_seed() -> None:
+    seed = round_seed("run", 3, b"m" * 32)
+    first = support(seed, SIZES, 0.1)
+    np.testing.assert_array_equal(first, support(seed, SIZES, 0.1))
+    assert seed == round_seed("run", 3, b"m" * 32)
+    # every tensor sends ceil(F * size) coordinates, at least one
+    counts = np.bincount(np.searchsorted(np.cumsum(SIZES), first, side="right"), minlength=3)
+    assert counts.tolist() == [math.ceil(0.1 * s) for s in SIZES] == [4, 1, 1]
+    assert (np.diff(first) > 0).all()
+
+
+def test_the_support_differs_across_rounds_runs_and_models() -> None:
+    big = [10_000]
+    base = support(round_seed("run", 3, b"m" * 32), big, 0.1)
+    for other in (
+        round_seed("run", 4, b"m" * 32),
+        round_seed("other", 3, b"m" * 32),
+        round_seed("run", 3, b"n" * 32),
+    ):
+        assert not np.array_equal(support(other, big, 0.1), base)
+
+
+# --------------------------------------------------------------------------- error feedback
+
+
+def _model() -> dict[str, np.ndarray]:
+    return {f"t{i}": np.zeros(s, dtype=np.float32) for i, s in enumerate(SIZES)}
+
+
+@pytest.mark.parametrize("text", ["random-k=0.2", "q8", "random-k=0.2,q8"])
+def test_error_feedback_keeps_what_was_not_sent(text: str) -> None:
+    """Over rounds: the sum of what one org's vectors carried plus its residual equals
+    the sum of its packed updates (its own decoding, one summand)."""
+    codec = FixedPointCodec(bits=32, clip=100.0, max_summands=1)
+    comp = Compressor(Compression.parse(text), participants=1, codec=codec)
+    rng = np.random.default_rng(0)
+    meant = np.zeros(sum(SIZES))
+    carried = np.zeros(sum(SIZES))
+    for r in range(4):
+        comp.start_round("run", r, _model())
+        body = rng.normal(size=sum(SIZES)) * 0.1
+        packed = np.concatenate([body, [1.0]])
+        total = comp.decode(comp.encode(packed, rng))  # one org: the sum is its own vector
+        assert total[-1] == pytest.approx(1.0, abs=1e-6)  # the weight travels exactly
+        comp.commit(1)
+        meant += body
+        carried += total[:-1]
+        assert comp.residual is not None
+        np.testing.assert_allclose(carried + comp.residual, meant, atol=1e-9)
+        assert (comp.ranges is not None) == ("q8" in text)
+    assert comp.residual is not None and np.abs(comp.residual).max() > 0  # some left to send
+
+
+def test_q8_ranges_are_the_survivors_mean_of_their_maxima() -> None:
+    codec = FixedPointCodec(bits=32, clip=100.0, max_summands=2)
+    comps = [Compressor(Compression(q8=True), participants=2, codec=codec) for _ in range(2)]
+    rng = np.random.default_rng(1)
+    bodies = [np.full(sum(SIZES), 0.5), np.full(sum(SIZES), -1.5)]
+    vectors = []
+    for comp, body in zip(comps, bodies, strict=True):
+        comp.start_round("run", 0, _model())
+        vectors.append(comp.encode(np.concatenate([body, [1.0]]), rng))
+    total = vectors[0] + vectors[1]  # the 32-bit calibration round: a ring sum
+    for comp in comps:
+        comp.decode(total)
+        comp.commit(2)
+        assert comp.ranges is not None
+        np.testing.assert_allclose(comp.ranges, np.ones(3), rtol=1e-6)  # (0.5 + 1.5) / 2
+        comp.start_round("run", 1, _model())
+    vec = comps[0].encode(np.concatenate([bodies[0], [1.0]]), rng)
+    assert vec.dtype == np.uint16  # round 1 sends 8-bit levels in the 16-bit ring
+
+
+def test_the_compressor_state_round_trips_and_refuses_another_compression() -> None:
+    codec = FixedPointCodec(bits=32, clip=100.0, max_summands=3)
+    comp = Compressor(Compression(0.5, True), participants=3, codec=codec)
+    comp.residual = np.arange(5.0)
+    comp.ranges = np.array([0.25, 2.0])
+    again = Compressor(Compression(0.5, True), participants=3, codec=codec)
+    again.load(comp.to_bytes())
+    np.testing.assert_array_equal(again.residual, comp.residual)
+    np.testing.assert_array_equal(again.ranges, comp.ranges)
+    other = Compressor(Compression(q8=True), participants=3, codec=codec)
+    with pytest.raises(CompressionError, match=r"random-k=0\.5,q8"):
+        other.load(comp.to_bytes())
+    with pytest.raises(CompressionError, match="unreadable"):
+        other.load(b"junk")
+
+
+# --------------------------------------------------------------------------- runs
+
+
+class NoisyTrainer:
+    """A reproducible random update per round (so that compression has work to do)."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+
+    def train(
+        self, global_state: Mapping[str, np.ndarray], round: int, options: Mapping[str, Any]
+    ) -> LocalResult:
+        rng = np.random.default_rng([self.seed, round])
+        update = {
+            k: (0.01 * rng.normal(size=np.shape(v)) + 0.005).astype(np.float32)
+            for k, v in global_state.items()
+        }
+        return LocalResult(update, 10 + self.seed, 4, {})
+
+
+def _run(
+    tmp_path: Path, compression: str, rounds: int = 3
+) -> tuple[list[Any], dict[str, RunEngine], list[Any]]:
+    plan = RunPlan.from_spec("r", SPEC | {"rounds": rounds, "compression": compression})
+    reports: list[Any] = []
+
+    async def scenario() -> list[Any]:
+        fed = Federation()
+        await fed.start()
+        engines.update(
+            {
+                o: RunEngine(
+                    plan,
+                    fast(ring_bits=32, clip=100.0),
+                    rounds=fed.rounds[o],
+                    trainer=NoisyTrainer(i),
+                    state_dir=tmp_path / compression / o,
+                    initial_model=BIG,
+                    rng=np.random.default_rng(i),
+                    on_round=reports.append,
+                )
+                for i, o in enumerate(ORGS)
+            }
+        )
+        try:
+            return list(await asyncio.gather(*(e.run() for e in engines.values())))
+        finally:
+            await fed.close()
+
+    engines: dict[str, RunEngine] = {}
+    return asyncio.run(scenario()), engines, reports
+
+
+@pytest.mark.parametrize("compression", ["q8", "random-k=0.5,q8", "random-k=0.5"])
+def test_compressed_runs_end_with_the_same_model_at_every_node(
+    tmp_path: Path, compression: str
+) -> None:
+    outcomes, engines, reports = _run(tmp_path, compression)
+    assert {o.status for o in outcomes} == {"completed"}
+    assert len({o.model_hash for o in outcomes}) == 1  # compression identical everywhere
+    dense, _, dense_reports = _run(tmp_path, "none")
+    # the compressed model follows the dense one (same updates): q8 closely, random-k
+    # a round or two behind on the coordinates it has not sent yet (error feedback)
+    a = engines["org-a"].state.model
+    b = dict(_final(tmp_path / "none"))
+    gap = max(float(np.max(np.abs(a[k] - b[k]))) for k in a)
+    assert 0 < gap < (0.002 if compression == "q8" else 0.05)
+    # the last round's vectors are smaller than the dense ones (32-bit ring)
+    last = sum(r.metrics["ring_bytes_sent"] for r in reports if r.round == 3)
+    dense_last = sum(r.metrics["ring_bytes_sent"] for r in dense_reports if r.round == 3)
+    expected = {"q8": 0.5, "random-k=0.5,q8": 0.25, "random-k=0.5": 0.5}[compression]
+    assert last / dense_last == pytest.approx(expected, rel=0.05)
+    del dense
+
+
+def _final(state_dir: Path) -> list[tuple[str, np.ndarray]]:
+    state = EngineState.from_bytes((state_dir / "org-a" / "engine-state.bin").read_bytes())
+    return sorted(state.model.items())
+
+
+def test_the_residual_and_ranges_are_persisted_and_restored(tmp_path: Path) -> None:
+    outcomes, engines, _ = _run(tmp_path, "random-k=0.5,q8", rounds=2)
+    assert {o.status for o in outcomes} == {"completed"}
+    before = engines["org-b"].compressor
+    assert before is not None and before.residual is not None and before.ranges is not None
+    fed = Federation()
+    again = RunEngine(
+        engines["org-b"].plan,
+        engines["org-b"].config,
+        rounds=fed.rounds["org-b"],
+        trainer=NoisyTrainer(1),
+        state_dir=engines["org-b"].state_dir,
+    )
+    assert again.resume()
+    assert again.compressor is not None
+    np.testing.assert_array_equal(again.compressor.residual, before.residual)
+    np.testing.assert_array_equal(again.compressor.ranges, before.ranges)
+    # each org keeps its own residual: they differ between orgs
+    other = engines["org-a"].compressor
+    assert other is not None and other.residual is not None
+    assert not np.array_equal(other.residual, before.residual)
+
+
+def test_a_q8_run_cannot_catch_a_node_up_by_the_model(tmp_path: Path) -> None:
+    fed = Federation()
+    plan = RunPlan.from_spec("r", SPEC | {"compression": "q8"})
+
+    async def ahead(run: str, round: int) -> tuple[int, dict[str, np.ndarray]] | None:
+        return 2, {"w": np.ones((2, 3), np.float32), "b": np.ones(3, np.float32)}
+
+    engines = make_engines(
+        fed, tmp_path, {o: NoisyTrainer(0) for o in ORGS}, plan, fast(), catch_up=ahead
+    )
+    with pytest.raises(RunFailed, match="q8"):
+        asyncio.run(engines["org-a"].try_catch_up())
+
+
+@pytest.mark.parametrize("text", ["q8", "random-k=0.3,q8", "random-k=0.3"])
+def test_the_ring_sum_decodes_to_the_sum_of_each_orgs_contribution(text: str) -> None:
+    """What the harness's plaintext check relies on: every org's own decoding of its
+    vector, summed, is what the secure sum decodes to (q8: from its second round)."""
+    codec = FixedPointCodec(bits=32, clip=100.0, max_summands=3)
+    comps = [Compressor(Compression.parse(text), participants=3, codec=codec) for _ in range(3)]
+    rng = np.random.default_rng(2)
+    for r in range(2):
+        vectors, mine = [], []
+        for comp in comps:
+            comp.start_round("run", r, _model())
+            packed = np.concatenate([rng.normal(size=sum(SIZES)) * 0.2, [3.0, 1.0]])
+            vectors.append(comp.encode(packed, rng))
+            mine.append(comp.contribution())
+        total = vectors[0] + vectors[1] + vectors[2]  # the ring sum (wraps like the ring)
+        for comp in comps:
+            np.testing.assert_allclose(comp.decode(total), np.sum(mine, axis=0), atol=1e-6)
+            comp.commit(3)
+        assert total.dtype == (np.uint16 if r == 1 and "q8" in text else np.uint32)
