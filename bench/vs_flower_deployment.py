@@ -34,7 +34,9 @@ online / every node is ready) is reported in separate rows.
 Rows, per size: ``run_wall_vs_flower_secaggplus`` (fedweave / Flower with SecAgg+,
 target ``<= 0.5``), ``busiest_node_bytes_vs_flower`` (fedweave's busiest node / the
 SuperLink, with SecAgg+), the ``_plain`` pair against Flower without secure
-aggregation (reference), and the start-up rows (report).
+aggregation (reference), ``fedweave_rounds_with_all_orgs`` (the rounds whose sum holds
+all four updates, as Flower's FedAvg, which waits for all four, always has; target
+every round) and the start-up rows (report).
 """
 
 from __future__ import annotations
@@ -42,12 +44,13 @@ from __future__ import annotations
 import math
 import re
 import shutil
+import statistics
 import sys
 import tempfile
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -116,6 +119,17 @@ class FedweaveRun:
     states: dict[str, str]
     node_bytes: dict[str, int]
     errors: list[str]
+    survivors: dict[int, int] = field(default_factory=dict)
+    """1-based round -> orgs whose updates are in its sum."""
+    stages: dict[str, float] = field(default_factory=dict)
+    """Median over orgs and rounds of ``round_s``, ``secure_sum_s``, ``local_compute_s``."""
+
+    def describe(self) -> str:
+        """The rounds' survivors and the median stage times, as one line."""
+        short = {r: k for r, k in sorted(self.survivors.items()) if k < ORGS}
+        every = "every round with all orgs" if not short else f"rounds short of orgs: {short}"
+        times = ", ".join(f"{k} {v:.1f}" for k, v in self.stages.items())
+        return f"fedweave {every}; median s/round: {times}"
 
     @property
     def completed(self) -> bool:
@@ -176,12 +190,19 @@ def run_fedweave(app: Path, rounds: int, workdir: Path, timeout: float = 600.0) 
     start = min(_when(r["start_at"]) for r in rows.values())
     end = max(_when(r["updated_at"]) for r in rows.values())
     logs = {org: n.data_dir / "audit" / "egress.jsonl" for org, n in obs.nodes.items()}
+    stages = {}
+    for name in ("round_s", "secure_sum_s", "local_compute_s"):
+        values = [m[name] for per in obs.metrics.values() for m in per.values() if name in m]
+        if values:
+            stages[name] = statistics.median(values)
     return FedweaveRun(
         (end - start).total_seconds(),
         marks["startup_s"],
         {org: str(r["state"]) for org, r in rows.items()},
         node_bytes(logs, start, end),
         errors,
+        {r: len(orgs) for r, orgs in obs.survivors.items()},
+        stages,
     )
 
 
@@ -241,7 +262,8 @@ def _add_rows(report: Report, case: Case, out: dict[str, Any]) -> None:
             "s",
             flower.wall_s,
             target="<= 0.5" if name == "secaggplus" else None,
-            note=f"{where}; fedweave masked sum vs Flower {kind}; run start to end",
+            note=f"{where}; fedweave masked sum vs Flower {kind}; run start to end; "
+            f"{fed.describe()}",
         )
         org, busiest = fed.busiest
         report.add(
@@ -251,6 +273,17 @@ def _add_rows(report: Report, case: Case, out: dict[str, Any]) -> None:
             flower.fleet_bytes,
             note=f"fedweave {org} (egress logs, sent+received) vs Flower's SuperLink (Fleet "
             f"API bytes both ways; Flower's own count {flower.flower_bytes} B)",
+        )
+    if fed.completed:
+        full = sum(1 for k in fed.survivors.values() if k == ORGS)
+        report.add(
+            f"fedweave_rounds_with_all_orgs[{tag}]",
+            full,
+            "rounds",
+            case.rounds,
+            target=">= 1.0",
+            note="rounds whose masked sum holds every org's update (Flower's FedAvg waits "
+            "for all 4); fewer means an org dropped out of a round and caught up",
         )
     report.add(
         f"startup_s[fedweave,{tag}]",

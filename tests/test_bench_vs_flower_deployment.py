@@ -132,3 +132,4 @@ def test_quick_mode_races_both_engines_to_completion(tmp_path: Path) -> None:
         assert row["value"] > 0 and row["baseline"] > 0 and row["ratio"] is not None
     assert rows["run_wall_vs_flower_secaggplus" + tag]["target"] == "<= 0.5"
     assert rows["startup_s[fedweave,params=100k,n=4]"]["baseline"] > 0
+    assert rows["fedweave_rounds_with_all_orgs" + tag]["baseline"] == 2
