@@ -41,12 +41,15 @@ every round) and the start-up rows (report).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -161,6 +164,8 @@ def node_bytes(logs: dict[str, Path], since: datetime, until: datetime) -> dict[
 
 def run_fedweave(app: Path, rounds: int, workdir: Path, timeout: float = 600.0) -> FedweaveRun:
     """Run ``app`` on four fedweave nodes (the harness); what it took."""
+    import httpx
+
     from org_node.harness.nodes import Observation
     from org_node.harness.runner import run_harness
     from org_node.harness.scenario import Scenario
@@ -177,10 +182,11 @@ def run_fedweave(app: Path, rounds: int, workdir: Path, timeout: float = 600.0) 
         if "rows" in marks or not all(n.state in ("completed", "failed", "aborted") for n in nodes):
             return
         rows = {}
-        for node in nodes:
-            with node.client(timeout=10.0) as c:
-                rows[node.org] = c.get(f"/v1/runs/{obs.run_key}").json()
-        marks["rows"] = rows
+        with contextlib.suppress(httpx.HTTPError, ValueError):  # asked again next time
+            for node in nodes:
+                with node.client(timeout=10.0) as c:
+                    rows[node.org] = c.get(f"/v1/runs/{obs.run_key}").raise_for_status().json()
+            marks["rows"] = rows
 
     obs = run_harness(scenario, workdir, timeout=timeout, on_started=started, progress=progress)
     rows: dict[str, dict[str, Any]] = marks.get("rows", {})
@@ -295,11 +301,21 @@ def _add_rows(report: Report, case: Case, out: dict[str, Any]) -> None:
     )
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds, so every process started is stopped
+
+
 def body(report: Report) -> None:
-    for case in _cases(report.quick):
-        with tempfile.TemporaryDirectory(prefix="fw-vs-flower-") as tmp:
-            out = race(case, Path(tmp))
-        _add_rows(report, case, out)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if main_thread else None
+    try:
+        for case in _cases(report.quick):
+            with tempfile.TemporaryDirectory(prefix="fw-vs-flower-") as tmp:
+                out = race(case, Path(tmp))
+            _add_rows(report, case, out)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def main(argv: Sequence[str] | None = None) -> Report:
