@@ -11,7 +11,7 @@ reach it directly, as they would on the SuperLink's host. :meth:`FlowerDeploymen
 submits a Flower App with ``flwr run`` and follows the run through the Control API
 until it has finished; its wall time is the SuperLink's own ``finished_at -
 pending_at``. Every process is stopped on exit (its process group, SIGTERM then
-SIGKILL), also on an error.
+SIGKILL, and whatever it had started in sessions of their own), also on an error.
 
 Everything is offline: telemetry and the update check are off, and the runtime
 installation of the app's dependencies (``uv sync``) is disabled on both sides.
@@ -36,7 +36,14 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-__all__ = ["CountingRelay", "FlowerDeployment", "FlowerRun", "free_port", "stop_group"]
+__all__ = [
+    "CountingRelay",
+    "FlowerDeployment",
+    "FlowerRun",
+    "descendants",
+    "free_port",
+    "stop_group",
+]
 
 _CHUNK = 1 << 16
 _BIN = Path(sys.executable).parent
@@ -62,6 +69,21 @@ def stop_group(proc: subprocess.Popen[bytes], grace: float = 5.0) -> None:
             return
         except subprocess.TimeoutExpired:
             continue
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` now (children, theirs, ...), from ``/proc``."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
 
 
 class CountingRelay:
@@ -315,7 +337,13 @@ class FlowerDeployment:
             with contextlib.suppress(Exception):
                 self._control.close()
             self._control = None
+        # the SuperLink's SuperExec starts the ServerApp in a session of its own, which
+        # the SuperLink's process group does not reach: its descendants, taken first
+        tree = [pid for proc in self.procs for pid in descendants(proc.pid)]
         for proc in reversed(self.procs):
             stop_group(proc)
+        for pid in tree:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
         self.procs.clear()
         self.relay.stop()

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
+import subprocess
 import sys
 import threading
 import tomllib
@@ -14,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from bench.flower_deployment import CountingRelay
+from bench.flower_deployment import CountingRelay, descendants
 from bench.vs_flower_deployment import APP, Case, main, prepare_app
 from org_node.trainers.flower_client import task_identity
 
@@ -111,6 +114,31 @@ def test_the_relay_passes_and_counts_both_directions() -> None:
     finally:
         relay.stop()
         server.close()
+
+
+def test_descendants_finds_grandchildren_in_sessions_of_their_own() -> None:
+    """What the SuperLink's SuperExec does to its ServerApp: a session of its own,
+    out of reach of the parent's process group, but still a descendant."""
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, time; "
+            "p = subprocess.Popen(['sleep', '30'], start_new_session=True); "
+            "print(p.pid, flush=True); time.sleep(30)",
+        ],
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        assert parent.stdout is not None
+        grandchild = int(parent.stdout.readline())
+        assert os.getsid(grandchild) != os.getsid(parent.pid)
+        assert grandchild in descendants(parent.pid)
+    finally:
+        for pid in [*descendants(parent.pid), parent.pid]:
+            os.kill(pid, signal.SIGKILL)
+        parent.wait(10)
 
 
 @pytest.mark.e2e
