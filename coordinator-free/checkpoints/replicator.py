@@ -61,6 +61,21 @@ class _Kept:
     shards: dict[int, bytes] | None = field(default=None, repr=False)
 
 
+def _batches(indices: list[int], shards: Mapping[int, bytes], limit: int) -> list[list[int]]:
+    """``indices`` in order, cut into runs whose shards add up to at most ``limit``
+    bytes (a single larger shard is a run of its own)."""
+    out: list[list[int]] = []
+    size = 0
+    for index in indices:
+        n = len(shards[index])
+        if not out or size + n > limit:
+            out.append([])
+            size = 0
+        out[-1].append(index)
+        size += n
+    return out
+
+
 class CheckpointReplicator:
     """Owner side of erasure-coded checkpoints of this org's private state.
 
@@ -182,25 +197,33 @@ class CheckpointReplicator:
         current = manifest
         holders = list(manifest.holders)
         failed: set[str] = set()
+        limit = self.endpoint.guard.max_size - _MESSAGE_SLACK
         while indices:
             by_holder: dict[str, list[int]] = {}
             for index in sorted(indices):
                 by_holder.setdefault(holders[index], []).append(index)
+            # a holder that took over a failed holder's shard may get more than one
+            # message can carry: one message per batch that fits
+            puts = [
+                (holder, batch)
+                for holder, group in by_holder.items()
+                for batch in _batches(group, shards, limit)
+            ]
             results = await asyncio.gather(
                 *(
                     put_shards(
                         self.endpoint,
                         holder,
                         current,
-                        {i: shards[i] for i in group},
+                        {i: shards[i] for i in batch},
                         timeout=self.timeout,
                     )
-                    for holder, group in by_holder.items()
+                    for holder, batch in puts
                 ),
                 return_exceptions=True,
             )
             retry: set[int] = set()
-            for (holder, group), result in zip(by_holder.items(), results, strict=True):
+            for (holder, group), result in zip(puts, results, strict=True):
                 if isinstance(result, BaseException):
                     if not isinstance(result, TransportError | ShardRequestError):
                         raise result

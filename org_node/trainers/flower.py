@@ -14,7 +14,8 @@ long as the worker.
 The round-0 model is the same at every org: with the RNGs seeded by the run's model
 seed, the app's ServerApp runs until its first ``train`` message, which a capturing
 :class:`flwr.serverapp.Grid` takes (its ArrayRecord is the model, its ConfigRecord each
-round's train config, as the strategy sends them); else a legacy ServerApp's
+round's train config, as the strategy sends them; a SecAgg+ workflow's model from its
+state); else a legacy ServerApp's
 ``initial_parameters`` (and ``on_fit_config_fn``); else the legacy client's
 ``get_parameters``. Arrays keep their ArrayRecord keys, a list is named ``p00000``, ...;
 the node sees float32, the client its own dtypes (integer buffers round-trip).

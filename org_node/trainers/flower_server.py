@@ -3,7 +3,10 @@ initial model and each round's train config.
 
 With the RNGs seeded, a Message-API ServerApp's ``main`` runs against a capturing
 :class:`flwr.serverapp.Grid` until its strategy sends its first ``train`` message, and
-stops there (:func:`run_main`); a legacy ServerApp's ``server_fn`` gives its strategy's
+stops there (:func:`run_main`); when that message carries no model (the setup stage of
+a legacy ``DefaultWorkflow`` whose fit step is ``SecAggPlusWorkflow``), the model is
+the one the workflow keeps in the context's state (the orgs' masked sum replaces
+SecAgg+). A legacy ServerApp's ``server_fn`` gives its strategy's
 ``initial_parameters`` and ``on_fit_config_fn`` (:func:`legacy_plan`).
 """
 
@@ -26,6 +29,8 @@ from flwr.common import (
     parameters_to_ndarrays,
 )
 from flwr.common.constant import SUPERLINK_NODE_ID
+from flwr.compat.common.recorddict_compat import arrayrecord_to_parameters
+from flwr.server.workflow.constant import MAIN_PARAMS_RECORD
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore.run import Run
 
@@ -137,7 +142,12 @@ def run_main(server_app: ServerApp, context: Context, participants: int) -> Serv
     arrays, configs = grid.captured.content.array_records, grid.captured.content.config_records
     arrays_key = "arrays" if "arrays" in arrays else next(iter(arrays), None)
     if arrays_key is None:
-        raise TrainerError("the ServerApp's first train message carries no ArrayRecord")
+        # a legacy workflow whose fit step sends no model first (SecAggPlusWorkflow's
+        # setup stage): the model is the one the workflow keeps in the context's state
+        model = _workflow_model(context)
+        if model is None:
+            raise TrainerError("the ServerApp's first train message carries no ArrayRecord")
+        return ServerPlan(model=model, train_type=grid.captured.metadata.message_type)
     config_key = "config" if "config" in configs else next(iter(configs), "config")
     config = configs.get(config_key, ConfigRecord())
     return ServerPlan(
@@ -147,6 +157,16 @@ def run_main(server_app: ServerApp, context: Context, participants: int) -> Serv
         config_key=config_key,
         train_type=grid.captured.metadata.message_type,
     )
+
+
+def _workflow_model(context: Context) -> Arrays | None:
+    """The model a legacy ``DefaultWorkflow`` keeps in the context's state, if any."""
+    record = context.state.array_records.get(MAIN_PARAMS_RECORD)
+    if record is None:
+        return None
+    with client_errors("the ServerApp's model: "):
+        params = arrayrecord_to_parameters(record, keep_input=True)
+        return list_names(parameters_to_ndarrays(params))
 
 
 def legacy_plan(server_app: ServerApp, context: Context) -> ServerPlan:

@@ -369,6 +369,25 @@ def test_checkpoint_refuses_shards_larger_than_a_message(tmp_path: Path) -> None
     asyncio.run(main())
 
 
+def test_shards_moved_onto_one_holder_go_in_messages_that_fit(tmp_path: Path) -> None:
+    """Two holders unreachable, one left: the two shards it takes over exceed one
+    message together, so each goes in a message of its own and every shard is placed."""
+
+    async def main() -> None:
+        async with cluster(tmp_path, 4) as c:
+            for node in c.nodes.values():
+                node.endpoint.guard.max_size = 400_000  # one ~300 kB shard fits, two do not
+            for org in ("o1", "o2"):
+                c.network.kill(org)  # unreachable, though not yet known dead
+            rep = c.replicator("o0", params=CodeParams(1, 2))
+            manifest = await rep.checkpoint(b"z" * 300_000, 1)
+            assert manifest.holders == ("o3", "o3", "o3")
+            held = c.nodes["o3"].store.get("o0", "state", 1)
+            assert held[0].epoch == manifest.epoch and len(held[1]) == 3
+
+    asyncio.run(main())
+
+
 def test_store_ignores_foreign_entries_in_its_root(tmp_path: Path) -> None:
     (tmp_path / "lost+found").mkdir()
     (tmp_path / "notes.txt").write_text("operator notes")
