@@ -98,7 +98,7 @@ def test_a_10m_parameter_round_equals_the_unchunked_sum_bit_for_bit(owners: int 
 def sessions(x: dict[str, np.ndarray], codec: FixedPointCodec | None) -> dict[str, SecAggSession]:
     orgs = tuple(sorted(x))
     signers, verify = _ed25519_identities(orgs, seed=3)
-    out = {}
+    out: dict[str, SecAggSession] = {}
     for o in orgs:
         ctx = SessionContext("f", "r", 1, o, orgs, 2, x[o])
         out[o] = SecAggSession(
@@ -121,6 +121,7 @@ def test_a_later_attempt_gets_the_same_masked_input_in_the_same_array(float_inpu
     rng = np.random.default_rng(2)
     orgs = ("a", "b", "c")
     codec = FixedPointCodec(bits=32, clip=1.0, max_summands=3) if float_input else None
+    x: dict[str, np.ndarray]
     if float_input:
         x = {o: rng.uniform(-1, 1, 5000) for o in orgs}
     else:
