@@ -85,7 +85,13 @@ from coordinator_free.rounds import RoundConfig, RoundEngine, endpoint_signer, s
 from coordinator_free.sim import SimConfig, Simulation
 from coordinator_free.transport import RawHandler, Transport
 
-from bench.common import Report, run_main
+from bench.common import (
+    Report,
+    available_memory,
+    can_measure_memory,
+    peak_rss_since_reset,
+    run_main,
+)
 
 __all__ = ["CountingTransport", "main"]
 
@@ -139,40 +145,6 @@ def _round_config(n: int, topology: str = "ring", params: int = MILLION) -> Roun
     )
 
 
-# -- memory -------------------------------------------------------------------------------
-
-
-def _rss() -> tuple[int, int]:
-    """This process's resident bytes now and at their peak (``VmRSS``, ``VmHWM``)."""
-    now = peak = 0
-    with open("/proc/self/status", encoding="ascii") as status:
-        for line in status:
-            if line.startswith(("VmRSS:", "VmHWM:")):
-                value = int(line.split()[1]) * 1024
-                if line.startswith("VmRSS:"):
-                    now = value
-                else:
-                    peak = value
-    return now, peak
-
-
-def _peak_since_reset() -> Callable[[], int]:
-    """Reset this process's peak resident set (``/proc/self/clear_refs``, value 5) and
-    return a reader of how far it rose above the resident set at the reset, in bytes."""
-    with open("/proc/self/clear_refs", "w", encoding="ascii") as refs:
-        refs.write("5")
-    before, _ = _rss()
-    return lambda: max(0, _rss()[1] - before)
-
-
-def _can_measure_memory() -> bool:
-    try:
-        _peak_since_reset()
-    except OSError:
-        return False
-    return True
-
-
 # -- simulated peers ----------------------------------------------------------------------
 
 
@@ -190,7 +162,7 @@ async def _sim_figures(
     bytes, all ``n`` peers of this process together, the inputs made before)."""
     out: dict[str, float] = {}
     rounds = itertools.count(1)
-    memory = _can_measure_memory()
+    memory = can_measure_memory()
     rss: dict[str, list[int]] = {"plain": [], "ring": [], "star": []}
     for topology in ("ring", "star") if secure and star else ("ring",):
         config = SimConfig(
@@ -207,7 +179,7 @@ async def _sim_figures(
                     engine.ring.open("plain", rnd)
                     engine.ring.expect("plain", rnd, 4 * params, 1)
                 before = dict(sim.network.bytes_sent)
-                peak = _peak_since_reset() if memory else None
+                peak = peak_rss_since_reset() if memory else None
                 t0 = time.perf_counter()
                 await asyncio.gather(
                     *(
@@ -228,7 +200,7 @@ async def _sim_figures(
                 rnd = next(rounds)
                 inputs = sim.inputs(rnd)
                 before = dict(sim.network.bytes_sent)
-                peak = _peak_since_reset() if memory else None
+                peak = peak_rss_since_reset() if memory else None
                 outcome = await sim.round(rnd, inputs=inputs)
                 if peak is not None:
                     rss[kind].append(peak())
@@ -332,12 +304,12 @@ async def _node(workdir: Path, me: str, orgs: list[str], params: int, repeats: i
             await asyncio.sleep(max(0.0, start - time.time()))
             return start
 
-        memory = _can_measure_memory()
+        memory = can_measure_memory()
 
         async def measure(name: str, work: Callable[[], Awaitable[object]]) -> None:
             b0 = transport.bytes_sent
             t0 = await barrier()
-            peak = _peak_since_reset() if memory else None
+            peak = peak_rss_since_reset() if memory else None
             await work()
             figures[f"{name}_start"] = t0
             figures[f"{name}_end"] = time.time()
@@ -484,18 +456,6 @@ def _tls_figures(params: int, n: int = 4, repeats: int = 5) -> dict[str, float]:
     return out
 
 
-def _available_memory() -> int:
-    """``MemAvailable`` of ``/proc/meminfo``, bytes (0 where there is none)."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as info:
-            for line in info:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 def _largest_simulated(n: int, wanted: int) -> tuple[int, str]:
     """The most parameters, ``wanted`` or less, whose secure round of ``n`` simulated
     peers fits the memory available, and a note that says why.
@@ -503,7 +463,7 @@ def _largest_simulated(n: int, wanted: int) -> tuple[int, str]:
     The peers share one process, so it holds at once each peer's input, its masked
     input that the ring sums in place and the unmasked sum it returns: ``3 n`` ring
     vectors of 4 B a parameter, with a tenth more and 1 GiB for the rest."""
-    available = _available_memory()
+    available = available_memory()
 
     def need(params: int) -> int:
         return int(3 * n * 4 * params * 1.1) + (1 << 30)
