@@ -228,6 +228,7 @@ async def _sim_figures(
                         out[f"{name}_min_s"], out[f"{name}_max_s"] = min(values), max(values)
             else:
                 out["star_s"], out["star_busiest"] = await round_()
+    out["warm"] = 1.0 if warm else 0.0
     for name, peaks in rss.items():
         if peaks:
             out[f"{name}_rss"] = float(max(peaks))
@@ -545,8 +546,9 @@ def _add_rows(
         )
     spread = ""
     if "ring_min_s" in fig:
+        runs = "warm runs" if fig.get("warm", 1.0) else "runs"
         spread = (
-            f"; median of warm runs interleaved with the baseline's, secure "
+            f"; median of {runs} interleaved with the baseline's, secure "
             f"{fig['ring_min_s']:.3f}-{fig['ring_max_s']:.3f}s, plain "
             f"{fig['plain_min_s']:.3f}-{fig['plain_max_s']:.3f}s"
         )
