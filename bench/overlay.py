@@ -45,8 +45,8 @@ simulated n in {16, 64, 256} with 1M params for the ring traffic, n = 16 with 25
 secure rounds at n in {16, 64} with 1M, TLS with 1M, 25M and 100M params (100M: the
 median of three timed runs); membership at n in {16, 64, 256}; last, one secure
 round of 4 simulated peers with 1B params, or the most that fits the memory
-available (the peers share this process: ``3 × 4 × 4 B × params`` for their inputs,
-masked sums and sums), run once, not warmed up. (A secure round of 256 in-process
+available (the peers share this process: about ``5 × 4 × 4 B × params``, their
+inputs, masked sums and sums and the frames in flight), run once, not warmed up. (A secure round of 256 in-process
 peers, or 25M params for more than 16 of them, does not fit one machine's CPU or
 memory.) Quick, under a minute:
 ring traffic of 4 and 16 peers on 64k params, a secure round of 8 simulated peers and
@@ -461,23 +461,28 @@ def _largest_simulated(n: int, wanted: int) -> tuple[int, str]:
     """The most parameters, ``wanted`` or less, whose secure round of ``n`` simulated
     peers fits the memory available, and a note that says why.
 
-    The peers share one process, so it holds at once each peer's input, its masked
-    input that the ring sums in place and the unmasked sum it returns: ``3 n`` ring
-    vectors of 4 B a parameter, with a tenth more and 1 GiB for the rest."""
+    The peers share one process, so it holds each peer's input, its masked input that
+    the ring sums in place and the unmasked sum it returns (3 ring vectors of 4 B a
+    parameter), and on the in-memory network, which does not pace the senders, every
+    peer's frames in flight and buffered chunks: measured at 100M, about 2 vectors
+    more per peer. So ``5 n`` vectors, with a tenth more and 1 GiB for the rest, in
+    three quarters of the memory available."""
     available = available_memory()
 
     def need(params: int) -> int:
-        return int(3 * n * 4 * params * 1.1) + (1 << 30)
+        return int(5 * n * 4 * params * 1.1) + (1 << 30)
 
     for params in (wanted, 500 * MILLION, 250 * MILLION, 100 * MILLION, 25 * MILLION):
-        if params <= wanted and need(params) <= available:
+        # a quarter of what is available stays for the rest of the machine
+        if params <= wanted and need(params) <= 0.75 * available:
             break
     note = ""
     if params != wanted:
         note = (
             f"; {_label(wanted)} parameters would need about {need(wanted) / 2**30:.0f} GiB "
-            f"here ({n} peers in one process × 3 ring vectors × 4 B × params, +10%, +1 GiB), "
-            f"{available / 2**30:.0f} GiB were available: the largest that fits ran"
+            f"here ({n} peers in one process × 5 vectors × 4 B × params, +10%, +1 GiB), "
+            f"{available / 2**30:.0f} GiB were available (a quarter kept for the rest of "
+            "the machine): the largest that fits ran"
         )
     return params, "; one run of each, not warmed up" + note
 
