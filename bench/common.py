@@ -21,7 +21,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Report", "Row", "best_of", "run_main", "timed"]
+__all__ = [
+    "Report",
+    "Row",
+    "available_memory",
+    "best_of",
+    "can_measure_memory",
+    "peak_rss_since_reset",
+    "run_main",
+    "timed",
+]
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -166,3 +175,50 @@ def run_main(
     out.write_text(json.dumps(report.to_json(), indent=2) + "\n")
     print(f"\nwrote {out}", file=sys.stderr)
     return report
+
+
+# -- memory (Linux: /proc) ---------------------------------------------------------------
+
+
+def _rss() -> tuple[int, int]:
+    """This process's resident bytes now and at their peak (``VmRSS``, ``VmHWM``)."""
+    now = peak = 0
+    with open("/proc/self/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                value = int(line.split()[1]) * 1024
+                if line.startswith("VmRSS:"):
+                    now = value
+                else:
+                    peak = value
+    return now, peak
+
+
+def peak_rss_since_reset() -> Callable[[], int]:
+    """Reset this process's peak resident set (``/proc/self/clear_refs``, value 5) and
+    return a reader of how far it rose above the resident set at the reset, in bytes."""
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as refs:
+        refs.write("5")
+    before, _ = _rss()
+    return lambda: max(0, _rss()[1] - before)
+
+
+def can_measure_memory() -> bool:
+    """Whether this platform lets :func:`peak_rss_since_reset` work (Linux)."""
+    try:
+        peak_rss_since_reset()
+    except OSError:
+        return False
+    return True
+
+
+def available_memory() -> int:
+    """``MemAvailable`` of ``/proc/meminfo``, bytes (0 where there is none)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

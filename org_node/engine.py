@@ -237,8 +237,10 @@ class RunEngine:
         or the masked sum with this engine's codec (and DP noise) and a 64-bit one."""
         if ckks is not None and self.plan.backend == "ckks":
             return ckks, ckks
+        # the codec's own decode lets a 64-bit sum be decoded in its own memory
+        decode = self.codec.decode if self.compressor is None else self.compressor.decode
         secure_sum = MaskedSecureSum(
-            self.rounds, clip=self.codec.clip, encode=self._protect, decode=self._decode
+            self.rounds, clip=self.codec.clip, encode=self._protect, decode=decode
         )
         n = len(self.plan.participants)
         stats = FixedPointCodec(bits=64, clip=STATS_CLIP, max_summands=n)
@@ -410,11 +412,6 @@ class RunEngine:
             ring, _factor = protect_update(packed, codec=self.codec, dp=self.dp, rng=self.rng)
             return ring
         return self.codec.encode(packed, self.rng)
-
-    def _decode(self, total: np.ndarray) -> np.ndarray:
-        if self.compressor is not None:
-            return self.compressor.decode(total)
-        return self.codec.decode(total)
 
     def _unpack(self, total: np.ndarray, survivors: int) -> tuple[list[np.ndarray], float]:
         """``(sum of w * delta, sum of w)`` from the decoded sum.

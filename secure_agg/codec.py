@@ -49,6 +49,9 @@ __all__ = ["FixedPointCodec"]
 
 # Elements per chunk of the encoder: the float64 scratch buffers stay in cache.
 _CHUNK = 1 << 15
+# Elements per chunk of the decoder: large enough that the per-call cost vanishes,
+# small enough that a temporary numpy makes for an aliased ``out`` stays small.
+_DECODE_CHUNK = 1 << 16
 _TWO_32 = float(1 << 32)
 _LITTLE_ENDIAN = sys.byteorder == "little"
 _SIGNED: dict[int, np.dtype[Any]] = {
@@ -134,14 +137,18 @@ class FixedPointCodec:
         assert self.frac_bits is not None  # resolved in __post_init__
         return 2.0**self.frac_bits
 
-    def encode(self, x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    def encode(
+        self, x: np.ndarray, rng: np.random.Generator, *, out: np.ndarray | None = None
+    ) -> np.ndarray:
         """Clip, scale and stochastically round a float32/float64 vector into the ring.
 
         Randomness: one 32-byte key ``rng.bytes(32)`` keys an AES-256-CTR keystream
         (all-zero counter block) read as little-endian 32-bit uniforms ``r``, one per
         coordinate. The result depends only on ``rng``'s state, never on chunking.
-        For ``bits=16`` or ``32`` a coordinate ``v`` becomes ``(floor(v * 2^32) + r) >> 32``; for
-        ``bits=64`` it becomes ``floor(v) + [r < frac(v) * 2^32]``.
+        For ``bits=16`` or ``32`` a coordinate ``v`` becomes ``(floor(v * 2^32) + r) >> 32``;
+        for ``bits=64`` it becomes ``floor(v) + [r < frac(v) * 2^32]``. ``out`` (a
+        writeable, contiguous ring array of ``x``'s length) receives the result instead
+        of a new array.
 
         Raises:
             RingError: ``x`` is not a one-dimensional float32/float64 array, or holds
@@ -155,12 +162,22 @@ class FixedPointCodec:
         if not isinstance(rng, np.random.Generator):
             raise ConfigError("rng must be a numpy.random.Generator")
         size = x.shape[0]
+        dtype = ring_dtype(self.bits)
+        if out is not None and (
+            not isinstance(out, np.ndarray)
+            or out.dtype != dtype
+            or out.shape != (size,)
+            or not out.flags.c_contiguous
+            or not out.flags.writeable
+        ):
+            raise RingError(f"out must be a writeable, contiguous {dtype} array of length {size}")
         for start in range(0, size, _CHUNK):
             if not np.isfinite(x[start : start + _CHUNK]).all():
                 raise RingError("cannot encode NaN or Inf values")
         key = rng.bytes(32)
         keystream = Cipher(algorithms.AES(key), modes.CTR(bytes(16))).encryptor()
-        out = np.empty(size, dtype=ring_dtype(self.bits))
+        if out is None:
+            out = np.empty(size, dtype=dtype)
         signed = out.view(_SIGNED[self.bits])
         m = min(size, _CHUNK)
         v = np.empty(m, dtype=np.float64)
@@ -211,15 +228,39 @@ class FixedPointCodec:
         np.less(r, v, out=up)
         np.add(f, up, out=f)
 
-    def decode(self, y: np.ndarray) -> np.ndarray:
+    def decode(self, y: np.ndarray, *, out: np.ndarray | None = None) -> np.ndarray:
         """Read a ring vector (one encoding, or a sum of up to ``max_summands``) as float64.
 
+        Each element is its signed value converted to float64 and divided by ``scale``,
+        chunk by chunk into the result, so no vector-sized temporary is made: ``out``
+        (a contiguous float64 array of ``y``'s length) receives it when given, and may
+        be ``y``'s own memory read as float64 (``y.view(np.float64)``, 64-bit rings
+        only): each chunk is read before it is overwritten, so the ring vector turns
+        into its decoding in place. The values do not depend on the chunking.
+
         Raises:
-            RingError: ``y`` is not a one-dimensional array of this codec's ring dtype.
+            RingError: ``y`` is not a one-dimensional array of this codec's ring dtype,
+                or ``out`` is not a writeable, contiguous float64 array of its length.
         """
         check_ring(y, self.bits)
-        decoded: np.ndarray = y.view(_SIGNED[self.bits]).astype(np.float64) / self.scale
-        return decoded
+        size = y.shape[0]
+        if out is None:
+            out = np.empty(size, dtype=np.float64)
+        elif (
+            not isinstance(out, np.ndarray)
+            or out.dtype != np.float64
+            or out.shape != (size,)
+            or not out.flags.c_contiguous
+            or not out.flags.writeable
+        ):
+            raise RingError(f"out must be a writeable, contiguous float64 array of length {size}")
+        signed = y.view(_SIGNED[self.bits])
+        scale = self.scale
+        for start in range(0, size, _DECODE_CHUNK):
+            stop = min(size, start + _DECODE_CHUNK)
+            # int64 -> float64 (round to nearest), then / scale: astype(float64) / scale
+            np.divide(signed[start:stop], scale, out=out[start:stop])
+        return out
 
     def sum_error_bound(self, n_summands: int) -> float:
         """Largest ``|decoded sum - exact sum of clipped inputs|`` per coordinate.

@@ -125,7 +125,9 @@ class Link:
     ) -> None:
         bits = self.dtype.itemsize * 8
         header = HEADER.pack(VERSION, phase, bits, step, index, frame, data.shape[0], self.rid)
-        payload = header + data.astype(self.wire_dtype, copy=False).tobytes()
+        # one copy of the frame into the message (no tobytes() first)
+        body = np.ascontiguousarray(data.astype(self.wire_dtype, copy=False))
+        payload = b"".join((header, body.data))
         kind = KIND_SUM if phase == PHASE_SUM else KIND_CHUNK
         try:
             reply = await self._send(dest, kind, payload)
@@ -184,7 +186,7 @@ class Link:
         _version, _phase, got_bits, _step, got_index, got_frame, got_count, _rid = (
             HEADER.unpack_from(payload)
         )
-        body = payload[HEADER.size :]
+        body = memoryview(payload)[HEADER.size :]  # read where it lies: no copy
         if (
             got_bits != self.dtype.itemsize * 8
             or got_index != index
@@ -193,6 +195,7 @@ class Link:
             or len(body) != count * self.dtype.itemsize
         ):
             raise RingBroken(f"malformed chunk {index} from {src}", src)
+        # a read-only view of the message (little-endian hosts) that steps add or copy
         return np.frombuffer(body, dtype=self.wire_dtype).astype(self.dtype, copy=False)
 
     async def _wait_for(self, fut: asyncio.Future[bytes], src: str, wait: float) -> None:

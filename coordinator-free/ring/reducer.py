@@ -279,9 +279,13 @@ class RingReducer:
         vector: np.ndarray,
         *,
         min_chunk: int = 1024,
+        in_place: bool = False,
         **options: Unpack[RingOptions],
     ) -> np.ndarray:
-        """The ring sum of every member's ``vector``, mod ``2^b``; a fresh array.
+        """The ring sum of every member's ``vector``, mod ``2^b``; a fresh array, or
+        with ``in_place`` ``vector`` itself (C-contiguous and writeable), summed into
+        where it lies: no copy of the vector, which is left holding partial sums
+        when the ring breaks.
 
         ``order`` is the ring (every member passes the same list, e.g. from
         :func:`~.wire.ring_order`); ``options`` describe the attempt (:class:`RingCall`).
@@ -296,7 +300,7 @@ class RingReducer:
         """
         call = RingCall(**options)
         link = self._link(order, vector, call)
-        acc = np.array(vector, copy=True)
+        acc = _accumulator(vector, in_place)
         n = len(order)
         if n == 1:
             return acc
@@ -318,7 +322,12 @@ class RingReducer:
         await steps.all_gather(link, acc, place, call.on_step, range(gather_steps))
 
     async def reduce_scatter(
-        self, order: Sequence[str], vector: np.ndarray, **options: Unpack[RingOptions]
+        self,
+        order: Sequence[str],
+        vector: np.ndarray,
+        *,
+        in_place: bool = False,
+        **options: Unpack[RingOptions],
     ) -> Scattered:
         """The first half of :meth:`allreduce`, and one step of the second.
 
@@ -328,15 +337,16 @@ class RingReducer:
         every complete chunk is held by two members. The round engine unmasks the
         chunks a member holds and sends the unmasked sum on with
         :meth:`all_gather_sum`: each member unmasks ``2 / n`` of the vector instead of
-        all of it. Same options and failures as :meth:`allreduce`; the vector is
-        always cut in ``n`` chunks (no chain).
+        all of it. Same options (``in_place`` included: ``acc`` is then ``vector``)
+        and failures as :meth:`allreduce`; the vector is always cut in ``n`` chunks
+        (no chain).
         """
         call = RingCall(**options)
         link = self._link(order, vector, call)
         n = len(order)
         if n < 2:
             raise ValueError("a reduce-scatter needs at least 2 members")
-        acc = np.array(vector, copy=True)
+        acc = _accumulator(vector, in_place)
         place = Place.of(order, self.endpoint.org_id, acc.shape[0])
         await self._run(order, link, self._scatter_gather(link, acc, place, call, 1))
         own, pos = (place.pos + 1) % n, place.pos
@@ -418,3 +428,12 @@ class RingReducer:
                 )
 
         await asyncio.gather(*(one(p) for p in order if p not in (me, suspect)))
+
+
+def _accumulator(vector: np.ndarray, in_place: bool) -> np.ndarray:
+    """The array a ring sums into: ``vector`` itself (``in_place``), or a copy."""
+    if not in_place:
+        return np.array(vector, copy=True)
+    if not vector.flags.c_contiguous or not vector.flags.writeable:
+        raise ValueError("a ring summed in place needs a C-contiguous, writeable vector")
+    return vector

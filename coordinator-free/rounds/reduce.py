@@ -74,6 +74,8 @@ class ReduceStage:
             await ctx.enter("reduce")
             if ctx.attempt:
                 ctx.observe("retry", "reduce", detail=f"ring attempt {ctx.attempt + 1}")
+                # the last attempt summed the masked input in place: made again
+                _remask(ctx)
             ctx.order = ring_order(ctx.members, ctx.round)
             owners = owner_unmask(ctx.config, len(ctx.order), ctx.masked_input())
             done, suspects = await self._ring(ctx, owners)
@@ -119,7 +121,9 @@ class ReduceStage:
 
     async def _reduce(self, ctx: StageContext, owners: bool) -> np.ndarray | Scattered:
         """The ring itself: the reduce-scatter (owner unmasking), the star, or the
-        all-reduce."""
+        all-reduce. The ring sums in the masked input itself (``in_place``), and the
+        session makes the input again for a later attempt: a round holds one ring
+        vector where a copy for the ring made it two."""
         cfg, masked, order = ctx.config, ctx.masked_input(), ctx.order
         attempt = StarOptions(
             run=ctx.run,
@@ -134,10 +138,16 @@ class ReduceStage:
         on_step, alive = ctx.step_hook(), ctx.believed_alive()
         if owners:
             return await self.ring.reduce_scatter(
-                order, masked, **attempt, on_step=on_step, alive=alive
+                order, masked, **attempt, on_step=on_step, alive=alive, in_place=True
             )
         return await self.ring.allreduce(
-            order, masked, **attempt, on_step=on_step, min_chunk=cfg.ring_min_chunk, alive=alive
+            order,
+            masked,
+            **attempt,
+            on_step=on_step,
+            min_chunk=cfg.ring_min_chunk,
+            alive=alive,
+            in_place=True,
         )
 
     async def _settle_scatter(
@@ -182,11 +192,22 @@ class ReduceStage:
             return
         if agreed != members:
             raise RoundFailed("reduce", "a completed ring over another member set")
+        # the broken ring left partial sums in the masked input: the sum fills it
         total = await self.sums.fetch_total(
-            state, ctx.counters, tag, ctx.attempt, ctx.masked_input()
+            state, ctx.counters, tag, ctx.attempt, ctx.masked_input(), into=True
         )
         self.sums.keep_total(ctx.run, ctx.round, ctx.attempt, members, total)
         ctx.total = total
+
+
+def _remask(ctx: StageContext) -> None:
+    """The masked input once more (the session makes it again, bit for bit, in the
+    same array), for a ring attempt after one that summed into it."""
+    try:
+        ctx.masked = ctx.session.masked_input()
+    except (SecAggError, ValueError) as exc:
+        raise RoundFailed("reduce", f"cannot mask the input again: {exc}") from exc
+    ctx.lap("mask")
 
 
 def _narrow(ctx: StageContext, agreed: frozenset[str]) -> None:

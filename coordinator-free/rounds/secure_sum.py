@@ -97,6 +97,11 @@ class MaskedSecureSum:
     The engine takes its participants from the federation's members and its threshold
     from :class:`~coordinator_free.rounds.RoundConfig`, so ``run_round`` ignores those
     arguments; its survivors are whoever the round agreed on.
+
+    When ``decode`` is a :class:`FixedPointCodec`'s own ``decode`` over a 64-bit ring,
+    the round's sum (a new array, this object's alone) is decoded in its own memory,
+    ``uint64`` read chunk by chunk into the ``float64`` it becomes: the decoded sum
+    costs no second vector.
     """
 
     name = "masked"
@@ -113,6 +118,12 @@ class MaskedSecureSum:
         self.clip = clip
         self._encode = encode
         self._decode = decode
+        codec = getattr(decode, "__self__", None)
+        self._in_place = (
+            isinstance(codec, FixedPointCodec)
+            and getattr(decode, "__func__", None) is FixedPointCodec.decode
+            and codec.bits == 64
+        )
 
     @classmethod
     def with_codec(
@@ -147,7 +158,11 @@ class MaskedSecureSum:
         deadline: float | None,
     ) -> SumResult:
         result = await self.rounds.run_round(run, round, contribution, deadline=deadline)
-        total = self._decode(np.asarray(result.sum))
+        summed = np.asarray(result.sum)
+        if self._in_place and summed.dtype == np.uint64 and summed.flags.c_contiguous:
+            total = self._decode(summed, out=summed.view(np.float64))  # type: ignore[call-arg]
+        else:
+            total = self._decode(summed)
         return SumResult(
             total, result.survivors, result.dropped, result.bytes_sent, result.ring_bytes_sent
         )

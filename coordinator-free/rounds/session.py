@@ -8,6 +8,7 @@ round, signed by :func:`endpoint_signer`'s pair.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -90,7 +91,9 @@ class MaskedSum(Protocol):
         ...
 
     def masked_input(self) -> np.ndarray:
-        """This org's masked input (a ring array)."""
+        """This org's masked input (a ring array), which the engine may sum into in
+        place; each later call makes it again, the same bit for bit, in the same
+        array (for a ring attempt after one that consumed it)."""
         ...
 
     def unmask(self, survivors: frozenset[str]) -> bytes:
@@ -119,7 +122,8 @@ class MaskedSum(Protocol):
     def unmasked_sum(self, masked_sum: np.ndarray) -> np.ndarray:
         """The sum of the survivors' inputs, in a new array, from the ring's sum of
         masked inputs, which it leaves as it is (the engine keeps it, see
-        :meth:`~coordinator_free.rounds.reduce.SumServer.keep_total`)."""
+        :meth:`~coordinator_free.rounds.sums.SumServer.keep_total`); a decoded sum is
+        unmasked and decoded chunk by chunk, with no ring-sized array in between."""
         ...
 
     def unmask_part(self, masked_part: np.ndarray, offset: int) -> np.ndarray:
@@ -149,6 +153,14 @@ class SecAggSession:
     stochastic rounding; ``codec.max_summands`` must cover the participants) and the
     sum decoded back; a ring input (``uint16`` / ``uint32`` / ``uint64``) is summed as it is.
 
+    Memory: the session holds one ring vector, the masked input (a float input is
+    encoded and masked in one array; a ring input, the caller's, is masked into a new
+    one). The engine sums the ring in that array; a later attempt has the session
+    make it again (:meth:`masked_input`: the masks once more, and a float input
+    encoded again from a copy of the encoding's generator, so the same vector bit for
+    bit). The unmasked sum of a float input is decoded chunk by chunk
+    (:meth:`~secure_agg.protocol.SecAggPeer.finalize_into`).
+
     A message whose signer (``msg.sender``) is not the envelope's sender is refused;
     one that is has been authenticated by the envelope's signature over these very
     bytes, so the peer does not verify the message's own signature a second time
@@ -167,6 +179,10 @@ class SecAggSession:
     ) -> None:
         x = np.asarray(ctx.vector)
         self.codec: FixedPointCodec | None = None
+        # what makes the masked input again: the float input and a copy of the
+        # encoding's generator as it was before the encoding
+        self._source: tuple[np.ndarray, np.random.Generator] | None = None
+        self._y: np.ndarray | None = None
         if np.issubdtype(x.dtype, np.floating):
             if codec is None:
                 raise ValueError("a float input needs a FixedPointCodec to enter the ring")
@@ -176,7 +192,9 @@ class SecAggSession:
                     f"{len(ctx.participants)} participants: the sum could wrap"
                 )
             self.codec = codec
-            x = codec.encode(x, encode_rng if encode_rng is not None else np.random.default_rng())
+            gen = encode_rng if encode_rng is not None else np.random.default_rng()
+            self._source = (x, copy.deepcopy(gen))
+            x = codec.encode(x, gen)
             bits = codec.bits
         elif x.dtype in (np.dtype(np.uint16), np.dtype(np.uint32), np.dtype(np.uint64)):
             bits = x.dtype.itemsize * 8
@@ -221,11 +239,20 @@ class SecAggSession:
         self.peer.close_shares(participants)
 
     def masked_input(self) -> np.ndarray:
+        if self._y is not None:  # a later attempt: the same masked input, made again
+            if self._source is not None:
+                source, gen = self._source
+                assert self.codec is not None
+                self.codec.encode(source, copy.deepcopy(gen), out=self._x)
+                return self.peer.masked_again(self._x, out=self._x)
+            return self.peer.masked_again(self._x, out=self._y)
         if self.peer.u2 is None:  # no participants were settled: the shares held
             self.peer.close_shares()
         if self.codec is not None:  # the encoded vector is this session's own: mask in place
-            return self.peer.masked_input(self._x, out=self._x)
-        return self.peer.masked_input(self._x)
+            self._y = self.peer.masked_input(self._x, out=self._x)
+        else:
+            self._y = self.peer.masked_input(self._x)
+        return self._y
 
     def unmask(self, survivors: frozenset[str]) -> bytes:
         return self.peer.unmask(survivors).to_bytes()
@@ -245,7 +272,16 @@ class SecAggSession:
         return not self.peer.missing_shares()
 
     def unmasked_sum(self, masked_sum: np.ndarray) -> np.ndarray:
-        return self.decode(self.peer.finalize(masked_sum))
+        codec = self.codec
+        if codec is None:
+            return self.peer.finalize(masked_sum)
+        out = np.empty(masked_sum.shape[0], dtype=np.float64)
+
+        def decode(lo: int, part: np.ndarray) -> None:
+            codec.decode(part, out=out[lo : lo + part.shape[0]])
+
+        self.peer.finalize_into(masked_sum, decode)
+        return out
 
     def unmask_part(self, masked_part: np.ndarray, offset: int) -> np.ndarray:
         return self.peer.finalize_part(masked_part, offset)

@@ -126,11 +126,20 @@ class SumServer:
         keep_latest(self._totals, self._total_events, run, round, (attempt, members, total))
 
     async def fetch_total(
-        self, state: RoundState, counters: Counters, tag: str, attempt: int, like: np.ndarray
+        self,
+        state: RoundState,
+        counters: Counters,
+        tag: str,
+        attempt: int,
+        like: np.ndarray,
+        *,
+        into: bool = False,
     ) -> np.ndarray:
         """The masked sum of ring attempt ``attempt`` from a member that holds it (its
-        ring completed, or it took the sum already), piece by piece."""
-        total = np.empty_like(like)
+        ring completed, or it took the sum already), piece by piece: in a new array
+        like ``like``, or with ``into`` in ``like`` itself (a vector the broken ring
+        left holding partial sums)."""
+        total = like if into else np.empty_like(like)
         for org in sorted(state.agreement.completers.get(tag, set()) - {self.net.org_id}):
             request = functools.partial(TOTAL_REQUEST.pack, attempt)
             try:

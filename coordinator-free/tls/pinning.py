@@ -18,7 +18,13 @@ import httpcore
 import httpx
 from coordinator_free.errors import UntrustedPeer
 
-__all__ = ["PinnedTransport"]
+__all__ = ["KEEPALIVE_EXPIRY_S", "PinnedTransport"]
+
+KEEPALIVE_EXPIRY_S = 4.0
+"""A pooled connection idle this long is closed rather than used again: below the
+server's keep-alive timeout (uvicorn's default, 5 s), so that a request never goes
+out on a connection the server is closing, which fails with ``ReadError('')`` once
+a vector's ring steps leave a connection idle for seconds."""
 
 
 class _PinningStream(httpcore.AsyncNetworkStream):
@@ -124,6 +130,7 @@ class PinnedTransport(httpx.AsyncBaseTransport):
             http1=True,
             http2=False,
             retries=0,
+            keepalive_expiry=KEEPALIVE_EXPIRY_S,
             network_backend=_PinningBackend(fingerprint),
         )
 

@@ -9,7 +9,7 @@ reconstructs and removes is :mod:`.unmasking`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -54,7 +54,10 @@ from secure_agg.protocol.unmasking import (
 )
 from secure_agg.ring import check_ring
 
-__all__ = ["SecAggPeer"]
+__all__ = ["STREAM_CHUNK", "SecAggPeer"]
+
+#: Elements per chunk of :meth:`SecAggPeer.finalize_into`: 8 MiB of a 64-bit ring.
+STREAM_CHUNK = 1 << 20
 
 
 class SecAggPeer(PeerState):
@@ -230,8 +233,33 @@ class SecAggPeer(PeerState):
         self._require_stage(Stage.MASKED_INPUT, action="masked_input()")
         if self._masked:
             raise OutOfStage(f"{self.me} already produced its masked input this round")
+        in_place = _masks_in_place(self.me, self.config, x, out)
+        y = np.empty_like(x) if out is None else out
+        prg.add_masks(y, self._input_masks(), base=None if in_place else x)
+        self._masked = True
+        return y
+
+    def masked_again(self, x: np.ndarray, *, out: np.ndarray | None = None) -> np.ndarray:
+        """The masked input of :meth:`masked_input` once more, from the same ``x``: the
+        same masks, so the same ``y``, bit for bit.
+
+        For a caller that summed its masked input in place (a ring that broke) and must
+        send it again over the survivors: regenerating ``y`` costs one more mask
+        expansion, holding it costs a vector. Allowed only after :meth:`masked_input`
+        and before the unmask stage; ``out`` as there.
+        """
+        self._require_stage(Stage.MASKED_INPUT, action="masked_again()")
+        if not self._masked:
+            raise OutOfStage("masked_input() must be called before masked_again()")
+        in_place = _masks_in_place(self.me, self.config, x, out)
+        y = np.empty_like(x) if out is None else out
+        prg.add_masks(y, self._input_masks(), base=None if in_place else x)
+        return y
+
+    def _input_masks(self) -> list[Mask]:
+        """``(seed, sign)`` of this peer's self mask and of its pairwise mask with each
+        neighbour in U2."""
         cfg = self.config
-        in_place = _masks_in_place(self.me, cfg, x, out)
         own = self._own()
         assert self._u2 is not None
         masks: list[Mask] = [(own.b, 1)]
@@ -240,10 +268,7 @@ class SecAggPeer(PeerState):
                 agree(own.s.private, self._adverts[j].s_pk), cfg.ctx, self.me, j
             )
             masks.append((seed, cfg.mask_sign(self.me, j)))
-        y = np.empty_like(x) if out is None else out
-        prg.add_masks(y, masks, base=None if in_place else x)
-        self._masked = True
-        return y
+        return masks
 
     # ---------------------------------------------------------------- stage 3
 
@@ -445,6 +470,39 @@ class SecAggPeer(PeerState):
             prg.add_masks(z, masks, base=masked_sum)
         self._stage = Stage.DONE
         return z
+
+    def finalize_into(
+        self,
+        masked_sum: np.ndarray,
+        sink: Callable[[int, np.ndarray], None],
+        *,
+        chunk: int = STREAM_CHUNK,
+    ) -> None:
+        """:meth:`finalize`, streamed: the unmasked sum goes to ``sink(offset, part)``
+        chunk by chunk, ``part`` being elements ``[offset, offset + len(part))`` in one
+        scratch buffer of ``chunk`` elements that the next call overwrites (the sink
+        copies or decodes what it keeps). ``masked_sum`` is left as it is, and no
+        vector-sized array is made: the masks of each chunk are expanded from its
+        offset on (:func:`secure_agg.prg.add_masks`), so the parts are exactly those of
+        :meth:`finalize`, whatever ``chunk``.
+        """
+        self._require_stage(Stage.UNMASK, action="finalize_into()")
+        cfg = self.config
+        try:
+            check_ring(masked_sum, cfg.bits, cfg.vector_length)
+        except RingError as exc:
+            raise BadVector(f"masked sum: {exc}") from None
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise ConfigError(f"chunk must be a positive int, got {chunk!r}")
+        masks = self._removal()
+        length = masked_sum.shape[0]
+        scratch = np.empty(min(chunk, length), dtype=masked_sum.dtype)
+        for lo in range(0, length, chunk):
+            hi = min(length, lo + chunk)
+            part = scratch[: hi - lo]
+            prg.add_masks(part, masks, base=masked_sum[lo:hi], offset=lo)
+            sink(lo, part)
+        self._stage = Stage.DONE
 
     def finalize_part(self, masked_part: np.ndarray, offset: int) -> np.ndarray:
         """Elements ``[offset, offset + len(masked_part))`` of the unmasked sum, a new array.
