@@ -71,7 +71,7 @@ from coordinator_free.endpoint import Endpoint
 from coordinator_free.identity import OrgIdentity
 from coordinator_free.ring import ring_order
 from coordinator_free.rounds import RoundConfig, RoundEngine, endpoint_signer, secagg_sessions
-from coordinator_free.sim import SimConfig, Simulation
+from coordinator_free.sim import RoundOutcome, SimConfig, Simulation
 from coordinator_free.transport import RawHandler, Transport
 
 from bench.common import Report, run_main
@@ -80,6 +80,14 @@ __all__ = ["CountingTransport", "main"]
 
 MILLION = 1_000_000
 FEDERATION = "bench-overlay"
+RING_KINDS = frozenset({"agg.chunk", "agg.sum"})
+"""The ring's own messages (its reduce-scatter and all-gather), which a plain ring of
+the same vector sends too; the rest of a secure round's messages are its overhead."""
+LARGE_PARAMS = 256 * 1024
+"""Parameters of the simulated secure rounds at n = 128 and 256: all their peers share
+one process, and 256 peers' vectors, masks and ring buffers of 1M parameters would
+take most of the machine's memory and an hour of its CPU per round; ``n *
+ring_min_chunk`` = 262 144 elements at n = 256 still gives owner unmasking its chunks."""
 
 
 class CountingTransport:
@@ -126,16 +134,26 @@ def _round_config(n: int, topology: str = "ring") -> RoundConfig:
 # -- simulated peers ----------------------------------------------------------------------
 
 
-async def _sim_figures(n: int, params: int, *, secure: bool, repeats: int = 3) -> dict[str, float]:
+async def _sim_figures(
+    n: int,
+    params: int,
+    *,
+    secure: bool,
+    repeats: int = 3,
+    warm: bool = True,
+    star: bool = True,
+    signed: dict[str, float] | None = None,
+) -> dict[str, float]:
     """Busiest bytes and seconds of a plain ring, and of secure rounds (ring, star).
 
     Seconds are warm, like the TLS rows': one untimed plain ring and one untimed
     secure round first (the first vector-sized allocations of a process cost page
-    faults that later rounds do not pay), then ``repeats`` of each, interleaved, and
-    the median of each."""
+    faults that later rounds do not pay; ``warm=False`` skips them), then ``repeats``
+    of each, interleaved, and the median of each. ``signed`` gets the signed messages
+    per node of the last secure ring round, by kind (:meth:`RoundOutcome.signed_per_node`)."""
     out: dict[str, float] = {}
     rounds = itertools.count(1)
-    for topology in ("ring", "star") if secure else ("ring",):
+    for topology in ("ring", "star") if secure and star else ("ring",):
         config = SimConfig(peers=n, length=params, seed=1, round_config=_round_config(n, topology))
         async with Simulation(config) as sim:
 
@@ -158,17 +176,28 @@ async def _sim_figures(n: int, params: int, *, secure: bool, repeats: int = 3) -
                     engine.ring.close("plain", rnd)
                 return seconds, _busiest(sim.network.bytes_sent, before)
 
-            async def round_() -> tuple[float, float]:
+            async def round_(topology: str = topology) -> tuple[float, float]:
                 rnd = next(rounds)
                 before = dict(sim.network.bytes_sent)
                 outcome = await sim.round(rnd, inputs=sim.inputs(rnd))
                 if outcome.problems() or len(outcome.results) != n:
                     raise RuntimeError(f"secure round failed: {outcome.summary()}")
+                if signed is not None and topology == "ring":
+                    signed.clear()
+                    signed.update(outcome.signed_per_node())
+                    signed["max_beyond_ring"] = max(
+                        sum(
+                            c
+                            for k, c in kinds.items()
+                            if k.removesuffix(".reply") not in RING_KINDS
+                        )
+                        for kinds in outcome.signed.values()
+                    )
                 return outcome.seconds, _busiest(sim.network.bytes_sent, before)
 
             if topology == "ring":
                 runs = repeats if secure else 1
-                if secure:
+                if secure and warm:
                     await plain()
                     await round_()
                 timed: dict[str, list[float]] = {"plain": [], "ring": []}
@@ -438,21 +467,117 @@ def _add_rows(report: Report, where: str, n: int, params: int, fig: dict[str, fl
     )
 
 
+def _add_signed_row(report: Report, n: int, signed: dict[str, float]) -> float:
+    """The signed messages per node of one secure round beyond the ring's own; returns it."""
+    beyond = sum(v for k, v in signed.items() if k not in RING_KINDS and k != "max_beyond_ring")
+    ring = sum(v for k, v in signed.items() if k in RING_KINDS)
+    kinds = ", ".join(
+        f"{k}={v:.2f}" for k, v in sorted(signed.items()) if k not in ("max_beyond_ring",)
+    )
+    report.add(
+        f"signed_msgs_per_node_per_round[n={n}]",
+        beyond,
+        "msgs",
+        note=f"signed requests and replies per node of one simulated secure round beyond the "
+        f"ring's own {ring:.0f} (which a plain ring sends too), mean over nodes; busiest "
+        f"node {signed.get('max_beyond_ring', 0):.0f} (the token's starter sends the "
+        f"n - 1 permits); per kind: {kinds}",
+    )
+    return beyond
+
+
+def _add_growth_row(report: Report, counted: dict[int, float]) -> None:
+    """Whether the messages beyond the ring grow no faster than ``log2 n``: the count per
+    ``log2 n`` at the largest ``n`` over that at the smallest (arithmetic on the rows)."""
+    if len(counted) < 2:
+        return
+    lo, hi = min(counted), max(counted)
+    per_log = {n: counted[n] / math.log2(n) for n in (lo, hi)}
+    growth = per_log[hi] / per_log[lo]
+    report.add(
+        f"signed_msgs_per_log2n_growth[n={lo}..{hi}]",
+        per_log[hi],
+        "msgs",
+        baseline=per_log[lo],
+        target="<= 1.25",
+        note=f"(signed messages beyond the ring ÷ log2 n) at n={hi} over n={lo}, arithmetic "
+        f"on the rows above: {'O(log n)' if growth <= 1.25 else 'faster than O(log n)'} "
+        f"(n/log2 n alone would give {(hi / math.log2(hi)) / (lo / math.log2(lo)):.1f})",
+    )
+
+
+async def _count_signed(n: int, params: int) -> dict[str, float]:
+    """The signed messages per node of one secure round, untimed (quick mode's counts)."""
+    config = SimConfig(peers=n, length=params, seed=1, round_config=_round_config(n))
+    async with Simulation(config) as sim:
+        outcome = await sim.round(1)
+        if outcome.problems() or len(outcome.results) != n:
+            raise RuntimeError(f"secure round failed: {outcome.summary()}")
+        return _signed_of(outcome)
+
+
+def _signed_of(outcome: RoundOutcome) -> dict[str, float]:
+    """Signed messages per node by kind, and the busiest node's beyond the ring."""
+    signed = outcome.signed_per_node()
+    signed["max_beyond_ring"] = max(
+        sum(c for k, c in kinds.items() if k.removesuffix(".reply") not in RING_KINDS)
+        for kinds in outcome.signed.values()
+    )
+    return signed
+
+
+def _secure_rows(
+    report: Report, secure: list[tuple[int, int]], count_only: Sequence[tuple[int, int]] = ()
+) -> None:
+    """The simulated secure rounds against a plain ring, and their signed messages. From
+    n = 128 on, one cold round of each (no warm-up, no star round): one such round
+    takes minutes of this machine's CPU."""
+    counted: dict[int, float] = {}
+    for n, params in secure:
+        signed: dict[str, float] = {}
+        large = n >= 128
+        fig = asyncio.run(
+            _sim_figures(
+                n,
+                params,
+                secure=True,
+                repeats=1 if large else 3,
+                warm=not large,
+                star=not large,
+                signed=signed,
+            )
+        )
+        _add_rows(report, "sim", n, params, fig)
+        if large:
+            report.add(
+                f"secure_round_seconds[sim,n={n},params={_label(params)}]",
+                fig["ring_s"],
+                "s",
+                note="one secure round of every simulated peer together in this process "
+                "(SecAgg+ graph, owner unmasking, relayed readies), cold",
+            )
+        counted[n] = _add_signed_row(report, n, signed)
+    for n, params in count_only:
+        counted[n] = _add_signed_row(report, n, asyncio.run(_count_signed(n, params)))
+    _add_growth_row(report, counted)
+
+
 def _body(report: Report) -> None:
     from bench.overlay_membership import default_period, measure_detection, measure_message_rate
 
     if report.quick:
         ring_only = [(4, 65_536), (16, 65_536)]
         secure = [(8, MILLION)]
+        count_only = [(64, 64 * 1024)]
         tls = [MILLION]
         members = [16]
     else:
         ring_only = [(256, MILLION), (16, 25 * MILLION)]
-        secure = [(16, MILLION), (64, MILLION)]
+        secure = [(16, MILLION), (64, MILLION), (128, LARGE_PARAMS), (256, LARGE_PARAMS)]
+        count_only = []
         tls = [MILLION, 25 * MILLION]
         members = [16, 64, 256]
-    for n, params in secure:
-        _add_rows(report, "sim", n, params, asyncio.run(_sim_figures(n, params, secure=True)))
+    _secure_rows(report, secure, count_only)
     for n, params in ring_only:
         _add_rows(report, "sim", n, params, asyncio.run(_sim_figures(n, params, secure=False)))
     for params in tls:
