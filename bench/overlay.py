@@ -23,6 +23,14 @@ org sends, envelopes and signatures included):
   and each figure is the median of its runs: five over TLS, where the processes start
   each run together at a clock time agreed by a small all-reduce (they share one
   clock), three in the simulator.
+- ``signed_msgs_per_node_per_round[n=...]``: signed requests and replies per node of
+  one simulated secure round beyond the ring's own (which a plain ring sends too),
+  mean over the nodes, counted by the simulator's endpoints
+  (:meth:`~coordinator_free.sim.RoundOutcome.signed_per_node`); the note gives the
+  per-kind breakdown and the busiest node. ``signed_msgs_per_log2n_growth[...]``
+  divides that count by ``log2 n`` at the largest and the smallest ``n`` and compares
+  (arithmetic on those rows): ``<= 1.25`` reads as growth no faster than ``O(log n)``.
+  ``secure_round_seconds[...]``: the time of one such round at n = 128 and 256.
 - ``detect_seconds[n]``, ``detect_periods[n]``, ``disseminate_periods[n]`` and
   ``msgs_per_node_per_period[n]``: SWIM failure detection and message rate, from
   :mod:`bench.overlay_membership`. Detection is SWIM's *first* detection (SWIM §3.1:
@@ -35,11 +43,14 @@ org sends, envelopes and signatures included):
 Settings. Simulated peers run in this process on the in-memory network; the TLS rows
 run 4 org processes on 127.0.0.1 (``python -m bench.overlay node ...``). Full:
 simulated n in {16, 64, 256} with 1M params for the ring traffic, n = 16 with 25M,
-secure rounds at n in {16, 64} with 1M, TLS with 1M and 25M params; membership at
-n in {16, 64, 256}. (A secure round of 256 in-process peers, or 25M params for more
-than 16 of them, does not fit one machine's CPU or memory.) Quick, under a minute:
-ring traffic of 4 and 16 peers on 64k params, a secure round of 8 simulated peers and
-of 4 TLS processes on 1M params, membership at n = 16.
+secure rounds at n in {16, 64} with 1M (warm medians of three) and at n in {128, 256}
+with 256k params (``LARGE_PARAMS``; SecAgg+ graph, owner unmasking, relayed readies;
+one cold round of each, no star round: each takes minutes of CPU here), TLS with 1M
+and 25M params; membership at n in {16, 64, 256}. (25M params for more than 16
+in-process peers does not fit one machine's memory.) Quick, under a minute on an idle
+machine: ring traffic of 4 and 16 peers on 64k params, a secure round of 8 simulated
+peers and of 4 TLS processes on 1M params, the signed messages of one round of 64
+simulated peers on 64k params (untimed), membership at n = 16.
 
 All simulated peers share one CPU here, so a secure round's masking work (each peer
 expands ``n`` masks) is counted ``n`` times over against a ring whose message handling

@@ -103,9 +103,12 @@ class ReadyStage:
         ctx.state.inbox.put(READY, ctx.me, own)
         exchange = ctx.state.exchange(READY)
         exchange.offer(own)
-        ready_end = asyncio.get_running_loop().time() + max(0.0, self._wait_s(ctx))
+        now, wait_s = asyncio.get_running_loop().time(), max(0.0, self._wait_s(ctx))
+        ready_end = now + wait_s
         if self.relay is not None and ctx.config.relays_readies(len(ctx.u0)):
-            await self.relay.spread(ctx, own, ready_end)
+            # the relay waits at most half the window: the rest is left to ask the
+            # members whose records it did not bring directly
+            await self.relay.spread(ctx, own, now + wait_s / 2)
             # the pairwise ready goes to the members still missing and to those owed
             inbox = ctx.state.inbox
             pending = set(ctx.u0) - set(inbox.senders(READY)) - {ctx.me}
