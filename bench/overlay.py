@@ -218,6 +218,8 @@ async def _sim_figures(
                     if secure:
                         seconds, out["ring_busiest"] = await round_()
                         timed["ring"].append(seconds)
+                if not warm:
+                    out["cold"] = 1.0
                 for name, values in timed.items():
                     if values:
                         out[f"{name}_s"] = statistics.median(values)
@@ -472,7 +474,9 @@ def _add_star_row(report: Report, tag: str, n: int, fig: dict[str, float]) -> No
 def _add_ratio_row(report: Report, tag: str, fig: dict[str, float]) -> None:
     where = tag.split(",", 1)[0]
     spread = ""
-    if "ring_min_s" in fig:
+    if fig.get("cold"):
+        spread = "; one cold run of each"
+    elif "ring_min_s" in fig:
         spread = (
             f"; median of warm runs interleaved with the baseline's, secure "
             f"{fig['ring_min_s']:.3f}-{fig['ring_max_s']:.3f}s, plain "
@@ -501,8 +505,8 @@ def _add_signed_row(report: Report, n: int, signed: dict[str, float]) -> float:
         "msgs",
         note=f"signed requests and replies per node of one simulated secure round beyond the "
         f"ring's own {ring:.0f} (which a plain ring sends too), mean over nodes; busiest "
-        f"node {signed.get('max_beyond_ring', 0):.0f} (the token's starter sends the "
-        f"n - 1 permits); per kind: {kinds}",
+        f"node {signed.get('max_beyond_ring', 0):.0f} (a token's starter sends its "
+        f"decision, and the permits, to the n - 1 others); per kind: {kinds}",
     )
     return beyond
 
