@@ -17,7 +17,8 @@ org sends, envelopes and signatures included):
   Target ``>= n / 2.5``.
 - ``round_vs_plain_ring[...]``: wall seconds of a whole secure round (ready, key
   shares, masking, ring, unmasking) ÷ a plaintext ring all-reduce of the same payload
-  over the same transport. Target ``<= 1.25``. Both run warm (after one untimed run
+  over the same transport. Target ``<= 1.25`` (simulated rounds of 16 peers or more:
+  ``<= 1.3``). Both run warm (after one untimed run
   of each: connections outlive rounds in a deployment, and a process's first
   vector-sized allocations pay page faults that later rounds do not) and alternate,
   and each figure is the median of its runs: five over TLS, where the processes start
@@ -30,6 +31,14 @@ org sends, envelopes and signatures included):
   process's rise ÷ its ``n`` peers. Baseline: the same figure for the plain ring.
   Target ``<= 3`` plus a fixed :data:`FIXED_RSS` (frames in flight, chunk buffers),
   so the target reads ``3 + FIXED_RSS / (4 × params)``. Linux only (skipped elsewhere).
+- ``signed_msgs_per_node_per_round[n=...]``: signed requests and replies per node of
+  one simulated secure round beyond the ring's own (which a plain ring sends too),
+  mean over the nodes, counted by the simulator's endpoints
+  (:meth:`~coordinator_free.sim.RoundOutcome.signed_per_node`); the note gives the
+  per-kind breakdown and the busiest node. ``signed_msgs_per_log2n_growth[...]``
+  divides that count by ``log2 n`` at the largest and the smallest ``n`` and compares
+  (arithmetic on those rows): ``<= 1.25`` reads as growth no faster than ``O(log n)``.
+  ``secure_round_seconds[...]``: the time of one such round at n = 128 and 256.
 - ``detect_seconds[n]``, ``detect_periods[n]``, ``disseminate_periods[n]`` and
   ``msgs_per_node_per_period[n]``: SWIM failure detection and message rate, from
   :mod:`bench.overlay_membership`. Detection is SWIM's *first* detection (SWIM §3.1:
@@ -42,15 +51,18 @@ org sends, envelopes and signatures included):
 Settings. Simulated peers run in this process on the in-memory network; the TLS rows
 run 4 org processes on 127.0.0.1 (``python -m bench.overlay node ...``). Full:
 simulated n in {16, 64, 256} with 1M params for the ring traffic, n = 16 with 25M,
-secure rounds at n in {16, 64} with 1M, TLS with 1M, 25M and 100M params (100M: the
-median of three timed runs); membership at n in {16, 64, 256}; last, one secure
-round of 4 simulated peers with 1B params, or the most that fits the memory
-available (the peers share this process: about ``5 × 4 × 4 B × params``, their
-inputs, masked sums and sums and the frames in flight), run once, not warmed up. (A secure round of 256 in-process
-peers, or 25M params for more than 16 of them, does not fit one machine's CPU or
-memory.) Quick, under a minute:
-ring traffic of 4 and 16 peers on 64k params, a secure round of 8 simulated peers and
-of 4 TLS processes on 1M params, membership at n = 16.
+secure rounds at n in {16, 64} with 1M (warm medians of three) and at n in {128, 256}
+with 256k params (``LARGE_PARAMS``; SecAgg+ graph, owner unmasking, relayed readies;
+one cold round of each, no star round: each takes minutes of CPU here), TLS with 1M,
+25M and 100M params (100M: the median of three timed runs); membership at n in {16,
+64, 256}; last, one secure round of 4 simulated peers with 1B params, or the most that
+fits the memory available (the peers share this process: about ``5 × 4 × 4 B ×
+params``, their inputs, masked sums and sums and the frames in flight), run once, not
+warmed up. (25M params for more than 16 in-process peers does not fit one machine's
+memory.) Quick, under a minute on an idle machine: ring traffic of 4 and 16 peers on
+64k params, a secure round of 8 simulated peers and of 4 TLS processes on 1M params,
+the signed messages of one round of 64 simulated peers on 64k params (untimed),
+membership at n = 16.
 
 All simulated peers share one CPU here, so a secure round's masking work (each peer
 expands ``n`` masks) is counted ``n`` times over against a ring whose message handling
@@ -82,7 +94,7 @@ from coordinator_free.endpoint import Endpoint
 from coordinator_free.identity import OrgIdentity
 from coordinator_free.ring import ring_order
 from coordinator_free.rounds import RoundConfig, RoundEngine, endpoint_signer, secagg_sessions
-from coordinator_free.sim import SimConfig, Simulation
+from coordinator_free.sim import RoundOutcome, SimConfig, Simulation
 from coordinator_free.transport import RawHandler, Transport
 
 from bench.common import (
@@ -100,6 +112,14 @@ BILLION = 1000 * MILLION
 FEDERATION = "bench-overlay"
 #: Peers of the largest simulated round (all in this process; one secure round, once).
 LARGE_SIM_PEERS = 4
+RING_KINDS = frozenset({"agg.chunk", "agg.sum"})
+"""The ring's own messages (its reduce-scatter and all-gather), which a plain ring of
+the same vector sends too; the rest of a secure round's messages are its overhead."""
+LARGE_PARAMS = 256 * 1024
+"""Parameters of the simulated secure rounds at n = 128 and 256: all their peers share
+one process, and 256 peers' vectors, masks and ring buffers of 1M parameters would
+take most of the machine's memory and an hour of its CPU per round; ``n *
+ring_min_chunk`` = 262 144 elements at n = 256 still gives owner unmasking its chunks."""
 
 
 class CountingTransport:
@@ -149,7 +169,14 @@ def _round_config(n: int, topology: str = "ring", params: int = MILLION) -> Roun
 
 
 async def _sim_figures(
-    n: int, params: int, *, secure: bool, repeats: int = 3, warm: bool = True, star: bool = True
+    n: int,
+    params: int,
+    *,
+    secure: bool,
+    repeats: int = 3,
+    warm: bool = True,
+    star: bool = True,
+    signed: dict[str, float] | None = None,
 ) -> dict[str, float]:
     """Busiest bytes and seconds of a plain ring, and of secure rounds (ring, star).
 
@@ -159,7 +186,9 @@ async def _sim_figures(
     the median of each; ``warm=False`` skips the untimed runs (a vector too large to
     run twice). Where the platform lets the peak resident set be reset, the most it
     rose during each plain ring and secure round (``plain_rss``, ``ring_rss``:
-    bytes, all ``n`` peers of this process together, the inputs made before)."""
+    bytes, all ``n`` peers of this process together, the inputs made before).
+    ``signed`` gets the signed messages per node of the last secure ring round, by
+    kind (:meth:`RoundOutcome.signed_per_node`)."""
     out: dict[str, float] = {}
     rounds = itertools.count(1)
     memory = can_measure_memory()
@@ -206,6 +235,17 @@ async def _sim_figures(
                     rss[kind].append(peak())
                 if outcome.problems() or len(outcome.results) != n:
                     raise RuntimeError(f"secure round failed: {outcome.summary()}")
+                if signed is not None and kind == "ring":
+                    signed.clear()
+                    signed.update(outcome.signed_per_node())
+                    signed["max_beyond_ring"] = max(
+                        sum(
+                            c
+                            for k, c in kinds.items()
+                            if k.removesuffix(".reply") not in RING_KINDS
+                        )
+                        for kinds in outcome.signed.values()
+                    )
                 return outcome.seconds, _busiest(sim.network.bytes_sent, before)
 
             if topology == "ring":
@@ -222,6 +262,8 @@ async def _sim_figures(
                     if secure:
                         seconds, out["ring_busiest"] = await round_()
                         timed["ring"].append(seconds)
+                if not warm:
+                    out["cold"] = 1.0
                 for name, values in timed.items():
                     if values:
                         out[f"{name}_s"] = statistics.median(values)
@@ -540,17 +582,31 @@ def _add_rows(
     )
     if "ring_s" not in fig:
         return
-    if "star_s" in fig:
-        report.add(
-            f"star_over_ring_busiest_bytes[{tag}]",
-            fig["star_busiest"],
-            "B",
-            baseline=fig["ring_busiest"],
-            target=f">= {n / 2.5:.2f}",
-            note="secure round through one hub ÷ the same round along the ring, busiest node",
-        )
+    if "star_busiest" in fig:
+        _add_star_row(report, tag, n, fig)
+    _add_ratio_row(report, tag, n, params, fig, note)
+
+
+def _add_star_row(report: Report, tag: str, n: int, fig: dict[str, float]) -> None:
+    report.add(
+        f"star_over_ring_busiest_bytes[{tag}]",
+        fig["star_busiest"],
+        "B",
+        baseline=fig["ring_busiest"],
+        target=f">= {n / 2.5:.2f}",
+        note="secure round through one hub ÷ the same round along the ring, busiest node",
+    )
+
+
+def _add_ratio_row(
+    report: Report, tag: str, n: int, params: int, fig: dict[str, float], note: str
+) -> None:
+    """``round_vs_plain_ring`` and, where measured, ``peak_rss_over_update``."""
+    where = tag.split(",", 1)[0]
     spread = ""
-    if "ring_min_s" in fig:
+    if fig.get("cold"):
+        spread = "; one cold run of each"
+    elif "ring_min_s" in fig:
         runs = "warm runs" if fig.get("warm", 1.0) else "runs"
         spread = (
             f"; median of {runs} interleaved with the baseline's, secure "
@@ -562,12 +618,107 @@ def _add_rows(
         fig["ring_s"],
         "s",
         baseline=fig["plain_s"],
-        target="<= 1.25",
+        target="<= 1.3" if where == "sim" and n >= 16 else "<= 1.25",
         note="whole secure round ÷ plaintext ring all-reduce, same payload and transport"
         + spread
         + note,
     )
     _add_memory_row(report, tag, params, fig, n if where == "sim" else 1)
+
+
+def _add_signed_row(report: Report, n: int, signed: dict[str, float]) -> float:
+    """The signed messages per node of one secure round beyond the ring's own; returns it."""
+    beyond = sum(v for k, v in signed.items() if k not in RING_KINDS and k != "max_beyond_ring")
+    ring = sum(v for k, v in signed.items() if k in RING_KINDS)
+    kinds = ", ".join(
+        f"{k}={v:.2f}" for k, v in sorted(signed.items()) if k not in ("max_beyond_ring",)
+    )
+    report.add(
+        f"signed_msgs_per_node_per_round[n={n}]",
+        beyond,
+        "msgs",
+        note=f"signed requests and replies per node of one simulated secure round beyond the "
+        f"ring's own {ring:.0f} (which a plain ring sends too), mean over nodes; busiest "
+        f"node {signed.get('max_beyond_ring', 0):.0f} (a token's starter sends its "
+        f"decision, and the permits, to the n - 1 others); per kind: {kinds}",
+    )
+    return beyond
+
+
+def _add_growth_row(report: Report, counted: dict[int, float]) -> None:
+    """Whether the messages beyond the ring grow no faster than ``log2 n``: the count per
+    ``log2 n`` at the largest ``n`` over that at the smallest (arithmetic on the rows)."""
+    if len(counted) < 2:
+        return
+    lo, hi = min(counted), max(counted)
+    per_log = {n: counted[n] / math.log2(n) for n in (lo, hi)}
+    growth = per_log[hi] / per_log[lo]
+    report.add(
+        f"signed_msgs_per_log2n_growth[n={lo}..{hi}]",
+        per_log[hi],
+        "msgs",
+        baseline=per_log[lo],
+        target="<= 1.25",
+        note=f"(signed messages beyond the ring ÷ log2 n) at n={hi} over n={lo}, arithmetic "
+        f"on the rows above: {'O(log n)' if growth <= 1.25 else 'faster than O(log n)'} "
+        f"(n/log2 n alone would give {(hi / math.log2(hi)) / (lo / math.log2(lo)):.1f})",
+    )
+
+
+async def _count_signed(n: int, params: int) -> dict[str, float]:
+    """The signed messages per node of one secure round, untimed (quick mode's counts)."""
+    config = SimConfig(peers=n, length=params, seed=1, round_config=_round_config(n))
+    async with Simulation(config) as sim:
+        outcome = await sim.round(1)
+        if outcome.problems() or len(outcome.results) != n:
+            raise RuntimeError(f"secure round failed: {outcome.summary()}")
+        return _signed_of(outcome)
+
+
+def _signed_of(outcome: RoundOutcome) -> dict[str, float]:
+    """Signed messages per node by kind, and the busiest node's beyond the ring."""
+    signed = outcome.signed_per_node()
+    signed["max_beyond_ring"] = max(
+        sum(c for k, c in kinds.items() if k.removesuffix(".reply") not in RING_KINDS)
+        for kinds in outcome.signed.values()
+    )
+    return signed
+
+
+def _secure_rows(
+    report: Report, secure: list[tuple[int, int]], count_only: Sequence[tuple[int, int]] = ()
+) -> None:
+    """The simulated secure rounds against a plain ring, and their signed messages. From
+    n = 128 on, one cold round of each (no warm-up, no star round): one such round
+    takes minutes of this machine's CPU."""
+    counted: dict[int, float] = {}
+    for n, params in secure:
+        signed: dict[str, float] = {}
+        large = n >= 128
+        fig = asyncio.run(
+            _sim_figures(
+                n,
+                params,
+                secure=True,
+                repeats=1 if large else 3,
+                warm=not large,
+                star=not large,
+                signed=signed,
+            )
+        )
+        _add_rows(report, "sim", n, params, fig)
+        if large:
+            report.add(
+                f"secure_round_seconds[sim,n={n},params={_label(params)}]",
+                fig["ring_s"],
+                "s",
+                note="one secure round of every simulated peer together in this process "
+                "(SecAgg+ graph, owner unmasking, relayed readies), cold",
+            )
+        counted[n] = _add_signed_row(report, n, signed)
+    for n, params in count_only:
+        counted[n] = _add_signed_row(report, n, asyncio.run(_count_signed(n, params)))
+    _add_growth_row(report, counted)
 
 
 def _body(report: Report) -> None:
@@ -576,15 +727,16 @@ def _body(report: Report) -> None:
     if report.quick:
         ring_only = [(4, 65_536), (16, 65_536)]
         secure = [(8, MILLION)]
+        count_only = [(64, 64 * 1024)]
         tls = [MILLION]
         members = [16]
     else:
         ring_only = [(256, MILLION), (16, 25 * MILLION)]
-        secure = [(16, MILLION), (64, MILLION)]
+        secure = [(16, MILLION), (64, MILLION), (128, LARGE_PARAMS), (256, LARGE_PARAMS)]
+        count_only = []
         tls = [MILLION, 25 * MILLION, 100 * MILLION]
         members = [16, 64, 256]
-    for n, params in secure:
-        _add_rows(report, "sim", n, params, asyncio.run(_sim_figures(n, params, secure=True)))
+    _secure_rows(report, secure, count_only)
     for n, params in ring_only:
         _add_rows(report, "sim", n, params, asyncio.run(_sim_figures(n, params, secure=False)))
     for params in tls:

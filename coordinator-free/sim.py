@@ -28,7 +28,8 @@ import logging
 import random
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -52,6 +53,7 @@ from coordinator_free.rounds import (
     secagg_sessions,
 )
 from coordinator_free.transport import RawHandler, SequenceCounter
+from coordinator_free.wire import Envelope
 
 __all__ = [
     "STAGES",
@@ -184,6 +186,8 @@ class RoundOutcome:
     faulty: set[str] = field(default_factory=set)
     open_after: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
     seconds: float = 0.0
+    # signed envelopes each org sent during the round, by kind (replies as ``KIND.reply``)
+    signed: dict[str, Counter[str]] = field(default_factory=dict)
 
     @property
     def completed(self) -> bool:
@@ -227,6 +231,16 @@ class RoundOutcome:
 
     def busiest_bytes(self) -> int:
         return max((r.bytes_sent for r in self.results.values()), default=0)
+
+    def signed_per_node(self) -> dict[str, float]:
+        """Signed messages (requests and replies) per node of the round, by kind, a
+        reply counted under its request's kind: the mean over every org that sent."""
+        total: Counter[str] = Counter()
+        for kinds in self.signed.values():
+            for kind, count in kinds.items():
+                total[kind.removesuffix(".reply")] += count
+        n = max(1, len(self.signed))
+        return {kind: count / n for kind, count in sorted(total.items())}
 
     def summary(self) -> dict[str, object]:
         first = self.results[min(self.results)] if self.results else None
@@ -304,6 +318,8 @@ class Simulation:
         }
         self._keys = {o: i.public_key for o, i in self.identities.items()}
         self.transports = {o: _RecordingTransport(self.network.transport(o)) for o in self.orgs}
+        # every signed envelope each org sent (requests and replies), by kind
+        self.signed: dict[str, Counter[str]] = {}
         # one sequence counter per org, as each org's own process would have: with the
         # process-wide counter, the numbers one org draws are spread over every simulated
         # org's traffic, and a request that waited in the loop behind a few thousand
@@ -317,6 +333,7 @@ class Simulation:
                 self.transports[o],
                 self.members,
                 sequence=SequenceCounter(),
+                on_egress=self._count_for(o),
             )
             for o in self.orgs
         }
@@ -335,6 +352,14 @@ class Simulation:
         self.killed: set[str] = set()
         self.refusals_seen = 0
         self._started = False
+
+    def _count_for(self, org: str) -> Callable[[Envelope, bytes], None]:
+        counts = self.signed.setdefault(org, Counter())
+
+        def count(env: Envelope, wire: bytes) -> None:
+            counts[env.kind] += 1
+
+        return count
 
     def members(self) -> dict[str, bytes]:
         """Every member's Ed25519 public key (the manifest of the simulated federation)."""
@@ -454,12 +479,17 @@ class Simulation:
                 self.network.heal()
 
             healer = asyncio.ensure_future(heal())
+        signed_before = {o: Counter(c) for o, c in self.signed.items()}
         t0 = time.perf_counter()
         results = await asyncio.gather(
             *(self.engines[o].run_round(self.config.run, round, inputs[o]) for o in live),
             return_exceptions=True,
         )
         outcome.seconds = time.perf_counter() - t0
+        for org, counts in self.signed.items():
+            sent = counts - signed_before.get(org, Counter())
+            if sent:
+                outcome.signed[org] = sent
         if healer is not None:
             healer.cancel()
             with contextlib.suppress(asyncio.CancelledError):

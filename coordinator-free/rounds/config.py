@@ -46,6 +46,13 @@ class RoundConfig:
         small messages, ``n`` of them one after another). ``None``: every member
         unmasks the whole sum (the fewest messages one after another; see
         ``docs/ARCHITECTURE.md``, "A round").
+    ready_relay_from: with at least this many members, the readies are not exchanged
+        by one request per pair but signed once as records and relayed by recursive
+        doubling over the round's ring order (``round.readies``,
+        :mod:`~coordinator_free.rounds.ready_relay`): ``ceil(log2 n)`` requests per node
+        instead of about ``(n - 1) / 2``, each carrying every record its sender holds;
+        a member whose record did not come through is then asked directly. ``None``:
+        always one request per pair.
     secagg_plus_above: with more members than this, the masked sum runs as SecAgg+
         (Bell et al., CCS'20, §3): each org sends ShareKeys to, masks with and has its
         secrets reconstructed by only its :meth:`neighbours_for` neighbours of the
@@ -67,6 +74,7 @@ class RoundConfig:
     topology: str = "ring"
     owner_unmask_from: int | None = 8
     secagg_plus_above: int | None = 32
+    ready_relay_from: int | None = 32
     attempts_per_round: int | None = None
     max_open_rounds: int | None = None
 
@@ -113,7 +121,7 @@ class RoundConfig:
                 "RoundConfig.attempts_per_round must be None or a positive int, "
                 f"got {self.attempts_per_round!r}"
             )
-        for name in ("secagg_plus_above", "owner_unmask_from"):
+        for name in ("secagg_plus_above", "owner_unmask_from", "ready_relay_from"):
             value = getattr(self, name)
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, int) or value < 3
@@ -169,6 +177,10 @@ class RoundConfig:
         if k is None:
             return self.threshold_for(n_members)
         return k // 2 + 1
+
+    def relays_readies(self, n_members: int) -> bool:
+        """Whether a round of ``n_members`` relays its readies (``ready_relay_from``)."""
+        return self.ready_relay_from is not None and n_members >= self.ready_relay_from
 
 
 def patience(config: RoundConfig) -> float:

@@ -20,7 +20,8 @@ compares the next model's digest with the participants'
 
 The cost per node is about ``(n - 1) / 2`` small signed requests (and as many
 replies) for each of the ready and share stages (the pairwise shares of Bonawitz et
-al. make ``O(n)`` inherent), ``ceil(log2 n)`` for the seeds (or ``(n - 1) / 2`` for the
+al. make ``O(n)`` inherent; from ``RoundConfig.ready_relay_from`` members on the
+readies are relayed in ``ceil(log2 n)`` requests, :mod:`~coordinator_free.rounds.ready_relay`), ``ceil(log2 n)`` for the seeds (or ``(n - 1) / 2`` for the
 releases), plus about ``2 (n - 1) / n`` times the vector along the ring. Above
 ``RoundConfig.secagg_plus_above`` members the masked sum runs as SecAgg+ (Bell et al.,
 CCS'20, §3): ShareKeys go to the ``k = O(log n)`` graph neighbours only, each node
@@ -47,6 +48,7 @@ from coordinator_free.rounds.context import StageContext
 from coordinator_free.rounds.messenger import Messenger, refusal_kind
 from coordinator_free.rounds.model_hash import ModelHashes
 from coordinator_free.rounds.ready import ReadyStage
+from coordinator_free.rounds.ready_relay import ReadyRelay
 from coordinator_free.rounds.reduce import ReduceStage
 from coordinator_free.rounds.results import (
     RoundFailed,
@@ -109,13 +111,15 @@ class RoundEngine:
         self._table = RoundTable(endpoint.org_id, self.config, self.ring, admit)
         self._agreement = Agreement(self._net, self._table, self.config)
         self._sums = SumServer(self._net, self._table, self.config)
-        self._ready = ReadyStage(self._table, endpoint.federation, peers, session_factory)
+        relay = ReadyRelay(self._table, self._net, endpoint.federation, *endpoint_signer(endpoint))
+        self._ready = ReadyStage(self._table, endpoint.federation, peers, session_factory, relay)
         self._share = ShareStage(self._table, self.config, self._agreement)
         self._reduce = ReduceStage(self.ring, self._agreement, self._sums)
         self._unmask = UnmaskStage(self._table, self.config, self.ring, self._sums)
         self.model_hashes = ModelHashes(self._net, self.config, self._table.last_done)
         for kind, handler in (
             (wire.KIND_READY, self._ready.on_ready),
+            (wire.KIND_READIES, relay.on_readies),
             (wire.KIND_VIEW, self._agreement.on_view),
             (wire.KIND_SHARE, self._share.on_share),
             (wire.KIND_UNMASK, self._unmask.on_unmask),

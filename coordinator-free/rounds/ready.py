@@ -10,6 +10,13 @@ so a partition that heals in time costs nothing. The wait lasts until the deadli
 ends early only when every member is ready, or when at least ``t`` are and every missing
 one is confirmed dead by membership (never merely suspect: latency is not death). The orgs whose ``ready`` came with the same ``U0`` and an
 advertisement the session takes are this node's ready set.
+
+From ``RoundConfig.ready_relay_from`` members on, the readies travel first as signed
+records relayed by recursive doubling (:mod:`~coordinator_free.rounds.ready_relay`,
+``ceil(log2 n)`` requests per node); the pairwise ``round.ready`` then goes only to the
+members whose record did not come through, and to those whose ready came before this
+node had its own. The ready set is the same either way: the readies seen by the
+deadline.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from collections.abc import Callable, Iterable
 from coordinator_free.rounds.config import patience
 from coordinator_free.rounds.context import StageContext
 from coordinator_free.rounds.exchange import PairwiseExchange
+from coordinator_free.rounds.ready_relay import OWED, ReadyRelay
 from coordinator_free.rounds.results import RoundFailed
 from coordinator_free.rounds.session import SessionContext, SessionFactory
 from coordinator_free.rounds.state import RoundTable
@@ -70,16 +78,22 @@ class ReadyStage:
         federation: str,
         peers: Callable[[], Iterable[str]],
         session_factory: SessionFactory,
+        relay: ReadyRelay | None = None,
     ) -> None:
         self.table = table
         self.federation = federation
         self.peers = peers
         self.session_factory = session_factory
+        self.relay = relay
 
     async def on_ready(self, env: Envelope) -> bytes:
-        """A peer's ready: filed, and answered with this node's own when it has one."""
+        """A peer's ready: filed, and answered with this node's own when it has one
+        (else this node owes it its own, and sends it once it has one)."""
         state = self.table.state(env.run, env.round, env.sender)
-        return await state.exchange(READY).serve(env.sender, env.payload, "ready")
+        reply = await state.exchange(READY).serve(env.sender, env.payload, "ready")
+        if not reply:
+            state.inbox.put(OWED, env.sender, b"")
+        return reply
 
     async def run(self, ctx: StageContext) -> None:
         await ctx.enter("ready")
@@ -89,7 +103,21 @@ class ReadyStage:
         ctx.state.inbox.put(READY, ctx.me, own)
         exchange = ctx.state.exchange(READY)
         exchange.offer(own)
-        await self._exchange(ctx, exchange)
+        now, wait_s = asyncio.get_running_loop().time(), max(0.0, self._wait_s(ctx))
+        ready_end = now + wait_s
+        if self.relay is not None and ctx.config.relays_readies(len(ctx.u0)):
+            # the relay waits at most half the window: the rest is left to ask the
+            # members whose records it did not bring directly
+            await self.relay.spread(ctx, own, now + wait_s / 2)
+            # the pairwise ready goes to the members still missing and to those owed
+            inbox = ctx.state.inbox
+            pending = set(ctx.u0) - set(inbox.senders(READY)) - {ctx.me}
+            pending |= set(inbox.senders(OWED)) - exchange.served
+            if ctx.live is not None:
+                pending &= set(ctx.live()) | set(inbox.senders(OWED))
+        else:
+            pending = set(exchange.targets(ctx.u0))
+        await self._exchange(ctx, exchange, pending, ready_end)
         ctx.ready_set = self._take_readies(ctx, h0)
         ctx.lap("ready")
 
@@ -114,20 +142,25 @@ class ReadyStage:
             )
         )
 
-    async def _exchange(self, ctx: StageContext, exchange: PairwiseExchange) -> None:
-        """Send this node's ready to the peers it initiates with and to those whose ready
-        came first, retrying the unreached (past :func:`patience`, to every member still
+    @staticmethod
+    def _wait_s(ctx: StageContext) -> float:
+        """Seconds the ready stage may wait from now."""
+        if ctx.deadline is not None:
+            return ctx.deadline - ctx.clock()
+        return ctx.config.ready_timeout
+
+    async def _exchange(
+        self, ctx: StageContext, exchange: PairwiseExchange, pending: set[str], ready_end: float
+    ) -> None:
+        """Send this node's ready to ``pending`` (the peers it initiates with and those
+        whose ready came first; after a relay, the members it still misses), retrying the unreached (past :func:`patience`, to every member still
         silent too); wait until the deadline, or until
         :func:`wait_is_over` says the wait may end early. A peer's ready for a later
         attempt of the same training round ends this attempt at once
         (``RoundConfig.attempts_per_round``): this node joins the others there."""
         loop = asyncio.get_running_loop()
         u0 = ctx.u0
-        wait_s = (
-            (ctx.deadline - ctx.clock()) if ctx.deadline is not None else ctx.config.ready_timeout
-        )
-        ready_end = loop.time() + max(0.0, wait_s)
-        pending: set[str] = set(exchange.targets(u0))
+        wait_s = self._wait_s(ctx)
         retry_s = max(0.05, wait_s / 8)
         next_send = loop.time()
         # past patience, a member still silent may run another attempt of this round:

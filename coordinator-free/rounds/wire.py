@@ -24,6 +24,7 @@ __all__ = [
     "KIND_MODEL",
     "KIND_PART",
     "KIND_PERMIT",
+    "KIND_READIES",
     "KIND_READY",
     "KIND_SEED",
     "KIND_SHARE",
@@ -47,6 +48,7 @@ __all__ = [
 ]
 
 KIND_READY = "round.ready"
+KIND_READIES = "round.readies"
 KIND_VIEW = "round.view"
 KIND_SHARE = "round.share"
 KIND_UNMASK = "round.unmask"

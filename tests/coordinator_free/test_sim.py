@@ -334,7 +334,8 @@ def test_two_hundred_peers_with_random_faults_sum_exactly() -> None:
     assert set(out.results) | set(out.failures) | out.killed == set(orgs)
     assert len(out.results) >= n - len(faults) and not out.failures
     assert (res.sum == out.expected(res.survivors)).all()
-    # ready and releases to every other survivor, shares to the k neighbours, the ring
+    # readies relayed (2 ceil(log2 n)), releases to every other survivor, shares to
+    # the k neighbours, the ring
     # and two tokens: a view agreement (n - 1 views per attempt, two attempts or more
     # after a kill) would add 2 n messages per node and more
     sent = sorted(r.messages_sent for r in out.results.values())

@@ -1,0 +1,265 @@
+"""Stage 1's readies relayed: ``O(log n)`` messages per node instead of ``n - 1``.
+
+``docs/ARCHITECTURE.md``, "A round", step 1. From ``RoundConfig.ready_relay_from``
+members on, a node does not send its ``ready`` to every member: it signs it once as a
+**ready record** (its org, and the ready's bytes, under a signature bound to the
+federation, run and round, :func:`record_signing_bytes`) and the records spread by
+recursive doubling over the round's ring order of ``U0`` (``round.readies``): at step
+``i`` a node sends every record it holds to the member ``2**i`` places after it and
+waits for the member ``2**i`` places before it, so after ``ceil(log2 n)`` steps each
+holds every record, for ``ceil(log2 n)`` requests (and as many replies) per node. The
+reply carries the receiver's own record.
+
+A relay can withhold a record, never forge or change one: each record is checked
+against its author's key before it is filed (one Ed25519 verification per author; a
+record whose author is the envelope's sender is authenticated by the envelope), and
+one relayed for another federation, run or round fails that check. Two valid records
+of one author with different bytes are an equivocation, as two different direct
+readies are (:meth:`~coordinator_free.rounds.exchange.PairwiseExchange.file`). A
+member whose record did not arrive by the last step (a relay died, or a member is
+late) is asked directly by the pairwise ``round.ready`` of
+:mod:`~coordinator_free.rounds.ready`, so ``U0`` stays what it was: the readies this
+node saw by the deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from coordinator_free.errors import RefusalReason, Refused
+from coordinator_free.ring import ring_order
+from coordinator_free.rounds.config import patience
+from coordinator_free.rounds.context import StageContext
+from coordinator_free.rounds.messenger import Messenger
+from coordinator_free.rounds.state import RoundState, RoundTable
+from coordinator_free.rounds.unmask import await_from
+from coordinator_free.rounds.wire import KIND_READIES
+from coordinator_free.wire import Envelope
+
+__all__ = [
+    "RECORDS",
+    "ReadyRecord",
+    "ReadyRelay",
+    "decode_batch",
+    "encode_batch",
+    "record_signing_bytes",
+]
+
+READY = ("ready",)
+RECORDS = ("ready", "record")
+"""The inbox key of the signed ready records, by author."""
+OWED = ("ready", "owed")
+"""The inbox key of the members whose direct ready this node answered empty."""
+
+SIGNING_DOMAIN = b"fedweave/ready-record/v1\x00"
+_HEAD = struct.Struct(">BH")  # step, count
+_MAX_STEP = 64
+
+Sign = Callable[[bytes], bytes]
+Verify = Callable[[str, bytes, bytes], bool]
+
+
+def _text(value: str) -> bytes:
+    raw = value.encode("utf-8")
+    return struct.pack(">H", len(raw)) + raw
+
+
+def record_signing_bytes(federation: str, run: str, round: int, author: str, ready: bytes) -> bytes:
+    """What an author signs for its ready record: domain-separated, bound to the
+    federation, run and round."""
+    return b"".join(
+        (
+            SIGNING_DOMAIN,
+            _text(federation),
+            _text(run),
+            struct.pack(">Q", round),
+            _text(author),
+            struct.pack(">I", len(ready)),
+            ready,
+        )
+    )
+
+
+@dataclass(frozen=True)
+class ReadyRecord:
+    """One author's signed ready: ``raw`` is its encoding, as relayed."""
+
+    author: str
+    ready: bytes
+    signature: bytes
+    raw: bytes
+
+    @classmethod
+    def make(cls, author: str, ready: bytes, signature: bytes) -> ReadyRecord:
+        raw = b"".join(
+            [_text(author), struct.pack(">I", len(ready)), ready, _text_bytes(signature)]
+        )
+        return cls(author, ready, signature, raw)
+
+
+def _text_bytes(data: bytes) -> bytes:
+    return struct.pack(">H", len(data)) + data
+
+
+def encode_batch(step: int, records: list[bytes]) -> bytes:
+    """A ``round.readies`` payload: the step and the records (their ``raw`` bytes)."""
+    return _HEAD.pack(step, len(records)) + b"".join(records)
+
+
+def decode_batch(data: bytes) -> tuple[int, list[ReadyRecord]]:
+    """The step and records of a ``round.readies`` payload; ``ValueError`` on anything
+    malformed (a truncated record, trailing bytes, a step past any federation's)."""
+    try:
+        step, count = _HEAD.unpack_from(data, 0)
+        pos = _HEAD.size
+        records: list[ReadyRecord] = []
+        for _ in range(count):
+            start = pos
+            (n,) = struct.unpack_from(">H", data, pos)
+            author = data[pos + 2 : pos + 2 + n].decode("utf-8")
+            pos += 2 + n
+            (m,) = struct.unpack_from(">I", data, pos)
+            ready = data[pos + 4 : pos + 4 + m]
+            pos += 4 + m
+            (s,) = struct.unpack_from(">H", data, pos)
+            signature = data[pos + 2 : pos + 2 + s]
+            pos += 2 + s
+            if len(ready) != m or len(signature) != s or pos > len(data):
+                raise ValueError("truncated record")
+            records.append(ReadyRecord(author, ready, signature, data[start:pos]))
+    except (struct.error, UnicodeDecodeError) as exc:
+        raise ValueError(f"malformed ready records: {exc}") from None
+    if pos != len(data):
+        raise ValueError("trailing bytes after the ready records")
+    if step >= _MAX_STEP:
+        raise ValueError(f"step {step} out of range")
+    return step, records
+
+
+def _steps(n: int) -> Iterator[tuple[int, int]]:
+    step, distance = 0, 1
+    while distance < n:
+        yield step, distance
+        step, distance = step + 1, 2 * distance
+
+
+class ReadyRelay:
+    """The relayed readies of this node's rounds, and its handler of ``round.readies``."""
+
+    def __init__(
+        self, table: RoundTable, net: Messenger, federation: str, sign: Sign, verify: Verify
+    ) -> None:
+        self.table = table
+        self.net = net
+        self.federation = federation
+        self.sign = sign
+        self.verify = verify
+
+    async def on_readies(self, env: Envelope) -> bytes:
+        """A member's records at one step: each checked and filed; answered with this
+        node's own record when it has one."""
+        state = self.table.state(env.run, env.round, env.sender)
+        try:
+            step, records = decode_batch(env.payload)
+        except ValueError as exc:
+            raise Refused(RefusalReason.MALFORMED, str(exc)) from None
+        self.take(state, env.sender, records)
+        state.inbox.put(("ready", "step", str(step)), env.sender, b"")
+        own = state.inbox.item(RECORDS, state.me)
+        return encode_batch(step, [own]) if own is not None else b""
+
+    def take(self, state: RoundState, relayer: str, records: list[ReadyRecord]) -> int:
+        """File the records of members not filed yet whose signature holds (a record
+        relayed by its own author is authenticated by the envelope); returns how many
+        were refused. An author with two valid, different readies equivocates."""
+        refused = 0
+        exchange = state.exchange(READY)
+        for rec in records:
+            if rec.author == state.me:
+                continue
+            held = state.inbox.item(RECORDS, rec.author)
+            if held == rec.raw:
+                continue
+            if rec.author != relayer and not self.verify(
+                rec.author,
+                record_signing_bytes(
+                    self.federation, state.run, state.round, rec.author, rec.ready
+                ),
+                rec.signature,
+            ):
+                refused += 1
+                self.net.observe(
+                    "refused",
+                    state.run,
+                    state.round,
+                    "ready",
+                    peer=rec.author,
+                    detail=f"a ready record relayed by {relayer} does not verify",
+                )
+                continue
+            if held is None:
+                state.inbox.put(RECORDS, rec.author, rec.raw)
+            exchange.file(rec.author, rec.ready)
+        return refused
+
+    def own_record(self, ctx: StageContext, ready: bytes) -> bytes:
+        """Sign this node's ready as a record and file it (it travels in every batch)."""
+        signature = self.sign(
+            record_signing_bytes(self.federation, ctx.run, ctx.round, ctx.me, ready)
+        )
+        raw = ReadyRecord.make(ctx.me, ready, signature).raw
+        ctx.state.inbox.put(RECORDS, ctx.me, raw)
+        return raw
+
+    async def spread(self, ctx: StageContext, ready: bytes, until: float) -> None:
+        """Recursive doubling of the records over the ring order of ``U0``: at each step
+        send every record held to the member ``2**i`` places on, then wait (up to
+        :func:`patience`, and never past ``until``, loop time) for the step's records
+        from the member ``2**i`` places back. Once every member's ready is held, or a
+        sender stays silent, the remaining steps go out at once: the members after
+        this one still need them."""
+        self.own_record(ctx, ready)
+        state = ctx.state
+        order = ring_order(ctx.u0, ctx.round)
+        n, here = len(order), order.index(ctx.me)
+        loop = asyncio.get_running_loop()
+        alive = ctx.believed_alive()
+        u0 = set(ctx.u0)
+        sends: list[asyncio.Future[set[str]]] = []
+        waiting = True
+        for step, distance in _steps(n):
+            batch = encode_batch(step, list(state.inbox.get(RECORDS).values()))
+            dest, src = order[(here + distance) % n], order[(here - distance) % n]
+            sends.append(asyncio.ensure_future(self._send(ctx, dest, batch)))
+            if waiting and u0 <= state.inbox.senders(READY):
+                waiting = False
+            if waiting:
+                key = ("ready", "step", str(step))
+                deadline = min(until, loop.time() + patience(ctx.config))
+                if await await_from(state, key, src, deadline, alive) is None:
+                    waiting = False
+                    ctx.observe("missing", "ready", peer=src, detail=f"no records at step {step}")
+        await asyncio.gather(*sends)
+
+    async def _send(self, ctx: StageContext, dest: str, batch: bytes) -> set[str]:
+        def take(peer: str, data: bytes) -> None:
+            try:
+                _, records = decode_batch(data)
+            except ValueError:
+                ctx.observe("refused", "ready", peer=peer, detail="malformed ready records")
+                return
+            self.take(ctx.state, peer, records)
+
+        return await ctx.net.broadcast(
+            ctx.counters,
+            [dest],
+            KIND_READIES,
+            batch,
+            run=ctx.run,
+            round=ctx.round,
+            stage="ready",
+            on_reply=take,
+        )
