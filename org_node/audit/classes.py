@@ -82,6 +82,8 @@ _RULES: dict[str, PrivacyClass] = {
     # (Bonawitz et al. §4 round 0), round.share the encrypted Shamir shares (round 1),
     # round.unmask the shares released for unmasking (round 4)
     "round.ready": PrivacyClass.PUBLIC_KEY,
+    # round.readies: signed ready records relayed in batches (from 32 members on)
+    "round.readies": PrivacyClass.PUBLIC_KEY,
     "round.share": PrivacyClass.ENCRYPTED_SHARE,
     "round.unmask": PrivacyClass.RELEASED_SHARE,
     # round.seed: survivors' self-mask seeds, revealed by their owners once the
@@ -129,6 +131,7 @@ _REPLY_ANSWERS: Mapping[str, PrivacyClass] = MappingProxyType(
         "round.total": PrivacyClass.MASKED_CHUNK,
         "round.part": PrivacyClass.AGGREGATE_CHUNK,
         "round.ready": PrivacyClass.PUBLIC_KEY,
+        "round.readies": PrivacyClass.PUBLIC_KEY,
         "round.share": PrivacyClass.ENCRYPTED_SHARE,
         "round.unmask": PrivacyClass.RELEASED_SHARE,
         "audit.heads": PrivacyClass.AUDIT_HEAD,
