@@ -144,6 +144,9 @@ def test_every_kind_used_in_coordinator_free_is_classified_and_allowed() -> None
         ("round.ready.reply", PrivacyClass.PUBLIC_KEY),
         ("round.share.reply", PrivacyClass.ENCRYPTED_SHARE),
         ("round.unmask.reply", PrivacyClass.RELEASED_SHARE),
+        # relayed ready records: the batch and the reply that carries the responder's own
+        ("round.readies", PrivacyClass.PUBLIC_KEY),
+        ("round.readies.reply", PrivacyClass.PUBLIC_KEY),
         ("round.seed", PrivacyClass.RELEASED_SHARE),
         ("round.seed.reply", PrivacyClass.CONTROL),
         ("round.permit", PrivacyClass.CONTROL),
