@@ -456,11 +456,7 @@ class SecAggPeer(PeerState):
         share or a reconstruction that fails its check aborts the round.
         """
         self._require_stage(Stage.UNMASK, action="finalize()")
-        cfg = self.config
-        try:
-            check_ring(masked_sum, cfg.bits, cfg.vector_length)
-        except RingError as exc:
-            raise BadVector(f"masked sum: {exc}") from None
+        self._check_sum(masked_sum)
         masks = self._removal()
         if in_place:
             z = masked_sum
@@ -470,6 +466,14 @@ class SecAggPeer(PeerState):
             prg.add_masks(z, masks, base=masked_sum)
         self._stage = Stage.DONE
         return z
+
+    def _check_sum(self, masked_sum: np.ndarray) -> None:
+        """A masked sum is a ring vector of this round's length (:class:`BadVector`)."""
+        cfg = self.config
+        try:
+            check_ring(masked_sum, cfg.bits, cfg.vector_length)
+        except RingError as exc:
+            raise BadVector(f"masked sum: {exc}") from None
 
     def finalize_into(
         self,
@@ -487,11 +491,7 @@ class SecAggPeer(PeerState):
         :meth:`finalize`, whatever ``chunk``.
         """
         self._require_stage(Stage.UNMASK, action="finalize_into()")
-        cfg = self.config
-        try:
-            check_ring(masked_sum, cfg.bits, cfg.vector_length)
-        except RingError as exc:
-            raise BadVector(f"masked sum: {exc}") from None
+        self._check_sum(masked_sum)
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
             raise ConfigError(f"chunk must be a positive int, got {chunk!r}")
         masks = self._removal()
