@@ -21,6 +21,8 @@ from coordinator_free.rounds.ready_relay import (
 from coordinator_free.rounds.wire import KIND_READIES
 from coordinator_free.sim import Fault, FaultSpec, RoundOutcome, SimConfig, Simulation
 
+from tests.coordinator_free.test_sim import _split_during_shares
+
 RUN = "sim-run"
 READY = ("ready",)
 
@@ -135,22 +137,7 @@ def test_a_split_during_the_shares_is_still_caught_with_relayed_readies() -> Non
     orgs = [f"org-{i:02d}" for i in range(n)]
     halves = (tuple(orgs[::2]), tuple(orgs[1::2]))
 
-    async def scenario() -> tuple[RoundOutcome, RoundOutcome]:
-        async with Simulation(config) as sim:
-            split = asyncio.Event()
-
-            async def hook(org: str, run: str, round: int, stage: str) -> None:
-                if round == 1 and stage == "share" and not split.is_set():
-                    split.set()
-                    sim.network.partition(*halves)
-
-            for engine in sim.engines.values():
-                engine.hook = hook
-            first = await sim.round(1)
-            sim.network.heal()
-            return first, await sim.round(2)
-
-    first, second = asyncio.run(scenario())
+    first, second = _split_during_shares(config, halves)
     assert first.problems() == [] and not first.results
     assert set(first.failures) == set(orgs)
     assert second.problems() == [] and len(second.results) == n
