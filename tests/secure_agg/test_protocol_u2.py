@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -28,6 +28,17 @@ from secure_agg.protocol import (
 from secure_agg.ring import ring_sum
 
 CTX = RoundContext("fed", "run", 4)
+
+
+def _advertise(peers: dict[str, SecAggPeer], parts: Sequence[str]) -> None:
+    """Round 0: every participant's keys reach every other one, and the stage closes."""
+    adverts = {p: peers[p].advertise_keys() for p in parts}
+    for p in parts:
+        for q in parts:
+            if q != p:
+                peers[q].receive(adverts[p])
+    for p in parts:
+        peers[p].close_advertise()
 
 
 def _signer(org: str) -> Callable[[bytes], bytes]:
@@ -60,13 +71,7 @@ def _by_hand(
     }
     rng = np.random.default_rng(n)
     inputs = {p: rng.integers(0, 2**32, 16, dtype=np.uint32) for p in parts}
-    adverts = {p: peers[p].advertise_keys() for p in parts}
-    for p in parts:
-        for q in parts:
-            if q != p:
-                peers[q].receive(adverts[p])
-    for p in parts:
-        peers[p].close_advertise()
+    _advertise(peers, parts)
     reached = set(reach)
     for p in parts:
         for q, msg in peers[p].share_keys().items():
@@ -245,13 +250,7 @@ def _shared(n: int, lost: Iterable[tuple[str, str]] = ()) -> dict[str, SecAggPee
         p: SecAggPeer(cfg, p, _signer(p), _verify, rng=np.random.default_rng([9, i]).bytes)
         for i, p in enumerate(parts)
     }
-    adverts = {p: peers[p].advertise_keys() for p in parts}
-    for p in parts:
-        for q in parts:
-            if q != p:
-                peers[q].receive(adverts[p])
-    for p in parts:
-        peers[p].close_advertise()
+    _advertise(peers, parts)
     gone = set(lost)
     for p in parts:
         for q, msg in peers[p].share_keys().items():
