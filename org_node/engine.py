@@ -449,6 +449,7 @@ class RunEngine:
                     participants=self.plan.participants,
                     threshold=self.plan.threshold,
                     deadline=self.clock() + self.config.ready_timeout_s,
+                    ring_bits=0 if self.compressor is None else self.compressor.ring_bits(),
                 )
             except RoundFailed as exc:
                 logger.warning("%s: round %d attempt %d failed: %s", self.org, round, attempt, exc)

@@ -11,8 +11,11 @@ integer level ``q`` in ``[-127, 127]``:
 3. store ``q`` in two's complement mod ``2^16``.
 
 Headroom. ``|q| <= 127``, so a ring sum of up to :data:`MAX_SUMMANDS` (258) encodings
-stays within ``2^15 - 1`` and reads back exactly as an int16. Each coordinate
-travels as 2 bytes: half of a 32-bit ring's.
+stays within ``2^15 - 1`` and reads back exactly as an int16. Fewer summands need
+fewer bits: ``n`` of them fit a ring of :func:`ring_bits_for` ``(n)`` bits (10 for up
+to 4, 12 for 16, 14 for 64), and :meth:`Q8Codec.decode` reads a sum modulo that ring,
+so the ring may carry only those low bits of each ``uint16`` (``coordinator_free``'s
+ring packs them: 1.25 bytes a coordinate for 4 orgs, against a 32-bit ring's 4).
 
 Error bound of the dequantized sum (:meth:`Q8Codec.sum_error_bound`). For ``n``
 summands whose inputs lie within their ranges, one coordinate of range ``R``::
@@ -43,6 +46,7 @@ __all__ = [
     "MAX_SUMMANDS",
     "Q8Codec",
     "from_limbs",
+    "ring_bits_for",
     "to_limbs",
 ]
 
@@ -83,6 +87,12 @@ class Q8Codec:
     def __post_init__(self) -> None:
         _check_summands(self.max_summands, MAX_SUMMANDS, "max_summands")
 
+    @property
+    def ring_bits(self) -> int:
+        """The narrowest ring that ``max_summands`` encodings need (:func:`ring_bits_for`):
+        the levels are stored as ``uint16`` and the ring may send only these low bits."""
+        return ring_bits_for(self.max_summands)
+
     def encode(self, x: np.ndarray, ranges: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         """Clip ``x`` to ``[-ranges, ranges]`` and round ``127 * x / ranges`` stochastically.
 
@@ -109,10 +119,12 @@ class Q8Codec:
         return levels
 
     def decode(self, y: np.ndarray, ranges: np.ndarray) -> np.ndarray:
-        """Read a 16-bit ring vector (an encoding, or a sum of up to ``max_summands``)."""
+        """Read a 16-bit ring vector (an encoding, or a sum of up to ``max_summands``)
+        modulo ``2^ring_bits``: the bits above, which a narrow ring does not carry, are
+        ignored."""
         check_ring(y, 16)
         r = _check_ranges(y, ranges)
-        return y.view(np.int16).astype(np.float64) * (r / LEVELS)
+        return _signed(y, self.ring_bits).astype(np.float64) * (r / LEVELS)
 
     def sum_error_bound(self, n_summands: int, ranges: np.ndarray) -> np.ndarray:
         """Largest ``|decoded sum - exact sum|`` per coordinate for in-range inputs:
@@ -120,6 +132,28 @@ class Q8Codec:
         n = _check_summands(n_summands, self.max_summands, "n_summands")
         r = np.asarray(ranges, dtype=np.float64)
         return n * r / LEVELS + n * r * 2.0**-50
+
+
+def ring_bits_for(summands: int) -> int:
+    """The fewest even bits (at least 8) in which a sum of ``summands`` encodings, or of
+    as many limb vectors, reads back exactly: ``255 * summands < 2^b``, which also
+    holds the levels' signed sum (``2 * 127 * summands + 1 <= 2^b``). 10 bits for up to
+    4 summands, 12 for 16, 14 for 64, 16 from 65 on (:data:`MAX_SUMMANDS` levels,
+    :data:`MAX_LIMB_SUMMANDS` limb vectors)."""
+    n = _check_summands(summands, MAX_SUMMANDS, "summands")
+    bits = 8
+    while bits < 16 and 255 * n >= 1 << bits:
+        bits += 2
+    return bits
+
+
+def _signed(y: np.ndarray, bits: int) -> np.ndarray:
+    """``y`` modulo ``2^bits`` read as two's complement (int32)."""
+    if bits == 16:
+        return y.view(np.int16).astype(np.int32)
+    v = (y & np.uint16((1 << bits) - 1)).astype(np.int32)
+    v[v >= 1 << (bits - 1)] -= 1 << bits
+    return v
 
 
 def to_limbs(values: np.ndarray) -> np.ndarray:
@@ -138,7 +172,9 @@ def from_limbs(limbs: np.ndarray, summands: int = MAX_LIMB_SUMMANDS) -> np.ndarr
     check_ring(limbs, 16)
     if limbs.shape[0] % LIMBS:
         raise RingError(f"a limb vector's length is a multiple of {LIMBS}, not {limbs.shape[0]}")
-    parts = limbs.reshape(-1, LIMBS).astype(np.uint64)
+    # modulo the narrowest ring that many summands need (the bits above are not carried)
+    bits = ring_bits_for(summands)
+    parts = (limbs & np.uint16((1 << bits) - 1)).reshape(-1, LIMBS).astype(np.uint64)
     out = np.zeros(parts.shape[0], dtype=np.uint64)
     for j in range(LIMBS):
         out += parts[:, j] << np.uint64(8 * j)  # wraps mod 2^64, as the ring does

@@ -30,6 +30,9 @@ from coordinator_free.ring.wire import (
     PHASE_SUM,
     VERSION,
     chunk_bounds,
+    pack_narrow,
+    packed_bytes,
+    unpack_narrow,
 )
 
 __all__ = ["LIVENESS_POLL_S", "ChunkKey", "Link", "RingBroken", "RingStats", "RoundBox"]
@@ -106,10 +109,42 @@ class Link:
     stats: RingStats
     dtype: np.dtype[Any]
     alive: Callable[[str], bool] | None = None
+    bits: int = 0
+    """The ring's width: the storage dtype's (0 reads as that), or one of
+    :data:`~.wire.NARROW_BITS` of a ``uint16`` vector, whose elements then travel
+    packed (:func:`~.wire.pack_narrow`)."""
+
+    def __post_init__(self) -> None:
+        full = self.dtype.itemsize * 8
+        if self.bits == 0:
+            self.bits = full
+        elif self.bits != full and (full != 16 or self.bits not in wire.NARROW_BITS):
+            raise ValueError(f"a ring of {self.dtype} elements cannot be {self.bits} bits wide")
+
+    @property
+    def packed(self) -> bool:
+        return self.bits != self.dtype.itemsize * 8
 
     @property
     def wire_dtype(self) -> np.dtype[Any]:
         return self.dtype.newbyteorder("<")
+
+    def _body(self, data: np.ndarray) -> memoryview:
+        """A frame's elements as they travel: little-endian, or packed."""
+        if self.packed:
+            return pack_narrow(data, self.bits).data
+        return np.ascontiguousarray(data.astype(self.wire_dtype, copy=False)).data
+
+    def _elements(self, body: memoryview, count: int) -> np.ndarray | None:
+        """A frame's ``count`` elements (None: the body is not their size)."""
+        if self.packed:
+            if len(body) != packed_bytes(count, self.bits):
+                return None
+            return unpack_narrow(body, count, self.bits)
+        if len(body) != count * self.dtype.itemsize:
+            return None
+        # a read-only view of the message (little-endian hosts) that steps add or copy
+        return np.frombuffer(body, dtype=self.wire_dtype).astype(self.dtype, copy=False)
 
     def frames(self, count: int) -> list[tuple[int, int]]:
         """The ``[lo, hi)`` frames a chunk of ``count`` elements travels in."""
@@ -123,11 +158,9 @@ class Link:
     async def _send_frame(
         self, dest: str, phase: int, step: int, index: int, frame: int, data: np.ndarray
     ) -> None:
-        bits = self.dtype.itemsize * 8
-        header = HEADER.pack(VERSION, phase, bits, step, index, frame, data.shape[0], self.rid)
+        header = HEADER.pack(VERSION, phase, self.bits, step, index, frame, data.shape[0], self.rid)
         # one copy of the frame into the message (no tobytes() first)
-        body = np.ascontiguousarray(data.astype(self.wire_dtype, copy=False))
-        payload = b"".join((header, body.data))
+        payload = b"".join((header, self._body(data)))
         kind = KIND_SUM if phase == PHASE_SUM else KIND_CHUNK
         try:
             reply = await self._send(dest, kind, payload)
@@ -187,16 +220,12 @@ class Link:
             HEADER.unpack_from(payload)
         )
         body = memoryview(payload)[HEADER.size :]  # read where it lies: no copy
-        if (
-            got_bits != self.dtype.itemsize * 8
-            or got_index != index
-            or got_frame != frame
-            or got_count != count
-            or len(body) != count * self.dtype.itemsize
-        ):
+        elements = None
+        if got_bits == self.bits and (got_index, got_frame, got_count) == (index, frame, count):
+            elements = self._elements(body, count)
+        if elements is None:
             raise RingBroken(f"malformed chunk {index} from {src}", src)
-        # a read-only view of the message (little-endian hosts) that steps add or copy
-        return np.frombuffer(body, dtype=self.wire_dtype).astype(self.dtype, copy=False)
+        return elements
 
     async def _wait_for(self, fut: asyncio.Future[bytes], src: str, wait: float) -> None:
         """Until ``fut`` is done, up to ``wait`` s; pings ``src`` each ``timeout``, and

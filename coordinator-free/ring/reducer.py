@@ -67,6 +67,10 @@ class RingCall:
         moment (each leaves the previous stage when it has heard enough).
     alive: ``alive(org)``, the membership layer's view: a wait pings a sender as soon
         as it is no longer believed alive (see :meth:`~.link.Link.receive`).
+    bits: the ring's width when it is narrower than a ``uint16`` vector's storage
+        (one of :data:`~.wire.NARROW_BITS`; 0: the dtype's): the members add modulo
+        ``2^16`` and send only the low ``bits`` of each element, packed, so the sum is
+        right modulo ``2^bits`` (the caller reduces it). Every member passes the same.
     """
 
     run: str
@@ -78,6 +82,7 @@ class RingCall:
     on_step: StepHook | None = None
     start_grace: float = 0.0
     alive: Callable[[str], bool] | None = None
+    bits: int = 0
 
 
 class _AttemptOptions(TypedDict, total=False):
@@ -87,6 +92,7 @@ class _AttemptOptions(TypedDict, total=False):
     stage: str
     timeout: float
     stats: RingStats | None
+    bits: int
 
 
 class StarOptions(_AttemptOptions, total=False):
@@ -264,6 +270,7 @@ class RingReducer:
             stats=call.stats if call.stats is not None else RingStats(),
             dtype=vector.dtype,
             alive=call.alive,
+            bits=call.bits,
         )
 
     async def _run(self, order: Sequence[str], link: Link, work: Awaitable[_T]) -> _T:
@@ -311,7 +318,7 @@ class RingReducer:
             )
         else:
             await self._run(order, link, self._scatter_gather(link, acc, place, call, n - 1))
-        return acc
+        return _reduced(link, acc)
 
     @staticmethod
     async def _scatter_gather(
@@ -349,6 +356,7 @@ class RingReducer:
         acc = _accumulator(vector, in_place)
         place = Place.of(order, self.endpoint.org_id, acc.shape[0])
         await self._run(order, link, self._scatter_gather(link, acc, place, call, 1))
+        _reduced(link, acc)
         own, pos = (place.pos + 1) % n, place.pos
         return Scattered(acc=acc, own=own, held=pos, bounds=place.bounds, filled={own, pos})
 
@@ -379,7 +387,7 @@ class RingReducer:
             filled=scattered.filled,
         )
         await self._run(order, link, gather)
-        return acc
+        return _reduced(link, acc)
 
     async def star_allreduce(
         self, order: Sequence[str], vector: np.ndarray, **options: Unpack[StarOptions]
@@ -397,7 +405,7 @@ class RingReducer:
             return acc
         place = Place.of(order, self.endpoint.org_id, acc.shape[0])
         await self._run(order, link, steps.star(link, acc, place, call.start_grace))
-        return acc
+        return _reduced(link, acc)
 
     async def _broken(self, order: Sequence[str], link: Link, exc: RingBroken) -> RingBroken:
         """Tell the members to abort; the error to raise, with every suspect known."""
@@ -428,6 +436,15 @@ class RingReducer:
                 )
 
         await asyncio.gather(*(one(p) for p in order if p not in (me, suspect)))
+
+
+def _reduced(link: Link, acc: np.ndarray) -> np.ndarray:
+    """``acc`` modulo a narrow ring's ``2^bits``, in place: the chunks a member added
+    itself held bits above the ring's, those it received did not; every member now
+    holds the same elements."""
+    if link.packed:
+        np.bitwise_and(acc, np.uint16((1 << link.bits) - 1), out=acc)
+    return acc
 
 
 def _accumulator(vector: np.ndarray, in_place: bool) -> np.ndarray:

@@ -192,10 +192,11 @@ class CkksAggregator:
         participants: tuple[str, ...],
         threshold: int,
         deadline: float | None = None,
+        ring_bits: int = 0,
     ) -> SumResult:
         """This org's part of one CKKS sum: the (grid-rounded) float64 sum, with every
         participant a survivor. ``deadline`` is not used: each message waits up to
-        ``timeout``."""
+        ``timeout``; ``ring_bits`` neither (no ring)."""
         try:
             total = await self._run(
                 run, round, np.asarray(contribution, np.float64), participants, threshold

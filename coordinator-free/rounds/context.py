@@ -37,6 +37,7 @@ class StageContext:
     clock: Callable[[], float]
     hook: StageHook | None = None
     live: Callable[[], Iterable[str]] | None = None
+    ring_bits: int = 0  # a narrow ring's width (RingCall.bits), 0: the vector's dtype's
     counters: Counters = field(default_factory=Counters)
     times: dict[str, float] = field(default_factory=dict)  # seconds per stage
     t_round: float = field(default_factory=time.perf_counter)

@@ -41,6 +41,7 @@ import numpy as np
 from coordinator_free.endpoint import Endpoint, Handler
 from coordinator_free.errors import Refused
 from coordinator_free.ring import RingReducer, ring_order
+from coordinator_free.ring.wire import NARROW_BITS
 from coordinator_free.rounds import wire
 from coordinator_free.rounds.agreement import Agreement
 from coordinator_free.rounds.config import RoundConfig, StageHook
@@ -199,17 +200,26 @@ class RoundEngine:
         vector: np.ndarray,
         *,
         deadline: float | None = None,
+        ring_bits: int = 0,
     ) -> RoundResult:
         """Take part in round ``round`` of ``run`` with ``vector``; every survivor gets the same sum.
 
         ``deadline`` is the clock time (``clock()``) by which ``ready`` messages must
-        be seen; ``None`` means ``ready_timeout`` from now. Raises :class:`RoundFailed`
+        be seen; ``None`` means ``ready_timeout`` from now. ``ring_bits`` (every member
+        passes the same) narrows the ring of a ``uint16`` vector to one of
+        :data:`~coordinator_free.ring.wire.NARROW_BITS`: only those low bits of each
+        masked element travel, packed, and the sum is right modulo ``2^ring_bits``
+        (the caller reads it so; the bits above are not meaningful). Raises :class:`RoundFailed`
         with the stage and the reason when the round cannot complete. Whatever the
         outcome, the round is closed afterwards: its late messages are refused and the
         next round starts clean.
         """
         if not run:
             raise ValueError("run must be a non-empty string")
+        if ring_bits and (vector.dtype != np.uint16 or ring_bits not in NARROW_BITS):
+            raise ValueError(
+                f"a {ring_bits}-bit ring needs a uint16 vector and a width in {NARROW_BITS}"
+            )
         table = self._table
         if (run, round) in table.running:
             raise RoundFailed("ready", f"round {round} of {run!r} is already running here")
@@ -229,6 +239,7 @@ class RoundEngine:
             ctx = StageContext(
                 state, vector, deadline, self.config, self._net, self.clock, self.hook, self.live
             )
+            ctx.ring_bits = ring_bits
             return await self._run(ctx)
         except RoundFailed as exc:
             self._net.observe("failed", run, round, exc.stage, detail=exc.reason)

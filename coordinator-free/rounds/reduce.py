@@ -132,6 +132,7 @@ class ReduceStage:
             timeout=cfg.step_timeout,
             stats=ctx.counters.ring,
             start_grace=cfg.stage_timeout,
+            bits=ctx.ring_bits,
         )
         if cfg.topology == "star" and not owners:
             return await self.ring.star_allreduce(order, masked, **attempt)

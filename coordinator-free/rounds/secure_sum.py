@@ -74,11 +74,14 @@ class SecureSum(Protocol):
         participants: tuple[str, ...],
         threshold: int,
         deadline: float | None,
+        ring_bits: int = 0,
     ) -> SumResult:
         """One attempt at the sum, as protocol round ``round`` of ``run``; raises
         :class:`~coordinator_free.rounds.RoundFailed` when it cannot complete.
         ``deadline`` (clock time) bounds the masked sum's ready stage; the CKKS sum
-        needs every one of ``participants`` and waits its own timeout per message."""
+        needs every one of ``participants`` and waits its own timeout per message.
+        ``ring_bits``: the masked sum's narrow ring for a ``uint16`` contribution
+        (:meth:`RoundEngine.run_round`); the CKKS sum has no ring and ignores it."""
         ...
 
     async def check_model_hash(
@@ -156,8 +159,11 @@ class MaskedSecureSum:
         participants: tuple[str, ...],
         threshold: int,
         deadline: float | None,
+        ring_bits: int = 0,
     ) -> SumResult:
-        result = await self.rounds.run_round(run, round, contribution, deadline=deadline)
+        result = await self.rounds.run_round(
+            run, round, contribution, deadline=deadline, ring_bits=ring_bits
+        )
         summed = np.asarray(result.sum)
         if self._in_place and summed.dtype == np.uint64 and summed.flags.c_contiguous:
             total = self._decode(summed, out=summed.view(np.float64))  # type: ignore[call-arg]

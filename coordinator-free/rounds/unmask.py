@@ -314,6 +314,7 @@ class UnmaskStage:
                 stats=ctx.counters.ring,
                 on_step=ctx.step_hook(),
                 alive=ctx.believed_alive(),
+                bits=ctx.ring_bits,
             )
         except RingBroken as exc:
             logger.info("%s: the all-gather of the sum broke: %s", ctx.me, exc)

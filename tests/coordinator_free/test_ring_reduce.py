@@ -23,6 +23,7 @@ from coordinator_free.ring import (
     ring_id,
     ring_order,
 )
+from coordinator_free.ring.wire import NARROW_BITS, pack_narrow, packed_bytes, unpack_narrow
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -415,3 +416,100 @@ def test_large_chunks_travel_in_frames(monkeypatch: pytest.MonkeyPatch) -> None:
     for out in outs:
         np.testing.assert_array_equal(out, expected)
     assert all(s.messages_sent == 2 * (n - 1) * 10 for s in stats.values())
+
+
+# -- a ring narrower than its uint16 storage ------------------------------------------
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    bits=st.sampled_from(NARROW_BITS),
+    values=st.lists(st.integers(0, 2**16 - 1), max_size=70),
+)
+def test_packing_keeps_the_low_bits_of_every_element(bits: int, values: list[int]) -> None:
+    v = np.array(values, dtype=np.uint16)
+    packed = pack_narrow(v, bits)
+    assert packed.shape[0] == packed_bytes(len(values), bits)
+    np.testing.assert_array_equal(
+        unpack_narrow(packed.tobytes(), len(values), bits), v & ((1 << bits) - 1)
+    )
+
+
+def test_packing_fixed_vector_and_sizes() -> None:
+    # 10 bits: 4 elements in 5 bytes, little-endian (element i at bit 10 i), then a
+    # last group padded with zeros
+    v = np.array([1, 2, 3, 1023, 5], dtype=np.uint16)
+    assert pack_narrow(v, 10).tobytes().hex() == "010830c0ff0500000000"
+    assert pack_narrow(np.array([0xABCD, 0x12], dtype=np.uint16), 8).tobytes() == b"\xcd\x12"
+    assert [packed_bytes(1000, b) for b in NARROW_BITS] == [1000, 1250, 1500, 1750]
+    with pytest.raises(ValueError, match="do not pack"):
+        unpack_narrow(bytes(6), 5, 10)
+    with pytest.raises(ValueError, match="bits wide"):
+        pack_narrow(v, 11)
+
+
+@pytest.mark.parametrize("chain", [False, True])
+def test_a_narrow_ring_sums_modulo_its_width_and_sends_its_bits_only(chain: bool) -> None:
+    n, length, bits = 4, 40_000, 10
+
+    async def scenario() -> tuple[list[np.ndarray], list[np.ndarray], dict[str, RingStats]]:
+        network = InMemoryNetwork()
+        orgs = [f"o{i}" for i in range(n)]
+        endpoints, reducers = await make_ring(orgs, network)
+        rng = np.random.default_rng(5)
+        inputs = [rng.integers(0, 2**16, length, dtype=np.uint16) for _ in orgs]
+        order = ring_order(orgs, 1)
+        stats = {o: RingStats() for o in orgs}
+        outs = await asyncio.gather(
+            *(
+                reducers[o].allreduce(
+                    order,
+                    inputs[i],
+                    run="r",
+                    round=1,
+                    stats=stats[o],
+                    timeout=5,
+                    bits=bits,
+                    min_chunk=10**6 if chain else 1,
+                )
+                for i, o in enumerate(orgs)
+            )
+        )
+        for e in endpoints.values():
+            await e.close()
+        return list(outs), inputs, stats
+
+    outs, inputs, stats = asyncio.run(scenario())
+    expected = np.zeros(length, dtype=np.uint16)
+    for v in inputs:
+        np.add(expected, v, out=expected)
+    for out in outs:  # every member holds the same elements, each below 2^bits
+        np.testing.assert_array_equal(out, expected & ((1 << bits) - 1))
+    # a ring all-reduce sends 2 (n - 1) / n of the vector per node, here at 10 bits
+    # an element; the chain sends at most two whole vectors
+    vector = packed_bytes(length, bits)
+    share = 2 * vector if chain else 2 * (n - 1) / n * vector
+    assert max(s.bytes_sent for s in stats.values()) <= share + 2 * n * 64
+    assert max(s.bytes_sent for s in stats.values()) < (share * 16 / bits) * 0.7
+
+
+def test_a_narrow_ring_refuses_chunks_of_another_width_and_bad_widths() -> None:
+    async def scenario() -> None:
+        network = InMemoryNetwork()
+        endpoints, reducers = await make_ring(["a", "b"], network)
+        order = ring_order(["a", "b"], 1)
+        x = np.ones(4096, dtype=np.uint16)
+        # one member runs the 10-bit ring, the other the 16-bit one: chunks are refused
+        with pytest.raises(RingBroken, match="malformed"):
+            await asyncio.gather(
+                reducers["a"].allreduce(order, x, run="r", round=1, timeout=2, bits=10),
+                reducers["b"].allreduce(order, x, run="r", round=1, timeout=2),
+            )
+        with pytest.raises(ValueError, match="cannot be 10 bits"):
+            await reducers["a"].allreduce(
+                order, np.ones(8, dtype=np.uint32), run="r", round=2, timeout=2, bits=10
+            )
+        for e in endpoints.values():
+            await e.close()
+
+    asyncio.run(scenario())

@@ -20,7 +20,7 @@ from org_node.policy import PolicyError, RunSpec
 from org_node.run_state import EngineState
 from org_node.training.exchange import LocalResult
 from secure_agg.codec import FixedPointCodec
-from secure_agg.q8 import MAX_LIMB_SUMMANDS, MAX_SUMMANDS
+from secure_agg.q8 import MAX_LIMB_SUMMANDS, MAX_SUMMANDS, ring_bits_for
 from tests.org_node.test_engine import ORGS, Federation, fast, make_engines
 
 SPEC: dict[str, Any] = {"trainer": "digits", "rounds": 3, "participants": list(ORGS)}
@@ -267,11 +267,14 @@ def test_compressed_runs_end_with_the_same_model_at_every_node(
     b = dict(_final(tmp_path / "none"))
     gap = max(float(np.max(np.abs(a[k] - b[k]))) for k in a)
     assert 0 < gap < (0.002 if compression == "q8" else 0.05)
-    # the last round's vectors are smaller than the dense ones (32-bit ring)
+    # the last round's vectors are smaller than the dense ones (32-bit ring): q8's
+    # levels travel packed in the narrow ring that len(ORGS) summands need (10 bits)
     last = sum(r.metrics["ring_bytes_sent"] for r in reports if r.round == 3)
     dense_last = sum(r.metrics["ring_bytes_sent"] for r in dense_reports if r.round == 3)
-    expected = {"q8": 0.5, "random-k=0.5,q8": 0.25, "random-k=0.5": 0.5}[compression]
-    assert last / dense_last == pytest.approx(expected, rel=0.05)
+    q8 = ring_bits_for(len(ORGS)) / 32
+    expected = {"q8": q8, "random-k=0.5,q8": q8 / 2, "random-k=0.5": 0.5}[compression]
+    # (frame headers and the exact weight limbs weigh more in the smaller vectors)
+    assert last / dense_last == pytest.approx(expected, rel=0.08)
     del dense
 
 

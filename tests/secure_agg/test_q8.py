@@ -14,6 +14,7 @@ from secure_agg.q8 import (
     MAX_SUMMANDS,
     Q8Codec,
     from_limbs,
+    ring_bits_for,
     to_limbs,
 )
 from secure_agg.ring import ring_sum
@@ -108,3 +109,51 @@ def test_limbs_refuse_a_ragged_vector_and_too_many_summands() -> None:
         from_limbs(np.zeros(7, dtype=np.uint16))
     with pytest.raises(ConfigError, match="summands"):
         from_limbs(np.zeros(8, dtype=np.uint16), MAX_LIMB_SUMMANDS + 1)
+
+
+def test_the_narrow_ring_is_the_fewest_even_bits_n_summands_need() -> None:
+    assert [ring_bits_for(n) for n in (1, 2, 4, 5, 16, 17, 64, 65, MAX_SUMMANDS)] == [
+        8,
+        10,
+        10,
+        12,
+        12,
+        14,
+        14,
+        16,
+        16,
+    ]
+    for n in range(1, MAX_SUMMANDS + 1):
+        bits = ring_bits_for(n)
+        # the signed levels' sum reads back, and (up to 257 summands) the limbs' sum
+        assert 2 * LEVELS * n + 1 <= 1 << bits
+        assert n > MAX_LIMB_SUMMANDS or 255 * n < 1 << bits
+        assert bits == 8 or 255 * n >= 1 << (bits - 2)  # no narrower even width would do
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 80), seed=st.integers(0, 2**32 - 1))
+def test_a_sum_reads_the_same_from_its_narrow_ring_bits_alone(n: int, seed: int) -> None:
+    """What a narrow ring carries (each element modulo ``2^ring_bits``), whatever the
+    bits above: the decoded sum and the 64-bit limb sum are those of the whole ring."""
+    rng = np.random.default_rng(seed)
+    codec = Q8Codec(max_summands=n)
+    ranges = rng.uniform(0.5, 2.0, size=16)
+    extremes = [rng.choice([-1.0, 1.0], size=16) * ranges for _ in range(n)]
+    levels = ring_sum(codec.encode(x, ranges, rng) for x in extremes)
+    bits = codec.ring_bits
+    noise = rng.integers(0, 2**16, size=16, dtype=np.uint16) & ~np.uint16((1 << bits) - 1)
+    narrow = (levels & np.uint16((1 << bits) - 1)) | noise
+    np.testing.assert_array_equal(codec.decode(narrow, ranges), codec.decode(levels, ranges))
+    np.testing.assert_array_equal(
+        np.round(codec.decode(levels, ranges) / ranges * LEVELS),
+        np.round(np.sum(extremes, 0) / ranges * LEVELS),  # the extremes: exact levels
+    )
+    if n <= MAX_LIMB_SUMMANDS:
+        values = [rng.integers(0, 2**64, size=3, dtype=np.uint64) for _ in range(n)]
+        limbs = ring_sum(to_limbs(v) for v in values)
+        garbled = (limbs & np.uint16((1 << bits) - 1)) | (
+            rng.integers(0, 2**16, size=limbs.shape[0], dtype=np.uint16)
+            & ~np.uint16((1 << bits) - 1)
+        )
+        np.testing.assert_array_equal(from_limbs(garbled, n), ring_sum(values))
