@@ -22,8 +22,11 @@ node, and nothing in it depends on one org's private values:
     it meant to send.
 ``q8``
     each sent model coordinate becomes an 8-bit level (:class:`secure_agg.q8.Q8Codec`:
-    stochastic rounding, unbiased within range) summed in the **16-bit ring**, 2 bytes
-    on the wire instead of the dense codec's 4 or 8; at most
+    stochastic rounding, unbiased within range) summed in the **narrowest ring** the
+    participants' sum needs (:func:`secure_agg.q8.ring_bits_for`: 10 bits for up to
+    4 orgs, 12 for 16, 14 for 64, 16 beyond), packed on the wire: 1.25 to 2 bytes
+    instead of the dense codec's 4 or 8
+    (:meth:`org_node.compressor.Compressor.ring_bits`); at most
     :data:`Q8_MAX_PARTICIPANTS` (257) participants fit its headroom (the spec refuses
     more). The range of tensor ``t`` in round ``r`` is the mean over the survivors of
     round ``r - 1`` of each org's largest ``|value|`` in that tensor: each org adds its
@@ -34,7 +37,7 @@ node, and nothing in it depends on one org's private values:
     The weight, ``w * tau`` and the maxima need more than 8 bits: they travel exactly,
     as 64-bit fixed-point values cut into byte limbs (:func:`secure_agg.q8.to_limbs`).
 
-Both combine (``random-k=0.1,q8``: about 0.2 bytes per parameter).
+Both combine (``random-k=0.1,q8``: 0.125 bytes per parameter for 4 orgs).
 
 The residual and the ranges are kept in the engine state (persisted every round). The
 ranges are agreed state that a model alone does not carry, so a run with ``q8`` cannot
