@@ -11,6 +11,7 @@ counters and clocks, the member sets as the round narrows them.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
@@ -64,6 +65,7 @@ class StageContext:
     # ring's first half and the tag of the token agreement that settled it; the last
     # ring order and how many ring attempts ran
     masked: np.ndarray | None = None
+    premasking: asyncio.Future[None] | None = None  # the session's premask work, off the loop
     total: np.ndarray | None = None
     scattered: Scattered | None = None
     agreed_by: str | None = None

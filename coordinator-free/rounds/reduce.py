@@ -57,9 +57,12 @@ class ReduceStage:
         self.sums = sums
 
     async def mask(self, ctx: StageContext) -> None:
-        """The session masks this org's input (§4 round 2): ``ctx.masked``."""
+        """The session masks this org's input (§4 round 2): ``ctx.masked``, once the
+        masks it added while the shares travelled are in (``ctx.premasking``)."""
         await ctx.enter("mask")
         try:
+            if ctx.premasking is not None:
+                await ctx.premasking
             ctx.masked = ctx.session.masked_input()
         except (SecAggError, ValueError) as exc:
             raise RoundFailed("mask", f"cannot mask the input: {exc}") from exc

@@ -9,6 +9,7 @@ round, signed by :func:`endpoint_signer`'s pair.
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ import numpy as np
 from coordinator_free.endpoint import Endpoint
 from coordinator_free.identity import verify_signature
 
+from secure_agg import prg
 from secure_agg.codec import FixedPointCodec
 from secure_agg.keys import RoundContext
 from secure_agg.messages import AdvertiseKeys, Message, ShareKeys, UnmaskShares
@@ -90,6 +92,15 @@ class MaskedSum(Protocol):
         input carries; raises when it lacks the shares of one of them."""
         ...
 
+    def premask(self) -> Callable[[], None]:
+        """After :meth:`share_keys`: fix the masks of the usual case (every neighbour
+        among the ready orgs shares its keys) and return the work that adds them to the
+        input, which the engine runs off its event loop while the shares travel;
+        :meth:`masked_input`, once that work is done, makes the result exact (it takes
+        off the mask of a neighbour whose shares did not come). Nothing masked leaves
+        the node before :meth:`masked_input`."""
+        ...
+
     def masked_input(self) -> np.ndarray:
         """This org's masked input (a ring array), which the engine may sum into in
         place; each later call makes it again, the same bit for bit, in the same
@@ -117,6 +128,13 @@ class MaskedSum(Protocol):
 
     def can_finish(self) -> bool:
         """Whether the seeds and releases taken so far suffice for :meth:`unmasked_sum`."""
+        ...
+
+    def prepare_unmask(self) -> None:
+        """Once :meth:`can_finish`: reconstruct the secrets of the masks to remove. After
+        it, :meth:`unmasked_sum`, :meth:`unmask_part` and :meth:`decode` only compute
+        over arrays (they touch nothing a message changes): the engine runs them off
+        its event loop."""
         ...
 
     def unmasked_sum(self, masked_sum: np.ndarray) -> np.ndarray:
@@ -183,6 +201,7 @@ class SecAggSession:
         # encoding's generator as it was before the encoding
         self._source: tuple[np.ndarray, np.random.Generator] | None = None
         self._y: np.ndarray | None = None
+        self._premasked: np.ndarray | None = None  # the array premask's work masks
         if np.issubdtype(x.dtype, np.floating):
             if codec is None:
                 raise ValueError("a float input needs a FixedPointCodec to enter the ring")
@@ -238,7 +257,22 @@ class SecAggSession:
     def settle_participants(self, participants: frozenset[str]) -> None:
         self.peer.close_shares(participants)
 
+    def premask(self) -> Callable[[], None]:
+        masks = self.peer.premask()
+        x = self._x
+        # an encoded input is this session's own: masked in place; a ring input, the
+        # caller's, into a new array
+        y, base = (x, None) if self.codec is not None else (np.empty_like(x), x)
+        self._premasked = y
+        return functools.partial(prg.add_masks, y, masks, base=base)
+
     def masked_input(self) -> np.ndarray:
+        if self._premasked is not None and self._y is None:  # premask's work is done
+            if self.peer.u2 is None:
+                self.peer.close_shares()
+            self._y = self._premasked
+            prg.add_masks(self._y, self.peer.settle_premask())  # usually no mask
+            return self._y
         if self._y is not None:  # a later attempt: the same masked input, made again
             if self._source is not None:
                 source, gen = self._source
@@ -270,6 +304,9 @@ class SecAggSession:
 
     def can_finish(self) -> bool:
         return not self.peer.missing_shares()
+
+    def prepare_unmask(self) -> None:
+        self.peer.prepare_finalize()
 
     def unmasked_sum(self, masked_sum: np.ndarray) -> np.ndarray:
         codec = self.codec

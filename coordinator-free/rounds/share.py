@@ -44,6 +44,12 @@ SHARES = ("share",)
 _GONE = ("gone",)
 
 
+def _retrieved(done: asyncio.Future[None]) -> None:
+    """Take the premask work's outcome when the round failed before its mask stage."""
+    if not done.cancelled():
+        done.exception()
+
+
 def _hashed(data: bytes) -> bytes | None:
     """A share message carries the sender's view hash first: shorter, nothing to file."""
     return data if len(data) >= HASH_BYTES else None
@@ -82,8 +88,13 @@ class ShareStage:
         ctx.h1 = view_hash("ready", view1)
         try:
             outgoing = ctx.session.share_keys(view1)
+            work = ctx.session.premask()
         except (SecAggError, ValueError) as exc:
             raise RoundFailed("share", f"cannot share keys: {exc}") from exc
+        # the masks of the usual case go into the input off the loop while the shares
+        # travel (the mask stage waits for them and makes the input exact)
+        ctx.premasking = asyncio.ensure_future(asyncio.to_thread(work))
+        ctx.premasking.add_done_callback(_retrieved)
         # the holders of this org's shares, who also send theirs here (the graph is
         # undirected): every other ready org, or only the SecAgg+ neighbours
         ctx.holders = frozenset(outgoing) & (view1 - {me})

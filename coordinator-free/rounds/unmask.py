@@ -281,7 +281,8 @@ class UnmaskStage:
             return await self._gather_sum(ctx)
         assert ctx.total is not None
         try:
-            result = ctx.session.unmasked_sum(ctx.total)
+            ctx.session.prepare_unmask()  # on the loop; the mask expansion off it
+            result = await asyncio.to_thread(ctx.session.unmasked_sum, ctx.total)
         except (SecAggError, ValueError) as exc:
             raise RoundFailed("unmask", f"cannot remove the masks: {exc}") from exc
         ctx.lap("unmask")
@@ -295,9 +296,10 @@ class UnmaskStage:
         assert scattered is not None
         acc = scattered.acc
         try:
+            ctx.session.prepare_unmask()  # on the loop; the mask expansion off it
             for index in sorted({scattered.own, scattered.held}):
                 lo, hi = scattered.bounds[index]
-                acc[lo:hi] = ctx.session.unmask_part(acc[lo:hi], lo)
+                acc[lo:hi] = await asyncio.to_thread(ctx.session.unmask_part, acc[lo:hi], lo)
         except (SecAggError, ValueError) as exc:
             raise RoundFailed("unmask", f"cannot remove the masks: {exc}") from exc
         self.sums.keep_parts(ctx.run, ctx.round, attempt, frozenset(order), scattered)
@@ -319,7 +321,7 @@ class UnmaskStage:
         except RingBroken as exc:
             logger.info("%s: the all-gather of the sum broke: %s", ctx.me, exc)
             await self.sums.fetch_parts(ctx.state, ctx.counters, order, attempt, scattered)
-        result = ctx.session.decode(acc)
+        result = await asyncio.to_thread(ctx.session.decode, acc)
         ctx.lap("gather")
         # the kept chunks are served to others: the caller gets its own array
         return result.copy() if result is acc else result

@@ -231,7 +231,7 @@ class SecAggPeer(PeerState):
         does) saves the allocation and first-touch of a vector-sized array that way.
         """
         self._require_stage(Stage.MASKED_INPUT, action="masked_input()")
-        if self._masked:
+        if self._masked or self._premasked is not None:
             raise OutOfStage(f"{self.me} already produced its masked input this round")
         in_place = _masks_in_place(self.me, self.config, x, out)
         y = np.empty_like(x) if out is None else out
@@ -256,18 +256,49 @@ class SecAggPeer(PeerState):
         prg.add_masks(y, self._input_masks(), base=None if in_place else x)
         return y
 
+    def premask(self) -> list[Mask]:
+        """The masks :meth:`masked_input` adds when every neighbour in U1 shares its keys
+        (the usual case), handed out in ``SHARE_KEYS``, before U2 is fixed: a caller may
+        expand them into its input while the shares travel (nothing masked leaves the
+        caller before :meth:`settle_premask`), then take :meth:`settle_premask`'s
+        masks, which make the vector exactly :meth:`masked_input`'s ``y``. Once per
+        round, and instead of :meth:`masked_input`."""
+        self._require_stage(Stage.SHARE_KEYS, action="premask()")
+        if self._premasked is not None or self._masked:
+            raise OutOfStage(f"{self.me} already masked its input this round")
+        assert self._u1 is not None
+        self._premasked = (self.neighbours & self._u1) - {self.me}
+        return [(self._own().b, 1), *self._pairwise(self._premasked, 1)]
+
+    def settle_premask(self) -> list[Mask]:
+        """After :meth:`close_shares`: the masks that turn the input :meth:`premask`'s
+        masks were added to into :meth:`masked_input`'s ``y``: the pairwise mask of each
+        premasked neighbour outside U2 taken off again (none in the usual case). The
+        input counts as masked from here on (:meth:`masked_again` may follow)."""
+        self._require_stage(Stage.MASKED_INPUT, action="settle_premask()")
+        if self._premasked is None or self._masked:
+            raise OutOfStage(f"{self.me} has no premasked input to settle")
+        assert self._u2 is not None
+        # U2 is the neighbours in U1 whose shares came: never more than premask took
+        assert self._u2 - {self.me} <= self._premasked
+        self._masked = True
+        return self._pairwise(self._premasked - self._u2, -1)
+
     def _input_masks(self) -> list[Mask]:
         """``(seed, sign)`` of this peer's self mask and of its pairwise mask with each
         neighbour in U2."""
-        cfg = self.config
-        own = self._own()
         assert self._u2 is not None
-        masks: list[Mask] = [(own.b, 1)]
-        for j in sorted(self._u2 - {self.me}):
+        return [(self._own().b, 1), *self._pairwise(self._u2 - {self.me}, 1)]
+
+    def _pairwise(self, others: frozenset[str], sign: int) -> list[Mask]:
+        """``(seed, sign * s_ij)`` of this peer's pairwise mask with each of ``others``."""
+        cfg, own = self.config, self._own()
+        masks: list[Mask] = []
+        for j in sorted(others):
             seed = pairwise_mask_seed(
                 agree(own.s.private, self._adverts[j].s_pk), cfg.ctx, self.me, j
             )
-            masks.append((seed, cfg.mask_sign(self.me, j)))
+            masks.append((seed, sign * cfg.mask_sign(self.me, j)))
         return masks
 
     # ---------------------------------------------------------------- stage 3
@@ -530,6 +561,15 @@ class SecAggPeer(PeerState):
         z = np.empty_like(masked_part)
         prg.add_masks(z, self._removal(), base=np.ascontiguousarray(masked_part), offset=offset)
         return z
+
+    def prepare_finalize(self) -> None:
+        """Reconstruct, from the releases and seeds taken so far, every secret the masks
+        to remove need (once per round; :meth:`finalize` would at its first call).
+        After it the ``finalize*`` methods only expand masks and read nothing that a
+        later message changes, so a caller may run them off its event loop while it
+        goes on taking messages. Raises as :meth:`finalize` does."""
+        self._require_stage(Stage.UNMASK, Stage.DONE, action="prepare_finalize()")
+        self._removal()
 
     def _removal(self) -> list[Mask]:
         """The ``(seed, sign)`` of every mask the sum still carries, reconstructed from

@@ -85,6 +85,8 @@ class PeerState:
         # survivor's U2 is then its neighbourhood among them
         self._participants: frozenset[str] | None = None
         self._masked = False
+        # the neighbours whose pairwise masks ``premask`` handed out before U2, if any
+        self._premasked: frozenset[str] | None = None
         self._u3: frozenset[str] | None = None
         # the survivors' agreed U2 views for U3 (unmask), if any
         self._views: dict[str, frozenset[str]] | None = None
@@ -151,6 +153,7 @@ class PeerState:
             self._u2,
             self._participants,
             self._masked,
+            self._premasked,
             self._u3,
             None if self._views is None else tuple(sorted(self._views.items())),
             tuple(sorted(self._released.items())),
