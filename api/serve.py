@@ -52,6 +52,11 @@ __all__ = ["bind", "dataset_roots", "serve_node"]
 logger = logging.getLogger(__name__)
 
 _GRACE_S = 5
+ADMIN_KEEP_ALIVE_S = 30
+"""How long the admin API keeps an idle connection open: longer than a client's pool
+keeps one (httpx: 5 s), so that a client always closes an idle connection first and
+never sends a request on one the server is closing ("Server disconnected without
+sending a response"), which a polling script on a loaded machine otherwise meets."""
 
 
 def dataset_roots(configured: tuple[str, ...]) -> tuple[Path, ...]:
@@ -171,7 +176,11 @@ async def _serve(
             await node.start()
             app = create_app(settings, node, engine=node.db)
             admin = serve_app(
-                app, admin_sock, handle_signals=False, timeout_graceful_shutdown=_GRACE_S
+                app,
+                admin_sock,
+                handle_signals=False,
+                timeout_graceful_shutdown=_GRACE_S,
+                timeout_keep_alive=ADMIN_KEEP_ALIVE_S,
             )
             servers.append(await stack.enter_async_context(admin))
             if peer_sock is not None:
