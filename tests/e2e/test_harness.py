@@ -85,8 +85,13 @@ def _common(
 
 
 def _sent_after_recovery(summary: dict[str, Any], org: str) -> bool:
+    """Whether ``org`` was among the survivors of a round that started after its wipe.
+    The round in flight when it was killed (the one after ``rounds_done_at_wipe``) may
+    hold what the node sent before the wipe, in the log the wipe destroyed."""
     (rec,) = [r for r in summary["recoveries"] if r["org"] == org]
-    later = range(int(rec["recovered_round"]) + 1, summary["rounds_completed"] + 1)
+    (wipe,) = [f for f in summary["faults"] if f["org"] == org and f["kind"] == "wipe"]
+    first = max(int(rec["recovered_round"]), int(wipe["rounds_done_at_wipe"]) + 1) + 1
+    later = range(first, summary["rounds_completed"] + 1)
     return any(org in summary["survivors"].get(str(r), []) for r in later)
 
 
