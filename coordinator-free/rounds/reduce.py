@@ -30,6 +30,7 @@ the successor holding its copy (``round.part``, :mod:`~coordinator_free.rounds.s
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -63,7 +64,9 @@ class ReduceStage:
         try:
             if ctx.premasking is not None:
                 await ctx.premasking
-            ctx.masked = ctx.session.masked_input()
+            # off the loop too: a neighbour outside U2 costs one more mask expansion (no
+            # message touches the session while this node masks)
+            ctx.masked = await asyncio.to_thread(ctx.session.masked_input)
         except (SecAggError, ValueError) as exc:
             raise RoundFailed("mask", f"cannot mask the input: {exc}") from exc
         ctx.lap("mask")
@@ -78,7 +81,7 @@ class ReduceStage:
             if ctx.attempt:
                 ctx.observe("retry", "reduce", detail=f"ring attempt {ctx.attempt + 1}")
                 # the last attempt summed the masked input in place: made again
-                _remask(ctx)
+                await _remask(ctx)
             ctx.order = ring_order(ctx.members, ctx.round)
             owners = owner_unmask(ctx.config, len(ctx.order), ctx.masked_input())
             done, suspects = await self._ring(ctx, owners)
@@ -204,11 +207,11 @@ class ReduceStage:
         ctx.total = total
 
 
-def _remask(ctx: StageContext) -> None:
+async def _remask(ctx: StageContext) -> None:
     """The masked input once more (the session makes it again, bit for bit, in the
-    same array), for a ring attempt after one that summed into it."""
+    same array, off the event loop), for a ring attempt after one that summed into it."""
     try:
-        ctx.masked = ctx.session.masked_input()
+        ctx.masked = await asyncio.to_thread(ctx.session.masked_input)
     except (SecAggError, ValueError) as exc:
         raise RoundFailed("reduce", f"cannot mask the input again: {exc}") from exc
     ctx.lap("mask")

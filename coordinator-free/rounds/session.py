@@ -104,7 +104,8 @@ class MaskedSum(Protocol):
     def masked_input(self) -> np.ndarray:
         """This org's masked input (a ring array), which the engine may sum into in
         place; each later call makes it again, the same bit for bit, in the same
-        array (for a ring attempt after one that consumed it)."""
+        array (for a ring attempt after one that consumed it). The engine calls it off
+        its event loop, at a stage where no message reaches the session."""
         ...
 
     def unmask(self, survivors: frozenset[str]) -> bytes:
