@@ -166,8 +166,7 @@ class Compressor:
         the fewest bits the participants' levels and limbs need, packed on the wire),
         or 0 (the dense codec's ring: random-k alone, and q8's calibration round)."""
         plan = self._plan()
-        bits = self.q8.ring_bits if plan.q8 and self.q8 is not None else 0
-        return bits if bits < 16 else 0  # 16: the uint16 storage's own width
+        return self.q8.ring_bits if plan.q8 and self.q8 is not None else 0
 
     def contribution(self) -> np.ndarray:
         """What this org's last encoded vector carries, as a packed vector: its own

@@ -122,20 +122,26 @@ def packed_bytes(count: int, bits: int) -> int:
     return -(-count // _GROUP) * (bits // 2)
 
 
+def _lanes(bits: int) -> tuple[np.ndarray, np.uint64]:
+    """Each group element's shift and the element mask of a packed ``bits``-bit ring;
+    raises ``ValueError`` for a width that does not travel packed."""
+    if bits not in NARROW_BITS:
+        raise ValueError(f"a packed ring is {NARROW_BITS} bits wide, not {bits}")
+    shifts = (np.arange(_GROUP, dtype=np.uint64) * np.uint64(bits)).reshape(1, _GROUP)
+    return shifts, np.uint64((1 << bits) - 1)
+
+
 def pack_narrow(values: np.ndarray, bits: int) -> np.ndarray:
     """The low ``bits`` bits of each ``uint16`` in ``values``, packed little-endian:
     each group of 4 elements becomes ``bits / 2`` bytes (element ``i`` of the group at
     bit ``i * bits``), the last group padded with zeros. Arithmetic modulo ``2^16``
     agrees with arithmetic modulo ``2^bits`` on the low bits, so a ring that stores
     ``uint16`` and adds without reducing sends exactly its ``bits``-bit elements."""
-    if bits not in NARROW_BITS:
-        raise ValueError(f"a packed ring is {NARROW_BITS} bits wide, not {bits}")
+    shifts, mask = _lanes(bits)
     if bits == 8:
         return values.astype(np.uint8)  # the low byte of each element
     count, width = values.shape[0], bits // 2
     out = np.empty(packed_bytes(count, bits), dtype=np.uint8)
-    shifts = (np.arange(_GROUP, dtype=np.uint64) * np.uint64(bits)).reshape(1, _GROUP)
-    mask = np.uint64((1 << bits) - 1)
     for lo in range(0, count, _BLOCK):
         hi = min(count, lo + _BLOCK)
         groups = -(-(hi - lo) // _GROUP)
@@ -155,8 +161,7 @@ def pack_narrow(values: np.ndarray, bits: int) -> np.ndarray:
 def unpack_narrow(data: bytes | memoryview, count: int, bits: int) -> np.ndarray:
     """``count`` ``uint16`` elements from :func:`pack_narrow`'s bytes (each below
     ``2^bits``); raises ``ValueError`` when ``data`` is not exactly their size."""
-    if bits not in NARROW_BITS:
-        raise ValueError(f"a packed ring is {NARROW_BITS} bits wide, not {bits}")
+    shifts, mask = _lanes(bits)
     raw = np.frombuffer(data, dtype=np.uint8)
     if raw.shape[0] != packed_bytes(count, bits):
         raise ValueError(f"{raw.shape[0]} bytes do not pack {count} elements of {bits} bits")
@@ -164,8 +169,6 @@ def unpack_narrow(data: bytes | memoryview, count: int, bits: int) -> np.ndarray
         return raw.astype(np.uint16)
     width = bits // 2
     out = np.empty(count, dtype=np.uint16)
-    shifts = (np.arange(_GROUP, dtype=np.uint64) * np.uint64(bits)).reshape(1, _GROUP)
-    mask = np.uint64((1 << bits) - 1)
     for lo in range(0, count, _BLOCK):
         hi = min(count, lo + _BLOCK)
         groups = -(-(hi - lo) // _GROUP)

@@ -207,7 +207,8 @@ class RoundEngine:
         ``deadline`` is the clock time (``clock()``) by which ``ready`` messages must
         be seen; ``None`` means ``ready_timeout`` from now. ``ring_bits`` (every member
         passes the same) narrows the ring of a ``uint16`` vector to one of
-        :data:`~coordinator_free.ring.wire.NARROW_BITS`: only those low bits of each
+        :data:`~coordinator_free.ring.wire.NARROW_BITS` (16, or 0, is the storage's own
+        width): only those low bits of each
         masked element travel, packed, and the sum is right modulo ``2^ring_bits``
         (the caller reads it so; the bits above are not meaningful). Raises :class:`RoundFailed`
         with the stage and the reason when the round cannot complete. Whatever the
@@ -216,7 +217,7 @@ class RoundEngine:
         """
         if not run:
             raise ValueError("run must be a non-empty string")
-        if ring_bits and (vector.dtype != np.uint16 or ring_bits not in NARROW_BITS):
+        if ring_bits and (vector.dtype != np.uint16 or ring_bits not in (*NARROW_BITS, 16)):
             raise ValueError(
                 f"a {ring_bits}-bit ring needs a uint16 vector and a width in {NARROW_BITS}"
             )
@@ -237,9 +238,16 @@ class RoundEngine:
         self._net.observe("round", run, round, "ready")
         try:
             ctx = StageContext(
-                state, vector, deadline, self.config, self._net, self.clock, self.hook, self.live
+                state,
+                vector,
+                deadline,
+                self.config,
+                self._net,
+                self.clock,
+                self.hook,
+                self.live,
+                ring_bits=ring_bits,
             )
-            ctx.ring_bits = ring_bits
             return await self._run(ctx)
         except RoundFailed as exc:
             self._net.observe("failed", run, round, exc.stage, detail=exc.reason)
