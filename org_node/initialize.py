@@ -44,7 +44,7 @@ from org_node.config import (
 )
 from org_node.db.engine import default_database_url, make_engine
 from org_node.db.repo import init_database
-from org_node.node import NodeError, load_secret, read_chain, save_secret, write_chain
+from org_node.node.files import NodeError, load_secret, read_chain, save_secret, write_chain
 from org_node.passphrase import with_hint
 
 __all__ = [

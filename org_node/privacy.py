@@ -31,8 +31,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from dp_accounting import dp_event
-from dp_accounting.rdp import rdp_privacy_accountant
 
 from org_node.dp_spec import dp_disagreement
 from org_node.run_config import EngineConfig, EngineError, RunPlan
@@ -154,6 +152,9 @@ def gaussian_rdp(
         return np.full_like(arr, np.inf)
     if q == 1.0:
         return steps * arr / (2.0 * sigma * sigma)
+    from dp_accounting import dp_event  # scipy underneath: imported when a run accounts
+    from dp_accounting.rdp import rdp_privacy_accountant
+
     accountant = rdp_privacy_accountant.RdpAccountant(orders=arr.tolist())
     accountant.compose(
         dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(sigma)), count=steps
@@ -198,6 +199,8 @@ def eps_from_rdp(orders: FloatSeq, rdp: FloatSeq, delta: float) -> tuple[float, 
     values = np.asarray(rdp, dtype=np.float64)
     if values.shape != arr.shape:
         raise PrivacyConfigError(f"{values.size} RDP values for {arr.size} orders")
+    from dp_accounting.rdp import rdp_privacy_accountant
+
     eps, order = rdp_privacy_accountant.compute_epsilon(arr.tolist(), values.tolist(), d)
     return max(0.0, float(eps)), float(order)
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 from collections.abc import Mapping
@@ -44,10 +43,10 @@ from coordinator_free.checkpoints import (
 )
 from coordinator_free.endpoint import Endpoint
 from coordinator_free.erasure import CodeParams
-from coordinator_free.errors import CoordinatorFreeError, ManifestError
+from coordinator_free.errors import CoordinatorFreeError
 from coordinator_free.gossip import Gossip, GossipConfig
 from coordinator_free.identity import OrgIdentity
-from coordinator_free.manifest import Manifest, Member, load_chain
+from coordinator_free.manifest import Manifest, Member
 from coordinator_free.membership import Membership, MemberState, SwimConfig
 from coordinator_free.rounds import (
     RoundConfig,
@@ -58,9 +57,6 @@ from coordinator_free.rounds import (
 from coordinator_free.rounds.ckks import CkksAggregator
 from coordinator_free.sealed import (
     RecoverySecret,
-    atomic_write,
-    open_with_passphrase,
-    seal_with_passphrase,
 )
 from coordinator_free.tls import TlsTransport
 from coordinator_free.transport import Transport
@@ -75,6 +71,7 @@ from org_node.engine import ATTEMPTS
 from org_node.node.checkpoints import Checkpoints
 from org_node.node.context import NodeContext
 from org_node.node.federation import Federation
+from org_node.node.files import NodeError, load_secret, read_chain, save_secret
 from org_node.node.heads import AuditHeads, lost_entries
 from org_node.node.leftovers import clean_leftovers
 from org_node.node.proposals import RunProposals
@@ -110,44 +107,6 @@ written, by one fsync for every record written meanwhile (``docs/SECURITY.md``).
 HARNESS_EXPORT_ENV = "FEDWEAVE_HARNESS_DEBUG_EXPORT"
 """Test harnesses only: a directory for each round's plaintext update (see
 :mod:`org_node.engine`); refused unless the config says ``[debug] harness = true``."""
-
-
-class NodeError(Exception):
-    """The node cannot start or act as asked (the message says why)."""
-
-
-SECRET_FORMAT = "fedweave-recovery-secret/v1"
-"""The format of a passphrase-protected ``recovery.secret`` (a JSON envelope)."""
-
-
-def save_secret(path: Path, secret: RecoverySecret, passphrase: bytes | None = None) -> None:
-    """Write the recovery secret with mode 0600: hex, or with ``passphrase`` a JSON
-    envelope, AES-256-GCM under a scrypt key (:func:`seal_with_passphrase`)."""
-    if not passphrase:
-        atomic_write(path, secret.hex().encode() + b"\n", mode=0o600)
-        return
-    body = {"format": SECRET_FORMAT} | seal_with_passphrase(
-        secret.value, passphrase, SECRET_FORMAT.encode()
-    )
-    atomic_write(path, json.dumps(body, sort_keys=True).encode() + b"\n", mode=0o600)
-
-
-def load_secret(path: Path, passphrase: bytes | None = None) -> RecoverySecret:
-    """The recovery secret ``save_secret`` wrote; NodeError in one line when it cannot be
-    read, or its passphrase is missing or wrong."""
-    try:
-        text = path.read_text().strip()
-        if not text.startswith("{"):
-            return RecoverySecret.from_hex(text)
-        obj = json.loads(text)
-        if not isinstance(obj, dict) or obj.get("format") != SECRET_FORMAT:
-            raise ValueError("not a recovery secret envelope")
-        value = open_with_passphrase(
-            obj, passphrase, SECRET_FORMAT.encode(), what="the recovery secret", error=NodeError
-        )
-        return RecoverySecret(value)
-    except (OSError, ValueError) as exc:
-        raise NodeError(with_hint(f"cannot read the recovery secret {path}: {exc}")) from None
 
 
 class OrgNode(NodeContext):
@@ -510,13 +469,3 @@ def _debug_export(config: NodeConfig) -> Path | None:
         )
     logger.warning("harness debug export is ON: plaintext updates go to %s", target)
     return Path(target)
-
-
-def read_chain(path: Path) -> list[Manifest]:
-    """Read and verify a manifest chain file."""
-    try:
-        versions = load_chain(path.read_bytes())
-        Manifest.verify_chain(versions)
-    except (OSError, ManifestError) as exc:
-        raise NodeError(f"cannot use the federation manifest {path}: {exc}") from None
-    return versions

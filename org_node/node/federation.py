@@ -18,27 +18,22 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
 
 from coordinator_free.errors import ManifestError
 from coordinator_free.gossip import SignedRecord
 from coordinator_free.identity import verify_signature
-from coordinator_free.manifest import Manifest, Member, dump_chain
-from coordinator_free.sealed import atomic_write
+from coordinator_free.manifest import Manifest, Member
 from coordinator_free.tls import write_trust_bundle
 
 from org_node.node.context import NodeContext
+from org_node.node.files import write_chain
 from org_node.services import ServiceRefused
 
-__all__ = ["MANIFEST_TOPIC", "Federation", "write_chain"]
+__all__ = ["MANIFEST_TOPIC", "Federation"]
 
 logger = logging.getLogger("org_node.node")
 
 MANIFEST_TOPIC = "manifest"
-
-
-def write_chain(path: Path, versions: list[Manifest]) -> None:
-    atomic_write(path, dump_chain(versions), mode=0o644)
 
 
 class Federation:

@@ -16,7 +16,7 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,6 +74,11 @@ RESUME_RETRY_S = 2.0
 MODEL_TOPIC = "model"
 """Gossip topic of the global model's content hash per run and round (key ``RUN/ROUND``)."""
 
+CATCH_UP_VOTES = 2
+"""How many other participants must publish the same model hash for a round before a
+node that fell behind adopts that model; a run that removals left with two participants
+needs the one other (it could steer the other's model through the sum anyway)."""
+
 TrainerFactory = Callable[[RunPlan, Path, RunBinding], LocalTrainer]
 """``factory(plan, work_dir, binding)``: the local trainer of a run (by default a
 :class:`~org_node.trainers.local.WorkerTrainer` over a worker process)."""
@@ -123,6 +128,8 @@ class Runs:
         self.admission = RunAdmission()
         """The runs whose rounds peers may open here (the round engine's ``admit``)."""
         self._stopping: set[asyncio.Task[None]] = set()
+        self._shared: tuple[int, tuple[str, ...]] | None = None
+        """The newest global model this node coded into the history: round, holders."""
 
     def _worker_trainer(self, plan: RunPlan, work_dir: Path, binding: RunBinding) -> LocalTrainer:
         """The run's trainer, in a worker process of its own (never in this one)."""
@@ -239,11 +246,29 @@ class Runs:
             )
         if why:
             self._stop_later(active, why)
+        else:
+            self._later(self._replace_history(set(removed)), f"history:{active.run_id}")
 
     def _stop_later(self, active: _ActiveRun, reason: str) -> None:
-        task = asyncio.create_task(self._stop_for(active, reason), name=f"stop:{active.run_id}")
+        self._later(self._stop_for(active, reason), f"stop:{active.run_id}")
+
+    def _later(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.create_task(work, name=name)
         self._stopping.add(task)
         task.add_done_callback(self._stopping.discard)
+
+    async def _replace_history(self, removed: set[str]) -> None:
+        """Code the newest global model again over the holders a removal left: the shards
+        placed on a removed member are gone, and a member that fell behind must still
+        rebuild that model from the others (every remaining holder places alike)."""
+        active, shared = self.active, self._shared
+        if active is None or shared is None or not removed & set(shared[1]):
+            return
+        round, survivors = shared
+        holders = tuple(s for s in survivors if s not in removed)
+        if self.ctx.me in holders and active.engine.state.round == round:
+            await self._keep_model(round, active.engine.state.model, holders)
+            logger.info("%s: global model %d placed again on %s", self.ctx.me, round, holders)
 
     async def _stop_for(self, active: _ActiveRun, reason: str) -> None:
         if active.task is not None:
@@ -556,38 +581,54 @@ class Runs:
         """Keep this node's shards of the new global model (coded and sealed off the loop)
         and gossip its content hash, so that a node back from a crash can rebuild it and
         rejoin."""
-        active, history = self.active, self.ctx.history
-        if active is None or history is None or self.ctx.gossip is None:
+        active = self.active
+        if active is None or self.ctx.history is None or self.ctx.gossip is None:
             return
-        model = active.engine.state.model
+        sha = await self._keep_model(report.round, active.engine.state.model, report.survivors)
+        self._shared = (report.round, tuple(report.survivors))
+        self.ctx.gossip.publish(MODEL_TOPIC, f"{report.run_key}/{report.round}", sha.encode())
+
+    async def _keep_model(
+        self, round: int, model: Mapping[str, Any], holders: Sequence[str]
+    ) -> str:
+        """Code ``model`` as history version ``round`` over ``holders`` and keep this
+        node's shards (off the loop); the model's content hash."""
+        history = self.ctx.history
+        assert history is not None
 
         def keep() -> str:
             data = model_to_bytes(model)
             sha = hashlib.sha256(data).hexdigest()
             try:
-                history.add_version(report.round, data, sha, members=report.survivors)
+                history.add_version(round, data, sha, members=holders)
             except (ShardError, OSError) as exc:
                 logger.warning("%s: global model history: %s", self.ctx.me, exc)
             return sha
 
-        sha = await asyncio.to_thread(keep)
-        self.ctx.gossip.publish(MODEL_TOPIC, f"{report.run_key}/{report.round}", sha.encode())
+        return await asyncio.to_thread(keep)
 
     async def _catch_up(self, run_key: str, round: int) -> tuple[int, dict[str, Any]] | None:
-        """The newest model of ``run_key`` past ``round`` that two other members agree on,
-        rebuilt from the global-model history shards and checked against its hash."""
+        """The newest model of ``run_key`` past ``round`` that two other participants
+        agree on (the one other, when a removal left the run two), rebuilt from the
+        global-model history shards and checked against its hash."""
         if self.ctx.gossip is None or self.ctx.history is None or self.ctx.membership is None:
             return None
         me = self.ctx.me
+        others = set(self.participants) - {me}
         votes: dict[tuple[int, str], set[str]] = {}
         for record in self.ctx.gossip.records(MODEL_TOPIC):
             key, _, num = record.key.rpartition("/")
             if key != run_key or not num.isdigit() or record.origin == me:
                 continue
+            if others and record.origin not in others:  # a removed member's word is not counted
+                continue
             votes.setdefault((int(num), record.record.decode("ascii", "replace")), set()).add(
                 record.origin
             )
-        agreed = sorted((r, sha) for (r, sha), who in votes.items() if r > round and len(who) >= 2)
+        needed = min(CATCH_UP_VOTES, len(others)) if others else CATCH_UP_VOTES
+        agreed = sorted(
+            (r, sha) for (r, sha), who in votes.items() if r > round and len(who) >= needed
+        )
         if not agreed:
             return None
         newest, sha = agreed[-1]

@@ -19,8 +19,10 @@ a global model whose names or shapes disagree with the task's model
 (:class:`ShapeMismatchError`), NaN/Inf in the global model or the update
 (:class:`NonFiniteUpdateError`).
 
-It imports torch, the bundled tasks (:mod:`org_node.tasks`) and, for its spec's
-checks, :mod:`coordinator_free.validate`; never the node, the run engine or ``api``.
+It imports torch and the bundled tasks (:mod:`org_node.tasks`) only when a job is checked
+or run, so that reading a node's config (which checks the training settings against
+:class:`LocalJobSpec`) stays light; for its spec's checks it imports
+:mod:`coordinator_free.validate`; never the node, the run engine or ``api``.
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from typing import Any
 
 import numpy as np
 
-from org_node.tasks import TaskError, load_task
 from org_node.training import exchange
 from org_node.training.errors import (
     JobFailedError,
@@ -42,7 +43,6 @@ from org_node.training.errors import (
 from org_node.training.exchange import LocalResult
 from org_node.training.launch import LaunchConfig, launch_job
 from org_node.training.parallel import ParallelDims
-from org_node.training.parallelize import check_supported
 from org_node.training.spec import LocalJobSpec, TrainSpec
 
 __all__ = [
@@ -63,6 +63,9 @@ __all__ = [
 
 def validate_job(spec: LocalJobSpec, global_state: dict[str, np.ndarray]) -> None:
     """Everything that can be checked without starting a rank; raises naming the field."""
+    from org_node.tasks import TaskError, load_task  # torch: imported when a job is checked
+    from org_node.training.parallelize import check_supported
+
     try:
         task = load_task(spec.task)
     except TaskError as exc:

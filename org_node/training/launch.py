@@ -34,8 +34,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from org_node.passphrase import PASSPHRASE_ENV
 from org_node.training import exchange
 from org_node.training.errors import JobFailedError, SpecError
@@ -105,6 +103,8 @@ def torchrun_command(
             "nnodes", f"world size {spec.world_size} does not split over {config.nnodes} hosts"
         )
     if spec.device == "cuda":
+        import torch  # only to count this host's GPUs
+
         gpus = torch.cuda.device_count()
         if per_node > gpus:
             raise SpecError(

@@ -11,8 +11,10 @@ stages are farthest apart. Every axis is present, degree 1 included, so
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 from org_node.training.errors import SpecError
 
@@ -98,6 +100,8 @@ class ParallelDims:
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """The world mesh with named axes; the process group must match ``world_size``."""
+        from torch.distributed.device_mesh import init_device_mesh  # in the ranks only
+
         return init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_AXES)
 
     def coordinates(self, rank: int) -> dict[str, int]:

@@ -245,6 +245,55 @@ def test_finding_8_a_removed_member_is_out_of_the_next_round_and_fetches_nothing
     asyncio.run(scenario())
 
 
+def test_a_member_behind_catches_up_with_the_one_other_a_removal_left(tmp_path: Path) -> None:
+    """org-b fails in round 2 while org-a and org-c go on; org-c is removed; org-b's run
+    resumes behind org-a, the one other participant left, and catches up with the model
+    org-a published (org-c's word no longer counts): both finish the run together."""
+    dirs = make_federation(tmp_path)
+    _configure(dirs, ready_timeout_s=3.0, model_hash_timeout_s=3)
+    spec = _spec(7)
+    ids = _add_runs(dirs, "behind", spec)
+    _FailsOnce.crashed = False
+
+    async def scenario() -> None:
+        nodes = await _start(dirs, InMemoryNetwork(), trainers={"org-b": _FailsOnce})
+        a, b, c = (nodes[o] for o in ORGS)
+        try:
+            for org, node in nodes.items():
+                await asyncio.to_thread(node.on_run_started, ids[org], spec)
+            await _wait_for(lambda: ids["org-b"] in b.runs.finished, what="org-b fails")
+            await _wait_for(lambda: _round(a) >= 4, what="org-a and org-c go on")
+            proposal = await asyncio.to_thread(a.propose_remove, "org-c", "leaves")
+            await _wait_for(
+                lambda: proposal.digest in {p.digest for p in b.proposals()}, what="proposal"
+            )
+            await asyncio.to_thread(b.sign_proposal, proposal.digest)
+            await _wait_for(
+                lambda: all(n.current_manifest.version == 1 for n in (a, b)),  # type: ignore[union-attr]
+                what="removal installed",
+            )
+            await asyncio.to_thread(b.runs.on_run_resumed, ids["org-b"], spec)
+            await _wait_for(
+                lambda: ids["org-a"] in a.runs.finished and ids["org-b"] in b.runs.finished,
+                90,
+                "the run to end at org-a and org-b",
+            )
+            assert a.runs.finished[ids["org-a"]] == "completed"
+            assert b.runs.finished[ids["org-b"]] == "completed"
+            done_at_b = set(_survivors(b, ids["org-b"]))
+            assert max(done_at_b) == 7 and 3 not in done_at_b  # it skipped the rounds it missed
+            models = {
+                model_hash(n.runs.active.engine.state.model)  # type: ignore[union-attr]
+                for n in (a, b)
+            }
+            assert len(models) == 1
+        finally:
+            for node in nodes.values():
+                await node.stop()
+
+    asyncio.run(scenario())
+
+
 # -- finding 9 ---------------------------------------------------------------------------
 
 
