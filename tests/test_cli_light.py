@@ -177,3 +177,46 @@ def test_running_client_commands_against_a_node_dir_imports_nothing_heavy(tmp_pa
     modules = json.loads(r.stdout.strip().splitlines()[-1])
     assert "org_node.cli_http" in modules and "coordinator_free.manifest" in modules
     assert heavy(modules) == []
+
+
+LOCAL_HEAVY = ("torch", "dp_accounting", "scipy", "flwr", "tenseal", "sklearn")
+"""What the local set-up commands need not import: they read and write the node's files,
+its database and its TLS material, never train, account privacy or run a node."""
+NODE_LAYERS = ("org_node.node.assembly", "org_node.engine", "org_node.tasks", "org_node.privacy")
+
+
+def test_the_set_up_commands_import_no_torch_and_no_node(tmp_path: Path) -> None:
+    """``init``, ``federation found``, ``federation sign`` and ``federation install``, run
+    for real in one interpreter: the federation is founded and installed, and none of
+    them imported torch, the DP accountant or the node's layers."""
+    dirs = [tmp_path / org for org in ("org-a", "org-b")]
+    manifest = str(tmp_path / "manifest.json")
+    commands = [
+        *(
+            [
+                "init",
+                "--org-id",
+                d.name,
+                "--data-dir",
+                str(d),
+                "--peer-port",
+                str(_free_port()),
+                "--admin-port",
+                str(_free_port()),
+            ]
+            for d in dirs
+        ),
+        ["federation", "found", "--federation", "fed", "--out", manifest]
+        + [a for d in dirs for a in ("--member", str(d / "member.json"))],
+        *(["federation", "sign", manifest, "--data-dir", str(d)] for d in dirs),
+        *(["federation", "install", manifest, "--data-dir", str(d)] for d in dirs),
+    ]
+    r = python("-c", RUN_COMMANDS, json.dumps(commands), env={"COLUMNS": "200"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    exits = [line for line in r.stderr.splitlines() if line.startswith("exit ")]
+    assert exits == [f"exit 0: {' '.join(c[:2])}" for c in commands]
+    assert all((d / "federation" / "chain.json").exists() for d in dirs)
+    modules = json.loads(r.stdout.strip().splitlines()[-1])
+    assert "org_node.initialize" in modules and "org_node.node.files" in modules
+    assert sorted(m for m in modules if m.split(".")[0] in LOCAL_HEAVY) == []
+    assert [m for m in modules if m in NODE_LAYERS] == []
