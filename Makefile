@@ -30,14 +30,14 @@ layers: setup
 	$(BIN)/lint-imports
 
 pytest: setup
-	$(BIN)/pytest -n $(PYTEST_WORKERS) --timeout $(PYTEST_TIMEOUT)
+	$(BIN)/pytest -n $(PYTEST_WORKERS) --maxschedchunk 2 --timeout $(PYTEST_TIMEOUT)
 
 # Everything CI runs: lint, types, layering, and the whole test suite (e2e included).
 test: lint typecheck layers pytest
 
 # The same without the long end-to-end tests, for a quick local loop.
 test-fast: lint typecheck layers
-	$(BIN)/pytest -n $(PYTEST_WORKERS) --timeout $(PYTEST_TIMEOUT) -m "not e2e"
+	$(BIN)/pytest -n $(PYTEST_WORKERS) --maxschedchunk 2 --timeout $(PYTEST_TIMEOUT) -m "not e2e"
 
 bench: setup
 	$(PY) -m bench --quick

@@ -13,7 +13,9 @@ with ``--quick``, 7 without).
 
 Rows ``cli_wall_s[command=...]`` for ``runs list``, ``runs show``, ``status``, ``peers``,
 ``tokens list``, ``trainers list``, ``datasets list`` and ``audit fetch``; target
-``<= 0.5`` s on the value itself. The baseline is the bare interpreter's start and exit
+``<= 0.5`` s on the value itself. Rows ``cli_wall_s[command=init]``, ``[command=federation
+found|sign|install]``: the set-up commands as the federation was made (no target; they
+read and write the node's files and never import torch). The baseline is the bare interpreter's start and exit
 (``python -c pass``) measured in the same run, so the ratio shows what the CLI itself
 costs. A command that answers with an error still answers (the note says so and gives
 the error line, and how the run ended); every node started is stopped (SIGTERM, then
@@ -81,11 +83,21 @@ def timed_run(argv: Sequence[str], env: dict[str, str], *, timeout: float = 120.
     return Answer(wall, r.returncode, r.stdout, error)
 
 
+SETUP_S: dict[str, list[float]] = {}
+"""The wall time of each set-up step this process ran, by command (``init``,
+``federation found``, ...): the set-up rows."""
+
+
 def checked(argv: Sequence[str], env: dict[str, str], what: str) -> str:
-    """Run a setup step; its stdout, or RuntimeError naming the step and its error."""
+    """Run a setup step; its stdout, or RuntimeError naming the step and its error. Its
+    wall time goes to :data:`SETUP_S` under the command's name."""
+    start = time.monotonic()
     r = subprocess.run(list(argv), capture_output=True, text=True, env=env, timeout=600)
+    wall = time.monotonic() - start
     if r.returncode != 0:
         raise RuntimeError(f"{what} failed (exit {r.returncode}): {r.stderr.strip()[-500:]}")
+    command = " ".join(what.split()[1:3]) if what.split()[1] == "federation" else "init"
+    SETUP_S.setdefault(command, []).append(wall)
     return r.stdout
 
 
@@ -273,6 +285,15 @@ def body(report: Report) -> None:
             baseline = min(
                 timed_run([sys.executable, "-c", "pass"], env).wall_s for _ in range(repeats)
             )
+            for name, walls in SETUP_S.items():
+                report.add(
+                    f"cli_wall_s[command={name}]",
+                    min(walls),
+                    "s",
+                    baseline,
+                    note=f"set-up command, best of {len(walls)} (one per org; run before any "
+                    "node started); baseline: python -c pass",
+                )
             for name, args in COMMANDS:
                 filled = [a.format(run_id=run_id, out=root / "reports") for a in args]
                 answers = [_cli(orgs["org1"], env, *filled) for _ in range(repeats)]

@@ -202,7 +202,9 @@ def _hold_next_round(obs: Observation, wipe: Wipe) -> None:
     """Before pausing for a held wipe, hold every live org at the round after
     ``wipe.round`` (before it sends anything of it): a pause that arrives once an org has
     entered that round (a fast round) acts only after it, but the hold stops the org
-    there all the same, so every org stays at round ``wipe.round`` until released."""
+    there all the same, so every org stays at round ``wipe.round`` until released. The
+    run's set-up made these holds already (:func:`org_node.harness.setup.propose_and_accept`),
+    so an org cannot slip past them while the harness is slow to look; this makes sure."""
     for org, node in obs.nodes.items():
         if not node.down:
             hold = round_hold(obs, org, wipe.round)

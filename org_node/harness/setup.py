@@ -23,6 +23,7 @@ from org_node.harness.nodes import (
     check,
     free_ports,
     hold_file,
+    round_hold,
 )
 from org_node.harness.scenario import FLOWER_TRAINER, Scenario
 
@@ -224,11 +225,13 @@ def propose_and_accept(obs: Observation) -> None:
         body = {"name": RUN_NAME, "spec": spec, "start_delay_s": START_DELAY_S}
         proposal = check(c.post("/v1/runs", json=body), f"propose at {first.org}")
     obs.run_key = str(proposal["run_key"])
-    for kill in s.kills:  # its path names the run: before any org accepts, so in time
-        if kill.stage == "reduce":
-            hold = hold_file(obs, kill)
-            hold.parent.mkdir(parents=True, exist_ok=True)
-            hold.touch()
+    holds = [hold_file(obs, kill) for kill in s.kills if kill.stage == "reduce"]
+    # a held wipe: every org stops before sending anything of the round after the
+    # wipe's, however late the harness sees that round end (see runner._pause_due)
+    holds += [round_hold(obs, org, w.round) for w in s.wipes if w.hold for org in s.names]
+    for hold in holds:  # its path names the run: before any org accepts, so in time
+        hold.parent.mkdir(parents=True, exist_ok=True)
+        hold.touch()
     for org in s.names:
         obs.nodes[org].run_id = _proposed_at(obs.nodes[org], obs.run_key)
     for org in s.names:

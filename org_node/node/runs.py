@@ -399,6 +399,7 @@ class Runs:
             raise ServiceRefused(str(exc)) from None
         # members removed from the manifest since the run began take no further part
         self.participants = leave_out_removed(engine, self.ctx.require_manifest().member_ids)
+        self._shared = None  # the history placed so far was another run's
         active = _ActiveRun(run_id, engine)
         active.task = asyncio.create_task(self._drive(active), name=f"run:{run_id}")
         self.active = active
