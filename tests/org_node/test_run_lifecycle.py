@@ -164,7 +164,13 @@ def test_finding_8_a_removed_member_is_out_of_the_next_round_and_fetches_nothing
     dirs = make_federation(tmp_path)
     # until both remaining orgs installed the removal their member lists differ and
     # their rounds fail: every attempt a round has covers that gap on a loaded machine
-    _configure(dirs, ready_timeout_s=3.0, model_hash_timeout_s=3, max_attempts=ATTEMPTS)
+    _configure(
+        dirs,
+        ready_timeout_s=3.0,
+        model_hash_timeout_s=3,
+        max_attempts=ATTEMPTS,
+        quorum_backoff_max_s=2.0,
+    )
     spec = _spec(8)
     key = RunPlan.from_spec("shrink", spec).run_key
     ids = _add_runs(dirs, "shrink", spec)
@@ -192,7 +198,8 @@ def test_finding_8_a_removed_member_is_out_of_the_next_round_and_fetches_nothing
             next_round = max(_round(a), _round(b)) + 1
             await _wait_for(
                 lambda: ids["org-a"] in a.runs.finished and ids["org-b"] in b.runs.finished,
-                what="the run to end at org-a and org-b",
+                90,
+                "the run to end at org-a and org-b",
             )
             assert a.runs.finished[ids["org-a"]] == "completed"
             assert b.runs.finished[ids["org-b"]] == "completed"
@@ -250,7 +257,7 @@ def test_a_member_behind_catches_up_with_the_one_other_a_removal_left(tmp_path: 
     resumes behind org-a, the one other participant left, and catches up with the model
     org-a published (org-c's word no longer counts): both finish the run together."""
     dirs = make_federation(tmp_path)
-    _configure(dirs, ready_timeout_s=3.0, model_hash_timeout_s=3)
+    _configure(dirs, ready_timeout_s=3.0, model_hash_timeout_s=3, quorum_backoff_max_s=2.0)
     spec = _spec(7)
     ids = _add_runs(dirs, "behind", spec)
     _FailsOnce.crashed = False
