@@ -13,11 +13,11 @@ with ``--quick``, 7 without).
 
 Rows ``cli_wall_s[command=...]`` for ``runs list``, ``runs show``, ``status``, ``peers``,
 ``tokens list``, ``trainers list``, ``datasets list`` and ``audit fetch``; target
-``<= 0.5`` s on the value itself. Rows ``cli_wall_s[command=init]``, ``[command=federation
-found|sign|install]``: the set-up commands as the federation was made (no target; they
-read and write the node's files and never import torch). The baseline is the bare interpreter's start and exit
-(``python -c pass``) measured in the same run, so the ratio shows what the CLI itself
-costs. A command that answers with an error still answers (the note says so and gives
+``<= 0.5`` s on the value itself. Rows ``cli_wall_s[command=init]`` and
+``[command=federation found|sign|install]``: the set-up commands as the federation was
+made (no target; they read and write the node's files and never import torch). The
+baseline is the bare interpreter's start and exit (``python -c pass``) measured in the
+same run, so the ratio shows what the CLI itself costs. A command that answers with an error still answers (the note says so and gives
 the error line, and how the run ended); every node started is stopped (SIGTERM, then
 SIGKILL) in every case.
 """
@@ -88,15 +88,14 @@ SETUP_S: dict[str, list[float]] = {}
 ``federation found``, ...): the set-up rows."""
 
 
-def checked(argv: Sequence[str], env: dict[str, str], what: str) -> str:
+def checked(argv: Sequence[str], env: dict[str, str], what: str, command: str) -> str:
     """Run a setup step; its stdout, or RuntimeError naming the step and its error. Its
-    wall time goes to :data:`SETUP_S` under the command's name."""
+    wall time goes to :data:`SETUP_S` under ``command``."""
     start = time.monotonic()
     r = subprocess.run(list(argv), capture_output=True, text=True, env=env, timeout=600)
     wall = time.monotonic() - start
     if r.returncode != 0:
         raise RuntimeError(f"{what} failed (exit {r.returncode}): {r.stderr.strip()[-500:]}")
-    command = " ".join(what.split()[1:3]) if what.split()[1] == "federation" else "init"
     SETUP_S.setdefault(command, []).append(wall)
     return r.stdout
 
@@ -186,6 +185,7 @@ def make_federation(root: Path, env: dict[str, str]) -> dict[str, tuple[Path, st
             ],
             env,
             f"fedweave init {org}",
+            "init",
         )
         token = next(line.rsplit(" ", 1)[1] for line in out.splitlines() if "admin token" in line)
         orgs[org] = (d, token)
@@ -204,6 +204,7 @@ def make_federation(root: Path, env: dict[str, str]) -> dict[str, tuple[Path, st
         ],
         env,
         "fedweave federation found",
+        "federation found",
     )
     for step in ("sign", "install"):
         for d, _ in orgs.values():
@@ -211,6 +212,7 @@ def make_federation(root: Path, env: dict[str, str]) -> dict[str, tuple[Path, st
                 [*fedweave(), "federation", step, str(manifest), "--data-dir", str(d)],
                 env,
                 f"fedweave federation {step}",
+                f"federation {step}",
             )
     return orgs
 

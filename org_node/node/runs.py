@@ -1,8 +1,9 @@
 """The runs side of the org node: consent hooks, launching a run's engine with its
 trainer in a worker process, driving it round after round, writing each outcome to
-the run's row, sharing the global model, resuming a run after a restart or a recovery
-(and waiting, with the reason on the run's row, while its trainer or dataset is not
-back), and catching up with a federation that is ahead.
+the run's row, resuming a run after a restart or a recovery (and waiting, with the
+reason on the run's row, while its trainer or dataset is not back); the global model's
+history and catching up with a federation that is ahead are its
+:mod:`~org_node.node.model_history` part.
 
 :class:`Runs` is one part of :class:`~org_node.node.OrgNode`: it owns the active run
 and what waits to resume, and the loop owns both (the admin API's threads reach them
@@ -13,15 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from coordinator_free.erasure import ShardError
 from coordinator_free.rounds import ModelHashMismatch
 from sqlalchemy import update
 from sqlmodel import Session
@@ -42,8 +41,6 @@ from org_node.engine import (
     RunFailed,
     RunPlan,
     UpdateRejected,
-    model_from_bytes,
-    model_to_bytes,
 )
 from org_node.node.admission import RunAdmission
 from org_node.node.context import NodeContext
@@ -58,26 +55,20 @@ from org_node.node.lifecycle import (
     run_row,
     write_failure,
 )
+from org_node.node.model_history import ModelHistory
 from org_node.node.workers import worker_trainer
 from org_node.privacy import PrivacyError
 from org_node.runs import InvalidTransition, RunAction, RunState, next_state
 from org_node.services import RunActivity, ServiceRefused
 from org_node.trainers.local import TrainerFailed
 
-__all__ = ["MODEL_TOPIC", "RESUME_RETRY_S", "Runs", "TrainerFactory"]
+__all__ = ["RESUME_RETRY_S", "Runs", "TrainerFactory"]
 
 logger = logging.getLogger("org_node.node")
 
 RESUME_RETRY_S = 2.0
 """How often a run that could not resume (its trainer or dataset missing) is tried again."""
 
-MODEL_TOPIC = "model"
-"""Gossip topic of the global model's content hash per run and round (key ``RUN/ROUND``)."""
-
-CATCH_UP_VOTES = 2
-"""How many other participants must publish the same model hash for a round before a
-node that fell behind adopts that model; a run that removals left with two participants
-needs the one other (it could steer the other's model through the sum anyway)."""
 
 TrainerFactory = Callable[[RunPlan, Path, RunBinding], LocalTrainer]
 """``factory(plan, work_dir, binding)``: the local trainer of a run (by default a
@@ -127,9 +118,10 @@ class Runs:
         self._reasons: dict[str, str] = {}
         self.admission = RunAdmission()
         """The runs whose rounds peers may open here (the round engine's ``admit``)."""
-        self._stopping: set[asyncio.Task[None]] = set()
-        self._shared: tuple[int, tuple[str, ...]] | None = None
-        """The newest global model this node coded into the history: round, holders."""
+        self._background: set[asyncio.Task[None]] = set()
+        """Work started from a hook on the loop (a stop, a model placed again), kept alive."""
+        self.model_history = ModelHistory(ctx)
+        """The global model's history: shared each round, placed again, caught up from."""
 
     def _worker_trainer(self, plan: RunPlan, work_dir: Path, binding: RunBinding) -> LocalTrainer:
         """The run's trainer, in a worker process of its own (never in this one)."""
@@ -247,28 +239,18 @@ class Runs:
         if why:
             self._stop_later(active, why)
         else:
-            self._later(self._replace_history(set(removed)), f"history:{active.run_id}")
+            work = self.model_history.place_again(
+                set(removed), active.engine.state.round, active.engine.state.model
+            )
+            self._later(work, f"history:{active.run_id}")
 
     def _stop_later(self, active: _ActiveRun, reason: str) -> None:
         self._later(self._stop_for(active, reason), f"stop:{active.run_id}")
 
     def _later(self, work: Coroutine[Any, Any, None], name: str) -> None:
         task = asyncio.create_task(work, name=name)
-        self._stopping.add(task)
-        task.add_done_callback(self._stopping.discard)
-
-    async def _replace_history(self, removed: set[str]) -> None:
-        """Code the newest global model again over the holders a removal left: the shards
-        placed on a removed member are gone, and a member that fell behind must still
-        rebuild that model from the others (every remaining holder places alike)."""
-        active, shared = self.active, self._shared
-        if active is None or shared is None or not removed & set(shared[1]):
-            return
-        round, survivors = shared
-        holders = tuple(s for s in survivors if s not in removed)
-        if self.ctx.me in holders and active.engine.state.round == round:
-            await self._keep_model(round, active.engine.state.model, holders)
-            logger.info("%s: global model %d placed again on %s", self.ctx.me, round, holders)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _stop_for(self, active: _ActiveRun, reason: str) -> None:
         if active.task is not None:
@@ -399,7 +381,7 @@ class Runs:
             raise ServiceRefused(str(exc)) from None
         # members removed from the manifest since the run began take no further part
         self.participants = leave_out_removed(engine, self.ctx.require_manifest().member_ids)
-        self._shared = None  # the history placed so far was another run's
+        self.model_history.forget()
         active = _ActiveRun(run_id, engine)
         active.task = asyncio.create_task(self._drive(active), name=f"run:{run_id}")
         self.active = active
@@ -579,66 +561,13 @@ class Runs:
             logger.warning("%s: round %d not added to the round log: %s", run_id, report.round, exc)
 
     async def _share_model(self, report: RoundReport) -> None:
-        """Keep this node's shards of the new global model (coded and sealed off the loop)
-        and gossip its content hash, so that a node back from a crash can rebuild it and
-        rejoin."""
         active = self.active
-        if active is None or self.ctx.history is None or self.ctx.gossip is None:
-            return
-        sha = await self._keep_model(report.round, active.engine.state.model, report.survivors)
-        self._shared = (report.round, tuple(report.survivors))
-        self.ctx.gossip.publish(MODEL_TOPIC, f"{report.run_key}/{report.round}", sha.encode())
-
-    async def _keep_model(
-        self, round: int, model: Mapping[str, Any], holders: Sequence[str]
-    ) -> str:
-        """Code ``model`` as history version ``round`` over ``holders`` and keep this
-        node's shards (off the loop); the model's content hash."""
-        history = self.ctx.history
-        assert history is not None
-
-        def keep() -> str:
-            data = model_to_bytes(model)
-            sha = hashlib.sha256(data).hexdigest()
-            try:
-                history.add_version(round, data, sha, members=holders)
-            except (ShardError, OSError) as exc:
-                logger.warning("%s: global model history: %s", self.ctx.me, exc)
-            return sha
-
-        return await asyncio.to_thread(keep)
+        if active is not None:
+            model = active.engine.state.model
+            await self.model_history.share(report.run_key, report.round, model, report.survivors)
 
     async def _catch_up(self, run_key: str, round: int) -> tuple[int, dict[str, Any]] | None:
-        """The newest model of ``run_key`` past ``round`` that two other participants
-        agree on (the one other, when a removal left the run two), rebuilt from the
-        global-model history shards and checked against its hash."""
-        if self.ctx.gossip is None or self.ctx.history is None or self.ctx.membership is None:
-            return None
-        me = self.ctx.me
-        others = set(self.participants) - {me}
-        votes: dict[tuple[int, str], set[str]] = {}
-        for record in self.ctx.gossip.records(MODEL_TOPIC):
-            key, _, num = record.key.rpartition("/")
-            if key != run_key or not num.isdigit() or record.origin == me:
-                continue
-            if others and record.origin not in others:  # a removed member's word is not counted
-                continue
-            votes.setdefault((int(num), record.record.decode("ascii", "replace")), set()).add(
-                record.origin
-            )
-        needed = min(CATCH_UP_VOTES, len(others)) if others else CATCH_UP_VOTES
-        agreed = sorted(
-            (r, sha) for (r, sha), who in votes.items() if r > round and len(who) >= needed
-        )
-        if not agreed:
-            return None
-        newest, sha = agreed[-1]
-        try:
-            data = await self.ctx.history.rebuild(newest, sha, self.ctx.membership.live())
-            return newest, model_from_bytes(data)
-        except (ShardError, EngineError) as exc:
-            logger.warning("%s: cannot rebuild round %d yet: %s", me, newest, exc)
-            return None
+        return await self.model_history.catch_up(run_key, round, self.participants)
 
     async def _checkpoint(self, state: bytes, version: int) -> None:
         if self.ctx.replicator is None:

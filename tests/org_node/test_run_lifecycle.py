@@ -142,6 +142,17 @@ def _round(node: OrgNode) -> int:
     return active.engine.state.round if active is not None else -1
 
 
+async def _both_complete(a: OrgNode, b: OrgNode, ids: Mapping[str, str]) -> None:
+    """Wait for the run to end at org-a and org-b, completed at both."""
+    await _wait_for(
+        lambda: ids["org-a"] in a.runs.finished and ids["org-b"] in b.runs.finished,
+        90,
+        "the run to end at org-a and org-b",
+    )
+    assert a.runs.finished[ids["org-a"]] == "completed"
+    assert b.runs.finished[ids["org-b"]] == "completed"
+
+
 def _survivors(node: OrgNode, run_id: str) -> dict[int, float]:
     with Session(node.db) as s:
         rows = s.exec(select(RunMetric).where(RunMetric.run_id == run_id)).all()
@@ -196,13 +207,7 @@ def test_finding_8_a_removed_member_is_out_of_the_next_round_and_fetches_nothing
             )
             # the round under way may still have had org-c; the next one may not
             next_round = max(_round(a), _round(b)) + 1
-            await _wait_for(
-                lambda: ids["org-a"] in a.runs.finished and ids["org-b"] in b.runs.finished,
-                90,
-                "the run to end at org-a and org-b",
-            )
-            assert a.runs.finished[ids["org-a"]] == "completed"
-            assert b.runs.finished[ids["org-b"]] == "completed"
+            await _both_complete(a, b, ids)
             for node in installed:
                 engine = node.runs.active.engine  # type: ignore[union-attr]
                 assert engine.plan.participants == ("org-a", "org-b")
@@ -280,13 +285,7 @@ def test_a_member_behind_catches_up_with_the_one_other_a_removal_left(tmp_path: 
                 what="removal installed",
             )
             await asyncio.to_thread(b.runs.on_run_resumed, ids["org-b"], spec)
-            await _wait_for(
-                lambda: ids["org-a"] in a.runs.finished and ids["org-b"] in b.runs.finished,
-                90,
-                "the run to end at org-a and org-b",
-            )
-            assert a.runs.finished[ids["org-a"]] == "completed"
-            assert b.runs.finished[ids["org-b"]] == "completed"
+            await _both_complete(a, b, ids)
             done_at_b = set(_survivors(b, ids["org-b"]))
             assert max(done_at_b) == 7 and 3 not in done_at_b  # it skipped the rounds it missed
             models = {
