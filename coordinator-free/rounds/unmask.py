@@ -321,10 +321,18 @@ class UnmaskStage:
         except RingBroken as exc:
             logger.info("%s: the all-gather of the sum broke: %s", ctx.me, exc)
             await self.sums.fetch_parts(ctx.state, ctx.counters, order, attempt, scattered)
-        result = await asyncio.to_thread(ctx.session.decode, acc)
+        # off the loop, like the decoding: a copy of the vector when the sum is a ring array
+        result = await asyncio.to_thread(decoded_copy, ctx.session.decode, acc)
         ctx.lap("gather")
-        # the kept chunks are served to others: the caller gets its own array
-        return result.copy() if result is acc else result
+        return result
+
+
+def decoded_copy(decode: Callable[[np.ndarray], np.ndarray], acc: np.ndarray) -> np.ndarray:
+    """The decoded sum as an array of the caller's own: ``acc`` keeps the chunks this
+    node serves to others after the round, so a sum that decodes to ``acc`` itself (a
+    ring array) is copied."""
+    result = decode(acc)
+    return result.copy() if result is acc else result
 
 
 def _take_seeds(ctx: StageContext, got: bytes, names: list[str], known: dict[str, bytes]) -> None:

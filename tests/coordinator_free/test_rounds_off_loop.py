@@ -39,3 +39,37 @@ def test_the_round_engine_expands_masks_off_its_event_loop(
     vector_sized = [on_loop for size, on_loop in threads if size >= length // 4]
     assert len(vector_sized) >= 8  # each of 4 peers masks, and unmasks
     assert not any(vector_sized)
+
+
+def test_owner_unmasking_hands_the_caller_its_own_sum_copied_off_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With owner unmasking, a ring-array sum decodes to the vector whose chunks the node
+    keeps serving: the caller's copy of it (a vector-sized copy) is made in a worker
+    thread, and it is not the kept array."""
+    from coordinator_free.rounds import unmask
+
+    peers, length = 8, 20_000  # owner unmasking from 8 members, chunks of >= 1024
+    calls: list[tuple[bool, bool]] = []
+    real = unmask.decoded_copy
+
+    def recorded(decode: object, acc: np.ndarray) -> np.ndarray:
+        out = real(decode, acc)  # type: ignore[arg-type]
+        calls.append((threading.current_thread() is main, out is acc))
+        return out
+
+    monkeypatch.setattr(unmask, "decoded_copy", recorded)
+    main = threading.current_thread()
+
+    async def scenario() -> None:
+        async with Simulation(SimConfig(peers=peers, length=length, seed=5)) as sim:
+            outcome = await sim.round(1)
+            assert not outcome.problems() and len(outcome.results) == peers
+            expected = sum(v.astype(np.uint64) for v in outcome.inputs.values())
+            for result in outcome.results.values():
+                assert np.array_equal(result.sum, expected.astype(result.sum.dtype))
+
+    asyncio.run(scenario())
+    assert len(calls) == peers
+    assert not any(on_loop for on_loop, _ in calls)
+    assert not any(same for _, same in calls)
