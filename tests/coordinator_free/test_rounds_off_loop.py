@@ -65,7 +65,7 @@ def test_owner_unmasking_hands_the_caller_its_own_sum_copied_off_the_loop(
         async with Simulation(SimConfig(peers=peers, length=length, seed=5)) as sim:
             outcome = await sim.round(1)
             assert not outcome.problems() and len(outcome.results) == peers
-            expected = sum(v.astype(np.uint64) for v in outcome.inputs.values())
+            expected = np.sum([v.astype(np.uint64) for v in outcome.inputs.values()], axis=0)
             for result in outcome.results.values():
                 assert np.array_equal(result.sum, expected.astype(result.sum.dtype))
 
