@@ -454,6 +454,9 @@ class Runs:
             await self._fail(active, Failure.of(exc, f"{type(exc).__name__}: {exc}"))
             return
         await self.settle_heads()
+        # the row first: whoever learns the outcome (the event, ``finished``) and then
+        # reads the run over the API finds it in its final state
+        await asyncio.to_thread(self._set_state, run_id, RunAction.COMPLETE, outcome.reason)
         self.finished[run_id] = outcome.status
         self.ctx.events.publish(
             run_id,
@@ -464,7 +467,6 @@ class Runs:
                 "model_hash": outcome.model_hash,
             },
         )
-        await asyncio.to_thread(self._set_state, run_id, RunAction.COMPLETE, outcome.reason)
 
     async def _fail(self, active: _ActiveRun, failure: Failure) -> None:
         """The run failed here: keep why (and whether an admin may resume it) next to its
