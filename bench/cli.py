@@ -17,9 +17,9 @@ Rows ``cli_wall_s[command=...]`` for ``runs list``, ``runs show``, ``status``, `
 ``[command=federation found|sign|install]``: the set-up commands as the federation was
 made (no target; they read and write the node's files and never import torch). The
 baseline is the bare interpreter's start and exit (``python -c pass``) measured in the
-same run, so the ratio shows what the CLI itself costs. A command that answers with an error still answers (the note says so and gives
-the error line, and how the run ended); every node started is stopped (SIGTERM, then
-SIGKILL) in every case.
+same run, so the ratio shows what the CLI itself costs. A command that answers with an
+error still answers (the note says so and gives the error line, and how the run ended);
+every node started is stopped (SIGTERM, then SIGKILL) in every case.
 """
 
 from __future__ import annotations

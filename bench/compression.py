@@ -351,6 +351,7 @@ def bytes_to_target_row(report: Report, quick: bool) -> None:
     target = dense_losses[rounds - 1]
     floor = min(dense_losses)
     floor_round = dense_losses.index(floor) + 1
+    corpus_chars = len(CORPUS.read_text(encoding="utf-8"))
     most = 3 * rounds
     diloco = FedRun(
         "gpt",
@@ -392,8 +393,8 @@ def bytes_to_target_row(report: Report, quick: bool) -> None:
             + "; bytes: every payload the busiest node sent"
             + f"; FedAvg-dense's own loss over {2 * rounds} rounds is lowest at round "
             f"{floor_round} ({floor:.4f}) and rises after it (the shipped corpus is "
-            f"{len(CORPUS.read_text(encoding='utf-8')):,} characters: longer local training overfits), so the target "
-            f"is {target - floor:.4f} above the task's floor"
+            f"{corpus_chars:,} characters: longer local training overfits), so the "
+            f"target is {target - floor:.4f} above the task's floor"
         ),
     )
 
