@@ -8,7 +8,14 @@ import sys
 from pathlib import Path
 
 # Helper modules that the benchmarks import; each still runs alone with python -m.
-SKIP = {"common", "__main__", "flower_deployment", "flower_secaggplus", "overlay_membership"}
+SKIP = {
+    "common",
+    "__main__",
+    "flower_deployment",
+    "flower_secaggplus",
+    "overlay_membership",
+    "overlay_sim",
+}
 
 
 def main(argv: list[str]) -> int:

@@ -67,7 +67,10 @@ membership at n = 16.
 
 All simulated peers share one CPU here, so a secure round's masking work (each peer
 expands ``n`` masks) is counted ``n`` times over against a ring whose message handling
-is too; the TLS rows, one process per org, are the deployment-like figure.
+is too; the TLS rows, one process per org, are the deployment-like figure. They share
+one heap as well, so every timed simulated run, plain or secure, has the cyclic
+collector paused, as ``timeit`` times (a full collection before it, untimed):
+:func:`bench.overlay_sim.collector_paused`.
 """
 
 from __future__ import annotations
@@ -76,7 +79,6 @@ import argparse
 import asyncio
 import functools
 import hashlib
-import itertools
 import json
 import logging
 import math
@@ -94,8 +96,7 @@ import numpy as np
 from coordinator_free.endpoint import Endpoint
 from coordinator_free.identity import OrgIdentity
 from coordinator_free.ring import ring_order
-from coordinator_free.rounds import RoundConfig, RoundEngine, endpoint_signer, secagg_sessions
-from coordinator_free.sim import RoundOutcome, SimConfig, Simulation
+from coordinator_free.rounds import RoundEngine, endpoint_signer, secagg_sessions
 from coordinator_free.transport import RawHandler, Transport
 
 from bench.common import (
@@ -105,22 +106,21 @@ from bench.common import (
     peak_rss_since_reset,
     run_main,
 )
+from bench.overlay_sim import (
+    LARGE_PARAMS,
+    MILLION,
+    RING_KINDS,
+    count_signed,
+    round_config,
+    sim_figures,
+)
 
 __all__ = ["CountingTransport", "main"]
 
-MILLION = 1_000_000
 BILLION = 1000 * MILLION
-FEDERATION = "bench-overlay"
 #: Peers of the largest simulated round (all in this process; one secure round, once).
 LARGE_SIM_PEERS = 4
-RING_KINDS = frozenset({"agg.chunk", "agg.sum"})
-"""The ring's own messages (its reduce-scatter and all-gather), which a plain ring of
-the same vector sends too; the rest of a secure round's messages are its overhead."""
-LARGE_PARAMS = 256 * 1024
-"""Parameters of the simulated secure rounds at n = 128 and 256: all their peers share
-one process, and 256 peers' vectors, masks and ring buffers of 1M parameters would
-take most of the machine's memory and an hour of its CPU per round; ``n *
-ring_min_chunk`` = 262 144 elements at n = 256 still gives owner unmasking its chunks."""
+FEDERATION = "bench-overlay"
 
 
 class CountingTransport:
@@ -154,135 +154,6 @@ class CountingTransport:
         await self.inner.close()
 
 
-def _round_config(n: int, topology: str = "ring", params: int = MILLION) -> RoundConfig:
-    # a step of a large vector on a loaded machine takes seconds: the timeouts grow with it
-    slack = 60.0 + n + params / MILLION
-    return RoundConfig(
-        ready_timeout=30.0,
-        stage_timeout=slack,
-        step_timeout=slack,
-        send_timeout=slack,
-        topology=topology,
-    )
-
-
-# -- simulated peers ----------------------------------------------------------------------
-
-
-async def _sim_figures(
-    n: int,
-    params: int,
-    *,
-    secure: bool,
-    repeats: int = 3,
-    warm: bool = True,
-    star: bool = True,
-    signed: dict[str, float] | None = None,
-) -> dict[str, float]:
-    """Busiest bytes and seconds of a plain ring, and of secure rounds (ring, star).
-
-    Seconds are warm, like the TLS rows': one plain ring and one secure round first
-    (the first vector-sized allocations of a process cost page faults that later
-    rounds do not pay; their seconds are kept apart, ``first_plain_s`` and
-    ``first_ring_s``), then ``repeats`` of each, interleaved, and the median of each;
-    ``warm=False`` skips the first runs (a vector too large to run twice). Where the platform lets the peak resident set be reset, the most it
-    rose during each plain ring and secure round (``plain_rss``, ``ring_rss``:
-    bytes, all ``n`` peers of this process together, the inputs made before).
-    ``signed`` gets the signed messages per node of the last secure ring round, by
-    kind (:meth:`RoundOutcome.signed_per_node`)."""
-    out: dict[str, float] = {}
-    rounds = itertools.count(1)
-    memory = can_measure_memory()
-    rss: dict[str, list[int]] = {"plain": [], "ring": [], "star": []}
-    for topology in ("ring", "star") if secure and star else ("ring",):
-        config = SimConfig(
-            peers=n, length=params, seed=1, round_config=_round_config(n, topology, params)
-        )
-        async with Simulation(config) as sim:
-
-            async def plain() -> tuple[float, float]:
-                rnd = next(rounds)
-                inputs = sim.inputs(rnd)
-                order = ring_order(sim.orgs, rnd)
-                for engine in sim.engines.values():
-                    # what a sender may buffer here, sized from the vector as a round's is
-                    engine.ring.open("plain", rnd)
-                    engine.ring.expect("plain", rnd, 4 * params, 1)
-                before = dict(sim.network.bytes_sent)
-                peak = peak_rss_since_reset() if memory else None
-                t0 = time.perf_counter()
-                await asyncio.gather(
-                    *(
-                        sim.engines[o].ring.allreduce(
-                            order, inputs[o], run="plain", round=rnd, timeout=60.0 + n
-                        )
-                        for o in sim.orgs
-                    )
-                )
-                seconds = time.perf_counter() - t0
-                if peak is not None:
-                    rss["plain"].append(peak())
-                for engine in sim.engines.values():
-                    engine.ring.close("plain", rnd)
-                return seconds, _busiest(sim.network.bytes_sent, before)
-
-            async def round_(kind: str = topology) -> tuple[float, float]:
-                rnd = next(rounds)
-                inputs = sim.inputs(rnd)
-                before = dict(sim.network.bytes_sent)
-                peak = peak_rss_since_reset() if memory else None
-                outcome = await sim.round(rnd, inputs=inputs)
-                if peak is not None:
-                    rss[kind].append(peak())
-                if outcome.problems() or len(outcome.results) != n:
-                    raise RuntimeError(f"secure round failed: {outcome.summary()}")
-                if signed is not None and kind == "ring":
-                    signed.clear()
-                    signed.update(outcome.signed_per_node())
-                    signed["max_beyond_ring"] = max(
-                        sum(
-                            c
-                            for k, c in kinds.items()
-                            if k.removesuffix(".reply") not in RING_KINDS
-                        )
-                        for kinds in outcome.signed.values()
-                    )
-                return outcome.seconds, _busiest(sim.network.bytes_sent, before)
-
-            if topology == "ring":
-                runs = repeats if secure else 1
-                if secure and warm:
-                    # the warm-up is timed too: the first round of a process, reported apart
-                    out["first_plain_s"] = (await plain())[0]
-                    out["first_ring_s"] = (await round_())[0]
-                    rss["plain"].clear()
-                    rss["ring"].clear()
-                timed: dict[str, list[float]] = {"plain": [], "ring": []}
-                for _ in range(runs):
-                    seconds, out["plain_busiest"] = await plain()
-                    timed["plain"].append(seconds)
-                    if secure:
-                        seconds, out["ring_busiest"] = await round_()
-                        timed["ring"].append(seconds)
-                if not warm:
-                    out["cold"] = 1.0
-                for name, values in timed.items():
-                    if values:
-                        out[f"{name}_s"] = statistics.median(values)
-                        out[f"{name}_min_s"], out[f"{name}_max_s"] = min(values), max(values)
-            else:
-                out["star_s"], out["star_busiest"] = await round_()
-    out["warm"] = 1.0 if warm else 0.0
-    for name, peaks in rss.items():
-        if peaks:
-            out[f"{name}_rss"] = float(max(peaks))
-    return out
-
-
-def _busiest(after: dict[str, int] | Any, before: dict[str, int]) -> float:
-    return float(max(after[o] - before.get(o, 0) for o in after))
-
-
 # -- processes over mutual TLS --------------------------------------------------------
 
 
@@ -304,7 +175,7 @@ async def _node(workdir: Path, me: str, orgs: list[str], params: int, repeats: i
     endpoint = Endpoint(identity, FEDERATION, transport, lambda: keys)
     sessions = secagg_sessions(*endpoint_signer(endpoint))
     n = len(orgs)
-    ring_engine = RoundEngine(endpoint, lambda: orgs, sessions, _round_config(n, params=params))
+    ring_engine = RoundEngine(endpoint, lambda: orgs, sessions, round_config(n, params=params))
     # the plain reductions below run outside the engine: their rounds are opened before
     # any peer can learn this node's port, so no chunk arrives for a round not open
     opened = [("warmup", 0), ("warmup", 1)]
@@ -390,7 +261,7 @@ async def _node(workdir: Path, me: str, orgs: list[str], params: int, repeats: i
             await measure(f"plain{r}", functools.partial(plain, r))
             await measure(f"ring{r}", functools.partial(secure_round, r + 1))
         # the star round: the same engine's messages, star topology for the masked vectors
-        ring_engine.config = _round_config(n, "star", params)
+        ring_engine.config = round_config(n, "star", params)
         await measure("star", lambda: secure_round(repeats + 2))
         for name, times in (("ring", results[-2]), ("star", results[-1])):
             for stage, seconds in times.items():
@@ -669,26 +540,6 @@ def _add_growth_row(report: Report, counted: dict[int, float]) -> None:
     )
 
 
-async def _count_signed(n: int, params: int) -> dict[str, float]:
-    """The signed messages per node of one secure round, untimed (quick mode's counts)."""
-    config = SimConfig(peers=n, length=params, seed=1, round_config=_round_config(n))
-    async with Simulation(config) as sim:
-        outcome = await sim.round(1)
-        if outcome.problems() or len(outcome.results) != n:
-            raise RuntimeError(f"secure round failed: {outcome.summary()}")
-        return _signed_of(outcome)
-
-
-def _signed_of(outcome: RoundOutcome) -> dict[str, float]:
-    """Signed messages per node by kind, and the busiest node's beyond the ring."""
-    signed = outcome.signed_per_node()
-    signed["max_beyond_ring"] = max(
-        sum(c for k, c in kinds.items() if k.removesuffix(".reply") not in RING_KINDS)
-        for kinds in outcome.signed.values()
-    )
-    return signed
-
-
 def _secure_rows(
     report: Report, secure: list[tuple[int, int]], count_only: Sequence[tuple[int, int]] = ()
 ) -> None:
@@ -700,7 +551,7 @@ def _secure_rows(
         signed: dict[str, float] = {}
         large = n >= 128
         fig = asyncio.run(
-            _sim_figures(
+            sim_figures(
                 n,
                 params,
                 secure=True,
@@ -724,7 +575,7 @@ def _secure_rows(
             )
         counted[n] = _add_signed_row(report, n, signed)
     for n, params in count_only:
-        counted[n] = _add_signed_row(report, n, asyncio.run(_count_signed(n, params)))
+        counted[n] = _add_signed_row(report, n, asyncio.run(count_signed(n, params)))
     _add_growth_row(report, counted)
 
 
@@ -745,7 +596,7 @@ def _body(report: Report) -> None:
         members = [16, 64, 256]
     _secure_rows(report, secure, count_only)
     for n, params in ring_only:
-        _add_rows(report, "sim", n, params, asyncio.run(_sim_figures(n, params, secure=False)))
+        _add_rows(report, "sim", n, params, asyncio.run(sim_figures(n, params, secure=False)))
     for params in tls:
         # three timed runs of each at 100M: the median of three, in a bounded time
         repeats = 3 if params >= 100 * MILLION else 5
@@ -753,7 +604,7 @@ def _body(report: Report) -> None:
     if not report.quick:
         params, note = _largest_simulated(LARGE_SIM_PEERS, BILLION)
         fig = asyncio.run(
-            _sim_figures(LARGE_SIM_PEERS, params, secure=True, repeats=1, warm=False, star=False)
+            sim_figures(LARGE_SIM_PEERS, params, secure=True, repeats=1, warm=False, star=False)
         )
         _add_rows(report, "sim", LARGE_SIM_PEERS, params, fig, note=note)
     for n in members:

@@ -1,0 +1,207 @@
+"""Simulated peers for :mod:`bench.overlay`: the rounds' settings, a plain ring and secure
+rounds of ``n`` peers in this process on the in-memory network, and their signed
+messages.
+
+Every timed run has the cyclic collector paused (:func:`collector_paused`), for the
+plain ring and the secure round alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import itertools
+import statistics
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from coordinator_free.ring import ring_order
+from coordinator_free.rounds import RoundConfig
+from coordinator_free.sim import RoundOutcome, SimConfig, Simulation
+
+from bench.common import can_measure_memory, peak_rss_since_reset
+
+__all__ = [
+    "LARGE_PARAMS",
+    "MILLION",
+    "RING_KINDS",
+    "collector_paused",
+    "count_signed",
+    "round_config",
+    "signed_of",
+    "sim_figures",
+]
+
+MILLION = 1_000_000
+RING_KINDS = frozenset({"agg.chunk", "agg.sum"})
+"""The ring's own messages (its reduce-scatter and all-gather), which a plain ring of
+the same vector sends too; the rest of a secure round's messages are its overhead."""
+LARGE_PARAMS = 256 * 1024
+"""Parameters of the simulated secure rounds at n = 128 and 256: all their peers share
+one process, and 256 peers' vectors, masks and ring buffers of 1M parameters would
+take most of the machine's memory and an hour of its CPU per round; ``n *
+ring_min_chunk`` = 262 144 elements at n = 256 still gives owner unmasking its chunks."""
+
+
+def round_config(n: int, topology: str = "ring", params: int = MILLION) -> RoundConfig:
+    """The benchmark's rounds of ``n`` members on a vector of ``params`` elements, in
+    the simulator and over TLS: a step of a large vector on a loaded machine takes
+    seconds, so the timeouts grow with both."""
+    slack = 60.0 + n + params / MILLION
+    return RoundConfig(
+        ready_timeout=30.0,
+        stage_timeout=slack,
+        step_timeout=slack,
+        send_timeout=slack,
+        topology=topology,
+    )
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """One timed run of simulated peers with the cyclic collector paused, as ``timeit``
+    times: a full collection first (untimed), none during the run.
+
+    The peers of a simulation share one heap, so each full collection walks every
+    peer's objects, where a deployed org's walks its own: summed over the peers the
+    simulation collects about ``n`` times the work the deployed orgs would, and the side
+    with more live objects pays the most (at n = 256: 23 s of a secure round, 4.3 s of a
+    plain ring). Both sides run paused alike."""
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+async def sim_figures(
+    n: int,
+    params: int,
+    *,
+    secure: bool,
+    repeats: int = 3,
+    warm: bool = True,
+    star: bool = True,
+    signed: dict[str, float] | None = None,
+) -> dict[str, float]:
+    """Busiest bytes and seconds of a plain ring, and of secure rounds (ring, star).
+
+    Seconds are warm, like the TLS rows': one plain ring and one secure round first
+    (the first vector-sized allocations of a process cost page faults that later
+    rounds do not pay; their seconds are kept apart, ``first_plain_s`` and
+    ``first_ring_s``), then ``repeats`` of each, interleaved, and the median of each;
+    ``warm=False`` skips the first runs (a vector too large to run twice). Where the platform lets the peak resident set be reset, the most it
+    rose during each plain ring and secure round (``plain_rss``, ``ring_rss``:
+    bytes, all ``n`` peers of this process together, the inputs made before).
+    ``signed`` gets the signed messages per node of the last secure ring round, by
+    kind (:meth:`RoundOutcome.signed_per_node`)."""
+    out: dict[str, float] = {}
+    rounds = itertools.count(1)
+    memory = can_measure_memory()
+    rss: dict[str, list[int]] = {"plain": [], "ring": [], "star": []}
+    for topology in ("ring", "star") if secure and star else ("ring",):
+        config = SimConfig(
+            peers=n, length=params, seed=1, round_config=round_config(n, topology, params)
+        )
+        async with Simulation(config) as sim:
+
+            async def plain() -> tuple[float, float]:
+                rnd = next(rounds)
+                inputs = sim.inputs(rnd)
+                order = ring_order(sim.orgs, rnd)
+                for engine in sim.engines.values():
+                    # what a sender may buffer here, sized from the vector as a round's is
+                    engine.ring.open("plain", rnd)
+                    engine.ring.expect("plain", rnd, 4 * params, 1)
+                before = dict(sim.network.bytes_sent)
+                with collector_paused():
+                    peak = peak_rss_since_reset() if memory else None
+                    t0 = time.perf_counter()
+                    await asyncio.gather(
+                        *(
+                            sim.engines[o].ring.allreduce(
+                                order, inputs[o], run="plain", round=rnd, timeout=60.0 + n
+                            )
+                            for o in sim.orgs
+                        )
+                    )
+                    seconds = time.perf_counter() - t0
+                if peak is not None:
+                    rss["plain"].append(peak())
+                for engine in sim.engines.values():
+                    engine.ring.close("plain", rnd)
+                return seconds, busiest(sim.network.bytes_sent, before)
+
+            async def round_(kind: str = topology) -> tuple[float, float]:
+                rnd = next(rounds)
+                inputs = sim.inputs(rnd)
+                before = dict(sim.network.bytes_sent)
+                with collector_paused():
+                    peak = peak_rss_since_reset() if memory else None
+                    outcome = await sim.round(rnd, inputs=inputs)
+                if peak is not None:
+                    rss[kind].append(peak())
+                if outcome.problems() or len(outcome.results) != n:
+                    raise RuntimeError(f"secure round failed: {outcome.summary()}")
+                if signed is not None and kind == "ring":
+                    signed.clear()
+                    signed.update(signed_of(outcome))
+                return outcome.seconds, busiest(sim.network.bytes_sent, before)
+
+            if topology == "ring":
+                runs = repeats if secure else 1
+                if secure and warm:
+                    # the warm-up is timed too: the first round of a process, reported apart
+                    out["first_plain_s"] = (await plain())[0]
+                    out["first_ring_s"] = (await round_())[0]
+                    rss["plain"].clear()
+                    rss["ring"].clear()
+                timed: dict[str, list[float]] = {"plain": [], "ring": []}
+                for _ in range(runs):
+                    seconds, out["plain_busiest"] = await plain()
+                    timed["plain"].append(seconds)
+                    if secure:
+                        seconds, out["ring_busiest"] = await round_()
+                        timed["ring"].append(seconds)
+                if not warm:
+                    out["cold"] = 1.0
+                for name, values in timed.items():
+                    if values:
+                        out[f"{name}_s"] = statistics.median(values)
+                        out[f"{name}_min_s"], out[f"{name}_max_s"] = min(values), max(values)
+            else:
+                out["star_s"], out["star_busiest"] = await round_()
+    out["warm"] = 1.0 if warm else 0.0
+    for name, peaks in rss.items():
+        if peaks:
+            out[f"{name}_rss"] = float(max(peaks))
+    return out
+
+
+def busiest(after: dict[str, int] | Any, before: dict[str, int]) -> float:
+    return float(max(after[o] - before.get(o, 0) for o in after))
+
+
+async def count_signed(n: int, params: int) -> dict[str, float]:
+    """The signed messages per node of one secure round, untimed (quick mode's counts)."""
+    config = SimConfig(peers=n, length=params, seed=1, round_config=round_config(n))
+    async with Simulation(config) as sim:
+        outcome = await sim.round(1)
+        if outcome.problems() or len(outcome.results) != n:
+            raise RuntimeError(f"secure round failed: {outcome.summary()}")
+        return signed_of(outcome)
+
+
+def signed_of(outcome: RoundOutcome) -> dict[str, float]:
+    """Signed messages per node by kind, and the busiest node's beyond the ring."""
+    signed = outcome.signed_per_node()
+    signed["max_beyond_ring"] = max(
+        sum(c for k, c in kinds.items() if k.removesuffix(".reply") not in RING_KINDS)
+        for kinds in outcome.signed.values()
+    )
+    return signed
