@@ -95,9 +95,10 @@ async def sim_figures(
     (the first vector-sized allocations of a process cost page faults that later
     rounds do not pay; their seconds are kept apart, ``first_plain_s`` and
     ``first_ring_s``), then ``repeats`` of each, interleaved, and the median of each;
-    ``warm=False`` skips the first runs (a vector too large to run twice). Where the platform lets the peak resident set be reset, the most it
-    rose during each plain ring and secure round (``plain_rss``, ``ring_rss``:
-    bytes, all ``n`` peers of this process together, the inputs made before).
+    ``warm=False`` skips the first runs (a vector too large to run twice). Where the
+    platform lets the peak resident set be reset, the most it rose during each plain
+    ring and secure round (``plain_rss``, ``ring_rss``: bytes, all ``n`` peers of this
+    process together, the inputs made before).
     ``signed`` gets the signed messages per node of the last secure ring round, by
     kind (:meth:`RoundOutcome.signed_per_node`)."""
     out: dict[str, float] = {}
