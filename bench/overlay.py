@@ -23,7 +23,7 @@ org sends, envelopes and signatures included):
   allocations pay page faults that later rounds do not) and alternate, and each
   figure is the median of its runs: five over TLS, where the processes start each run
   together at a clock time agreed by a small all-reduce (they share one clock), three
-  in the simulator (one from n = 128 on, the first round's seconds in the note).
+  in the simulator (the first round's seconds in the note from n = 128 on).
 - ``peak_rss_over_update[...]``: how far a node's resident set rose during a secure
   round (its peak, reset through ``/proc/self/clear_refs`` as the round starts, less
   the resident set then; the input exists before) ÷ the update's float32 bytes
@@ -48,18 +48,21 @@ org sends, envelopes and signatures included):
   dissemination, first DEAD until every live member agrees, is reported apart and is
   expected to grow as ``O(log n)``.
 
-Settings. Simulated peers run in this process on the in-memory network; the TLS rows
-run 4 org processes on 127.0.0.1 (``python -m bench.overlay node ...``). Full:
+Settings. The simulated peers of a row run in a fresh process of the row's own, on the
+in-memory network (``python -m bench.overlay_sim ...``: no row inherits the heap or
+the threads of the rows before it); the TLS rows run 4 org processes on 127.0.0.1
+(``python -m bench.overlay node ...``). Full:
 simulated n in {16, 64, 256} with 1M params for the ring traffic, n = 16 with 25M,
 secure rounds at n in {16, 64} with 1M (warm medians of three) and at n in {128, 256}
 with 256k params (``LARGE_PARAMS``; SecAgg+ graph, owner unmasking, relayed readies;
-one warm round of each after a first one, no star round: each takes minutes of CPU
-here; the note gives the first round's seconds too), TLS with 1M,
+warm medians of three too, no star round: each round takes from half a minute to two
+minutes of CPU here; the note gives the first round's seconds too), TLS with 1M,
 25M and 100M params (100M: the median of three timed runs); membership at n in {16,
 64, 256}; last, one secure round of 4 simulated peers with 1B params, or the most that
 fits the memory available (the peers share this process: about ``5 × 4 × 4 B ×
-params``, their inputs, masked sums and sums and the frames in flight), run once, not
-warmed up. (25M params for more than 16 in-process peers does not fit one machine's
+params``, their inputs, masked sums and sums and the frames in flight): at 1B run
+once, not warmed up; below it one warm run of each, the first run's seconds in the
+note. (25M params for more than 16 in-process peers does not fit one machine's
 memory.) Quick, under a minute on an idle machine: ring traffic of 4 and 16 peers on
 64k params, a secure round of 8 simulated peers and of 4 TLS processes on 1M params,
 the signed messages of one round of 64 simulated peers on 64k params (untimed),
@@ -110,15 +113,14 @@ from bench.overlay_sim import (
     LARGE_PARAMS,
     MILLION,
     RING_KINDS,
-    count_signed,
+    in_fresh_process,
     round_config,
-    sim_figures,
 )
 
 __all__ = ["CountingTransport", "main"]
 
 BILLION = 1000 * MILLION
-#: Peers of the largest simulated round (all in this process; one secure round, once).
+#: Peers of the largest simulated round (all in one process).
 LARGE_SIM_PEERS = 4
 FEDERATION = "bench-overlay"
 
@@ -399,7 +401,7 @@ def _largest_simulated(n: int, wanted: int) -> tuple[int, str]:
             f"{available / 2**30:.0f} GiB were available (a quarter kept for the rest of "
             "the machine): the largest that fits ran"
         )
-    return params, "; one run of each, not warmed up" + note
+    return params, note
 
 
 # -- the report ---------------------------------------------------------------------------
@@ -540,42 +542,50 @@ def _add_growth_row(report: Report, counted: dict[int, float]) -> None:
     )
 
 
+def _first(fig: dict[str, float]) -> str:
+    """The note's words on the first, untimed round of a warm row's process."""
+    if "first_ring_s" not in fig:
+        return ""
+    return (
+        f"; the first round of the process: secure {fig['first_ring_s']:.1f} s, plain "
+        f"{fig['first_plain_s']:.1f} s ({fig['first_ring_s'] / fig['first_plain_s']:.3f})"
+    )
+
+
 def _secure_rows(
     report: Report, secure: list[tuple[int, int]], count_only: Sequence[tuple[int, int]] = ()
 ) -> None:
-    """The simulated secure rounds against a plain ring, and their signed messages. From
-    n = 128 on, one warm round of each after the first (no star round): one such round
-    takes minutes of this machine's CPU; the first round's seconds are in the note."""
+    """The simulated secure rounds against a plain ring, and their signed messages, each
+    ``n`` in a fresh process: warm medians of three. From n = 128 on no star round (a
+    round takes up to two minutes of this machine's CPU), and the first round's seconds
+    are in the note: one run of that size moves by more than its gap to the target."""
     counted: dict[int, float] = {}
     for n, params in secure:
-        signed: dict[str, float] = {}
         large = n >= 128
-        fig = asyncio.run(
-            sim_figures(
-                n,
-                params,
-                secure=True,
-                repeats=1 if large else 3,
-                star=not large,
-                signed=signed,
-            )
+        fig, signed = in_fresh_process(
+            "sim_figures",
+            n=n,
+            params=params,
+            secure=True,
+            repeats=3,
+            star=not large,
+            signed=True,
         )
-        first = (
-            f"; the first round of the process: secure {fig['first_ring_s']:.1f} s, plain "
-            f"{fig['first_plain_s']:.1f} s ({fig['first_ring_s'] / fig['first_plain_s']:.3f})"
-        )
+        first = _first(fig)
         _add_rows(report, "sim", n, params, fig, note=first if large else "")
         if large:
             report.add(
                 f"secure_round_seconds[sim,n={n},params={_label(params)}]",
                 fig["ring_s"],
                 "s",
-                note="one secure round of every simulated peer together in this process "
+                note="one secure round of every simulated peer together in one process "
                 "(SecAgg+ graph, owner unmasking, relayed readies), after the first" + first,
             )
         counted[n] = _add_signed_row(report, n, signed)
     for n, params in count_only:
-        counted[n] = _add_signed_row(report, n, asyncio.run(count_signed(n, params)))
+        counted[n] = _add_signed_row(
+            report, n, in_fresh_process("count_signed", n=n, params=params)[1]
+        )
     _add_growth_row(report, counted)
 
 
@@ -596,17 +606,26 @@ def _body(report: Report) -> None:
         members = [16, 64, 256]
     _secure_rows(report, secure, count_only)
     for n, params in ring_only:
-        _add_rows(report, "sim", n, params, asyncio.run(sim_figures(n, params, secure=False)))
+        fig, _ = in_fresh_process("sim_figures", n=n, params=params, secure=False)
+        _add_rows(report, "sim", n, params, fig)
     for params in tls:
         # three timed runs of each at 100M: the median of three, in a bounded time
         repeats = 3 if params >= 100 * MILLION else 5
         _add_rows(report, "tls", 4, params, _tls_figures(params, repeats=repeats))
     if not report.quick:
         params, note = _largest_simulated(LARGE_SIM_PEERS, BILLION)
-        fig = asyncio.run(
-            sim_figures(LARGE_SIM_PEERS, params, secure=True, repeats=1, warm=False, star=False)
+        # below 1B, warm like the other rows (one first run of each, in the note)
+        warm = params < BILLION
+        fig, _ = in_fresh_process(
+            "sim_figures",
+            n=LARGE_SIM_PEERS,
+            params=params,
+            secure=True,
+            repeats=1,
+            warm=warm,
+            star=False,
         )
-        _add_rows(report, "sim", LARGE_SIM_PEERS, params, fig, note=note)
+        _add_rows(report, "sim", LARGE_SIM_PEERS, params, fig, note=note + _first(fig))
     for n in members:
         period = default_period(n)
         det = measure_detection(n, seed=1)

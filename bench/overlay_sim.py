@@ -1,9 +1,12 @@
 """Simulated peers for :mod:`bench.overlay`: the rounds' settings, a plain ring and secure
-rounds of ``n`` peers in this process on the in-memory network, and their signed
+rounds of ``n`` peers in one process on the in-memory network, and their signed
 messages.
 
 Every timed run has the cyclic collector paused (:func:`collector_paused`), for the
-plain ring and the secure round alike.
+plain ring and the secure round alike. :mod:`bench.overlay` runs each simulated row in
+a fresh process of its own (:func:`in_fresh_process`, ``python -m bench.overlay_sim
+REQUEST``), so that no row inherits the heap, the thread pool or the collector's
+generations that the rows before it left.
 """
 
 from __future__ import annotations
@@ -12,9 +15,14 @@ import asyncio
 import contextlib
 import gc
 import itertools
+import json
+import logging
 import statistics
+import subprocess
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from coordinator_free.ring import ring_order
@@ -29,6 +37,7 @@ __all__ = [
     "RING_KINDS",
     "collector_paused",
     "count_signed",
+    "in_fresh_process",
     "round_config",
     "signed_of",
     "sim_figures",
@@ -206,3 +215,63 @@ def signed_of(outcome: RoundOutcome) -> dict[str, float]:
         for kinds in outcome.signed.values()
     )
     return signed
+
+
+# -- one row in a process of its own ------------------------------------------------------
+
+_CALLS = ("sim_figures", "count_signed")
+
+
+def in_fresh_process(call: str, **kwargs: Any) -> tuple[dict[str, float], dict[str, float]]:
+    """``call`` (:func:`sim_figures` or :func:`count_signed`) with ``kwargs``, run in a
+    fresh Python process: its figures and the signed messages per node by kind
+    (``kwargs["signed"] = True`` asks :func:`sim_figures` for them).
+
+    A process that has run other rows holds what they left: a heap grown and cut up by
+    their vectors (a large cold row measured 1.14 in a process of its own and 2.06
+    after the other rows), the default executor's threads, the collector's older
+    generations. A row in its own process pays none of it, as each deployed org runs
+    in its own. Raises :class:`RuntimeError` when the row fails there (its error went
+    to standard error)."""
+    if call not in _CALLS:
+        raise ValueError(f"call must be one of {_CALLS}, got {call!r}")
+    request = json.dumps({"call": call, "kwargs": kwargs})
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.overlay_sim", request],
+        cwd=Path(__file__).resolve().parent.parent,
+        stdout=subprocess.PIPE,
+        text=True,
+        check=False,
+    )
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(
+            f"the simulated row {call}({kwargs}) failed in its process "
+            f"(exit {done.returncode}; its error is above)"
+        )
+    answer = json.loads(lines[-1])
+    return answer["figures"], answer["signed"]
+
+
+def _row_main(argv: Sequence[str]) -> None:
+    """``python -m bench.overlay_sim REQUEST``: one row of :func:`in_fresh_process`; the
+    answer is the last line of standard output."""
+    if len(argv) != 1:
+        raise SystemExit("usage: python -m bench.overlay_sim REQUEST (a JSON call)")
+    request = json.loads(argv[0])
+    call, kwargs = request["call"], dict(request["kwargs"])
+    logging.getLogger("coordinator_free").setLevel(logging.ERROR)
+    signed: dict[str, float] = {}
+    figures: dict[str, float] = {}
+    if call == "sim_figures":
+        wanted = kwargs.pop("signed", False)
+        figures = asyncio.run(sim_figures(**kwargs, signed=signed if wanted else None))
+    elif call == "count_signed":
+        signed = asyncio.run(count_signed(**kwargs))
+    else:
+        raise SystemExit(f"unknown call {call!r}: one of {_CALLS}")
+    print(json.dumps({"figures": figures, "signed": signed}), flush=True)
+
+
+if __name__ == "__main__":
+    _row_main(sys.argv[1:])

@@ -1,0 +1,34 @@
+"""bench.overlay's simulated rows, each run in a fresh process of its own."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.overlay_sim import RING_KINDS, in_fresh_process
+
+
+def test_a_row_in_a_fresh_process_answers_with_its_figures_and_signed_messages() -> None:
+    figures, signed = in_fresh_process(
+        "sim_figures", n=4, params=8192, secure=True, repeats=1, star=False, signed=True
+    )
+    # a warm row: the first run of each apart, then the timed ones, every round complete
+    assert {"first_plain_s", "first_ring_s", "plain_s", "ring_s"} <= figures.keys()
+    assert figures["ring_s"] > 0 and figures["plain_s"] > 0
+    # four peers of 8192 float32: the ring's busiest node sends 2 (n - 1) / n of 32 KiB
+    assert 1.5 * 4 * 8192 <= figures["plain_busiest"] < 2.2 * 4 * 8192
+    # the ring's chunks, and the messages beyond them
+    assert signed["agg.chunk"] > 0 and "agg.chunk" in RING_KINDS
+    assert signed["max_beyond_ring"] > 0
+
+
+def test_the_signed_messages_of_a_row_come_back_from_its_process() -> None:
+    figures, signed = in_fresh_process("count_signed", n=4, params=4096)
+    assert figures == {}
+    assert signed["round.ready"] > 0 and signed["round.share"] > 0
+
+
+def test_a_row_that_fails_in_its_process_raises() -> None:
+    with pytest.raises(RuntimeError, match="failed in its process"):
+        in_fresh_process("sim_figures", n=4, params=4096, secure=True, no_such_option=1)
+    with pytest.raises(ValueError, match="call must be one of"):
+        in_fresh_process("os.system", n=4)
