@@ -58,6 +58,24 @@ def test_the_section_holds_every_step_of_an_admins_day() -> None:
         assert step in script, step
 
 
+def test_each_node_process_logs_to_a_file_of_its_own() -> None:
+    """Waiting for ``ready`` in a log an earlier process wrote could pass before the new
+    process has started (its shell redirect truncates the file only once it forks), so
+    every ``fedweave run`` of the walkthrough writes a log no other one wrote."""
+    logs: list[str] = []
+    for line in walkthrough().splitlines():
+        found = re.search(r"fedweave run --data-dir (\S+) > (\S+) 2>&1", line)
+        if found is None:
+            continue
+        node, log = found.groups()
+        if "$i" in node:  # the loop that starts all three
+            logs += [log.replace("$i", str(i)) for i in (1, 2, 3)]
+        else:
+            logs.append(log)
+    assert len(logs) == 5
+    assert len(set(logs)) == len(logs), logs
+
+
 def test_three_organizations_by_hand_runs_verbatim(tmp_path: Path) -> None:
     (tmp_path / "examples").symlink_to(ROOT / "examples", target_is_directory=True)
     (tmp_path / "walkthrough.sh").write_text("set -euo pipefail\n" + walkthrough())
