@@ -13,6 +13,7 @@ SecAgg+). A legacy ServerApp's ``server_fn`` gives its strategy's
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +33,7 @@ from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.compat.common.recorddict_compat import arrayrecord_to_parameters
 from flwr.server.workflow.constant import MAIN_PARAMS_RECORD
 from flwr.serverapp import Grid, ServerApp
-from flwr.supercore.run import Run
+from flwr.supercore.run import Run, RunNotRunningException
 
 from org_node.trainers.base import TrainerError
 from org_node.trainers.code import CodeError, load_object, split_ref
@@ -63,11 +64,19 @@ class _StopServerApp(BaseException):
 
 class _CaptureGrid(Grid):
     """A Grid of ``participants`` nodes that captures the first train message; other
-    messages (evaluate, query) get no reply."""
+    messages (evaluate, query) get no reply.
+
+    A legacy workflow (``DefaultWorkflow``, ``start_grid``) also polls the nodes from a
+    thread of its own every few seconds, and stops that thread only when its training
+    returns, which it never does here: once the app has stopped (``closed``), that
+    thread's next poll tells it the run is over, and it ends quietly. Only the app's own
+    polls count against :data:`MAX_NODE_POLLS`."""
 
     def __init__(self, run_id: int, participants: int) -> None:
         self._run, self._nodes = Run.create_empty(run_id), list(range(1, participants + 1))
         self._polls = 0
+        self._owner = threading.get_ident()
+        self.closed = False
         self.captured: Message | None = None
 
     def set_run(self, run: Run) -> None:
@@ -88,6 +97,10 @@ class _CaptureGrid(Grid):
         return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
 
     def get_node_ids(self) -> Iterable[int]:
+        if threading.get_ident() != self._owner:  # a legacy workflow's polling thread
+            if self.closed:
+                raise RunNotRunningException()
+            return list(self._nodes)
         self._polls += 1
         if self._polls > MAX_NODE_POLLS:
             raise _StopServerApp(
@@ -137,6 +150,8 @@ def run_main(server_app: ServerApp, context: Context, participants: int) -> Serv
             raise TrainerError(stop.reason) from None
     except Exception as exc:
         raise TrainerError(f"the ServerApp failed: {describe(exc)}") from exc
+    finally:
+        grid.closed = True
     if grid.captured is None:
         raise TrainerError("the ServerApp's main sent no train message to take the model from")
     arrays, configs = grid.captured.content.array_records, grid.captured.content.config_records

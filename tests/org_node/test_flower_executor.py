@@ -10,10 +10,9 @@ Flower 1.42's quickstart-pytorch (``ClientApp()`` with ``@app.train()`` /
 from __future__ import annotations
 
 import math
-import random
 import re
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +36,8 @@ from flwr.serverapp.strategy import FedAvg
 
 from org_node.trainers.base import TrainerError, TrainerRef, TrainRequest, WorkerSpec
 from org_node.trainers.flower import FlowerContextConfig, FlowerExecutor, flower_ids
+
+pytestmark = pytest.mark.usefixtures("restore_rng")  # tests/org_node/conftest.py
 
 QUICK_PYPROJECT = """\
 [build-system]
@@ -738,52 +739,3 @@ def test_a_serverapp_waiting_for_more_nodes_than_participants_is_refused() -> No
 
     with pytest.raises(TrainerError, match="waiting for more nodes than the run's 2"):
         _executor(_client_app(lambda a: (a, OK_METRICS)), app).initial_model()
-
-
-def test_a_secaggplus_workflow_serverapp_gives_its_initial_model() -> None:
-    """SecAggPlusWorkflow's first train message is its setup stage, with no model: the
-    model is the one its DefaultWorkflow keeps in the context's state. Under fedweave
-    the orgs' masked sum replaces SecAgg+, so the client trains on plain messages."""
-    from flwr.common import ndarrays_to_parameters
-    from flwr.server import ServerConfig
-    from flwr.server.compat import LegacyContext
-    from flwr.server.strategy import FedAvg as LegacyFedAvg
-    from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
-
-    initial = [np.arange(6, dtype=np.float32).reshape(2, 3), np.ones(3, np.float32)]
-    server = ServerApp()
-
-    @server.main()
-    def main(grid: Grid, context: Context) -> None:
-        strategy = LegacyFedAvg(
-            min_fit_clients=2,
-            min_available_clients=2,
-            initial_parameters=ndarrays_to_parameters(initial),
-        )
-        legacy = LegacyContext(context, ServerConfig(num_rounds=2), strategy)
-        workflow = SecAggPlusWorkflow(num_shares=1.0, reconstruction_threshold=2)
-        DefaultWorkflow(fit_workflow=workflow)(grid, legacy)
-
-    class Plus(NumPyClient):
-        def fit(self, parameters: Any, config: Any) -> Any:
-            return [p + 1.0 for p in parameters], 5, {}
-
-    client = ClientApp(client_fn=lambda context: Plus().to_client())
-    ex = _executor(client, server)
-    model = ex.initial_model()
-    assert list(model) == ["p00000", "p00001"]
-    for name, arr in zip(model, initial, strict=True):
-        np.testing.assert_array_equal(model[name], arr)
-    out = ex.train(model, TrainRequest(round=0))
-    assert out.num_examples == 5
-    np.testing.assert_array_equal(out.update["p00000"], np.ones((2, 3), np.float32))
-
-
-@pytest.fixture(autouse=True)
-def _restore_rng() -> Iterator[None]:
-    """The executor seeds the global RNGs; leave them as other tests expect."""
-    state = (random.getstate(), np.random.get_state(), torch.get_rng_state())
-    yield
-    random.setstate(state[0])
-    np.random.set_state(state[1])
-    torch.set_rng_state(state[2])
