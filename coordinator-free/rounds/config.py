@@ -59,6 +59,13 @@ class RoundConfig:
         round's graph (:mod:`secure_agg.graph`), so the share stage costs ``O(n k)``
         messages instead of ``O(n^2)`` and masking and unmasking ``O(k)`` work per
         secret; ``None`` always uses the complete graph of Bonawitz et al.
+    shares_ahead: every ready advertises a key for a later round, and each org's
+        shares ride with its next ready, sealed to the keys its holders advertised
+        (:mod:`~coordinator_free.rounds.ahead`): the share exchange runs only for the
+        pairs where that did not work (a first round, a restarted node), and the
+        participants ``U1`` are always agreed by the token. ``False``: the shares
+        travel in the share exchange after the readies (Bonawitz et al.'s round 1).
+        Every member of a federation must use the same setting.
     """
 
     ready_timeout: float = 5.0
@@ -77,6 +84,7 @@ class RoundConfig:
     ready_relay_from: int | None = 32
     attempts_per_round: int | None = None
     max_open_rounds: int | None = None
+    shares_ahead: bool = True
 
     def __post_init__(self) -> None:
         for name in (
@@ -127,6 +135,10 @@ class RoundConfig:
                 isinstance(value, bool) or not isinstance(value, int) or value < 3
             ):
                 raise ValueError(f"RoundConfig.{name} must be None or an int >= 3, got {value!r}")
+        if not isinstance(self.shares_ahead, bool):
+            raise ValueError(
+                f"RoundConfig.shares_ahead must be true or false, got {self.shares_ahead!r}"
+            )
         if self.topology not in ("ring", "star"):
             raise ValueError(
                 f"RoundConfig.topology must be 'ring' or 'star', got {self.topology!r}"

@@ -22,6 +22,7 @@ from coordinator_free.rounds.config import RoundConfig, StageHook
 from coordinator_free.rounds.messenger import Messenger
 from coordinator_free.rounds.session import MaskedSum
 from coordinator_free.rounds.state import Counters, RoundState
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 __all__ = ["StageContext"]
 
@@ -50,11 +51,20 @@ class StageContext:
     k: int | None = None
     maybe_session: MaskedSum | None = None
     ready_set: frozenset[str] = frozenset()
+    # ready, with shares sealed ahead (rounds.ahead): the keys this node held when it
+    # made its ready (id -> private half), the key id it sealed each holder's shares
+    # to, the orgs whose shares it opened, and the holders whose shares and this
+    # node's both travelled ahead (no share exchange between them)
+    ahead_keys: dict[bytes, X25519PrivateKey] = field(default_factory=dict)
+    ahead_sent: dict[str, bytes] = field(default_factory=dict)
+    ahead_in: set[str] = field(default_factory=set)
+    ahead_done: frozenset[str] = frozenset()
     # share: this node's view hash, the holders of its shares, whom it could not reach,
     # whose shares it waits for and the shares that came
     h1: bytes = b""
     holders: frozenset[str] = frozenset()
     sparse: bool = False
+    by_token: bool = False  # U1 agreed by the token (SecAgg+, or shares sealed ahead)
     unshared: set[str] = field(default_factory=set)
     expected_shares: frozenset[str] = frozenset()
     shares: dict[str, bytes] = field(default_factory=dict)

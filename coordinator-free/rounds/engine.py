@@ -44,6 +44,7 @@ from coordinator_free.ring import RingReducer, ring_order
 from coordinator_free.ring.wire import NARROW_BITS
 from coordinator_free.rounds import wire
 from coordinator_free.rounds.agreement import Agreement
+from coordinator_free.rounds.ahead import AheadKeys
 from coordinator_free.rounds.config import RoundConfig, StageHook
 from coordinator_free.rounds.context import StageContext
 from coordinator_free.rounds.messenger import Messenger, refusal_kind
@@ -113,7 +114,11 @@ class RoundEngine:
         self._agreement = Agreement(self._net, self._table, self.config)
         self._sums = SumServer(self._net, self._table, self.config)
         relay = ReadyRelay(self._table, self._net, endpoint.federation, *endpoint_signer(endpoint))
-        self._ready = ReadyStage(self._table, endpoint.federation, peers, session_factory, relay)
+        # the keys shares are sealed to a round ahead: in this node's memory only
+        self.ahead_keys = AheadKeys()
+        self._ready = ReadyStage(
+            self._table, endpoint.federation, peers, session_factory, relay, self.ahead_keys
+        )
         self._share = ShareStage(self._table, self.config, self._agreement)
         self._reduce = ReduceStage(self.ring, self._agreement, self._sums)
         self._unmask = UnmaskStage(self._table, self.config, self.ring, self._sums)

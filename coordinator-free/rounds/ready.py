@@ -17,14 +17,24 @@ records relayed by recursive doubling (:mod:`~coordinator_free.rounds.ready_rela
 members whose record did not come through, and to those whose ready came before this
 node had its own. The ready set is the same either way: the readies seen by the
 deadline.
+
+With ``RoundConfig.shares_ahead`` each ready also carries the ahead part
+(:mod:`~coordinator_free.rounds.ahead`): a key for a later round, the keys this org
+still holds, and its shares sealed to the keys its holders advertised before. The
+node opens the shares sealed for it as it takes the readies, and notes the holders
+with which both directions travelled ahead (``StageContext.ahead_done``): the share
+stage leaves them out.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import os
 from collections.abc import Callable, Iterable
 
+from coordinator_free.rounds.ahead import Ahead, AheadKeys, Blob, Ready, key_id
 from coordinator_free.rounds.config import patience
 from coordinator_free.rounds.context import StageContext
 from coordinator_free.rounds.exchange import PairwiseExchange
@@ -79,12 +89,14 @@ class ReadyStage:
         peers: Callable[[], Iterable[str]],
         session_factory: SessionFactory,
         relay: ReadyRelay | None = None,
+        ahead: AheadKeys | None = None,
     ) -> None:
         self.table = table
         self.federation = federation
         self.peers = peers
         self.session_factory = session_factory
         self.relay = relay
+        self.ahead = ahead
 
     async def on_ready(self, env: Envelope) -> bytes:
         """A peer's ready: filed, and answered with this node's own when it has one
@@ -99,7 +111,7 @@ class ReadyStage:
         await ctx.enter("ready")
         self._open_session(ctx)
         h0 = view_hash("members", ctx.u0)
-        own = h0 + ctx.session.advertise()
+        own = self._own_ready(ctx, h0)
         ctx.state.inbox.put(READY, ctx.me, own)
         exchange = ctx.state.exchange(READY)
         exchange.offer(own)
@@ -141,6 +153,22 @@ class ReadyStage:
                 ctx.k,
             )
         )
+
+    def _own_ready(self, ctx: StageContext, h0: bytes) -> bytes:
+        """This node's ready: its advertisement and, with shares sealed ahead, a new key
+        for a later round, the keys it holds, and its shares for each holder whose key
+        it knows, sealed to that key."""
+        advert = ctx.session.advertise()
+        if self.ahead is None or not ctx.config.shares_ahead:
+            return Ready(h0, advert).to_bytes()
+        next_pk, ctx.ahead_keys = self.ahead.rotate(os.urandom(32))
+        known = self.ahead.known(ctx.session.holders(frozenset(ctx.u0)))
+        index = {org: i for i, org in enumerate(ctx.u0)}
+        blobs: dict[int, Blob] = {}
+        for org, sealed in ctx.session.seal_ahead(known).items():
+            ctx.ahead_sent[org] = key_id(known[org])
+            blobs[index[org]] = Blob(ctx.ahead_sent[org], bytes(sealed))
+        return Ready(h0, advert, Ahead(next_pk, frozenset(ctx.ahead_keys), blobs)).to_bytes()
 
     @staticmethod
     def _wait_s(ctx: StageContext) -> float:
@@ -209,19 +237,44 @@ class ReadyStage:
         for org, payload in sorted(readies.items()):
             if org == ctx.me:
                 continue
-            if payload[:HASH_BYTES] != h0:
+            try:
+                ready = Ready.from_bytes(payload, HASH_BYTES)
+            except ValueError as exc:
+                ctx.observe("mismatch", "ready", peer=org, detail=f"malformed ready: {exc}")
+                continue
+            if ready.h0 != h0:
                 logger.warning("%s: %s is ready with another member list; left out", ctx.me, org)
                 ctx.observe("mismatch", "ready", peer=org, detail="another member list")
                 continue
             if ctx.net.accept(
-                ctx.session.receive_advert,
-                org,
-                payload[HASH_BYTES:],
-                "advertisement",
-                ctx.run,
-                ctx.round,
+                ctx.session.receive_advert, org, ready.advert, "advertisement", ctx.run, ctx.round
             ):
                 ready_set.add(org)
+                if ready.ahead is not None:
+                    self._take_ahead(ctx, org, ready.ahead)
         for org in sorted(set(ctx.u0) - readies.keys() - {ctx.me}):
             ctx.observe("missing", "ready", peer=org, detail="no ready by the deadline")
         return frozenset(ready_set)
+
+    def _take_ahead(self, ctx: StageContext, org: str, ahead: Ahead) -> None:
+        """Keep ``org``'s key for a later round; open the shares it sealed ahead for this
+        node, with a key this node held when it made its ready. The pair needs no share
+        exchange when they open and ``org`` holds the key this node sealed its own to."""
+        if self.ahead is not None:
+            self.ahead.learn(org, ahead.next_pk)
+        blob = ahead.blobs.get(ctx.u0.index(ctx.me))
+        key = None if blob is None else ctx.ahead_keys.get(blob.key)
+        if blob is None or key is None:
+            return
+        opened = ctx.net.accept(
+            functools.partial(ctx.session.open_ahead, key=key),
+            org,
+            blob.ciphertext,
+            "shares sealed ahead",
+            ctx.run,
+            ctx.round,
+        )
+        if opened:
+            ctx.ahead_in.add(org)
+            if ctx.ahead_sent.get(org) in ahead.held:
+                ctx.ahead_done |= {org}

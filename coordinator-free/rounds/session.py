@@ -11,13 +11,14 @@ from __future__ import annotations
 import copy
 import functools
 import hashlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 from coordinator_free.endpoint import Endpoint
 from coordinator_free.identity import verify_signature
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from secure_agg import prg
 from secure_agg.codec import FixedPointCodec
@@ -77,9 +78,26 @@ class MaskedSum(Protocol):
         """Take another participant's advertisement."""
         ...
 
-    def share_keys(self, participants: frozenset[str]) -> Mapping[str, bytes]:
+    def holders(self, orgs: frozenset[str]) -> frozenset[str]:
+        """The orgs among ``orgs`` that hold this org's shares (every other one, or only
+        its SecAgg+ neighbours)."""
+        ...
+
+    def seal_ahead(self, keys: Mapping[str, bytes]) -> Mapping[str, bytes]:
+        """After :meth:`advertise`: this org's shares for each holder in ``keys``, sealed
+        to the key (an X25519 public key) the holder advertised in an earlier round."""
+        ...
+
+    def open_ahead(self, sender: str, data: bytes, key: X25519PrivateKey) -> None:
+        """Take the shares ``sender`` sealed ahead for this org, after its advertisement,
+        with the private half of the key they were sealed to."""
+        ...
+
+    def share_keys(
+        self, participants: frozenset[str], only: Iterable[str] | None = None
+    ) -> Mapping[str, bytes]:
         """Given this node's view of the ready orgs, the share message for each one that
-        holds this org's shares (every other one, or only its SecAgg+ neighbours)."""
+        holds this org's shares (:meth:`holders`), or for those of ``only``."""
         ...
 
     def receive_share(self, sender: str, data: bytes) -> None:
@@ -246,9 +264,21 @@ class SecAggSession:
         assert isinstance(msg, AdvertiseKeys)
         self.peer.receive_advertise(msg, authenticated=True)
 
-    def share_keys(self, participants: frozenset[str]) -> Mapping[str, bytes]:
+    def holders(self, orgs: frozenset[str]) -> frozenset[str]:
+        return (self.peer.neighbours & orgs) - {self.peer.me}
+
+    def seal_ahead(self, keys: Mapping[str, bytes]) -> Mapping[str, bytes]:
+        return self.peer.seal_ahead(keys)
+
+    def open_ahead(self, sender: str, data: bytes, key: X25519PrivateKey) -> None:
+        self.peer.open_ahead(sender, data, key)
+
+    def share_keys(
+        self, participants: frozenset[str], only: Iterable[str] | None = None
+    ) -> Mapping[str, bytes]:
         self.peer.close_advertise()
-        return {o: m.to_bytes() for o, m in self.peer.share_keys().items() if o in participants}
+        wanted = participants if only is None else participants & frozenset(only)
+        return {o: m.to_bytes() for o, m in self.peer.share_keys(wanted).items()}
 
     def receive_share(self, sender: str, data: bytes) -> None:
         msg = self._decode(ShareKeys, sender, data)

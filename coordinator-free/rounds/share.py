@@ -17,6 +17,11 @@ runs it), and a node proposes no holder of its shares whose own shares did not r
 it (their masks would not cancel). ``U1`` is the ring's members, and each node masks
 with exactly its holders in ``U1``: a node that lacks the shares of one of them fails
 its round rather than mask with a set the others cannot know.
+
+With ``RoundConfig.shares_ahead`` the shares of most pairs rode with the readies
+(:mod:`~coordinator_free.rounds.ahead`): the exchange runs only with the holders of
+the others (``StageContext.ahead_done`` left out; none at all in a steady federation),
+and the shares carry no view hash to compare, so ``U1`` is agreed by the token.
 """
 
 from __future__ import annotations
@@ -48,6 +53,12 @@ def _retrieved(done: asyncio.Future[None]) -> None:
     """Take the premask work's outcome when the round failed before its mask stage."""
     if not done.cancelled():
         done.exception()
+
+
+def _awaited(ctx: StageContext) -> frozenset[str]:
+    """The holders whose shares this node awaits from the exchange: those it can send
+    its own to, less those whose shares it opened with their ready."""
+    return ctx.expected_shares - ctx.ahead_in
 
 
 def _hashed(data: bytes) -> bytes | None:
@@ -86,8 +97,13 @@ class ShareStage:
                 missing=tuple(sorted(set(ctx.u0) - view1)),
             )
         ctx.h1 = view_hash("ready", view1)
+        # the holders of this org's shares, who also send theirs here (the graph is
+        # undirected): every other ready org, or only the SecAgg+ neighbours
+        ctx.holders = ctx.session.holders(view1)
+        ctx.sparse = ctx.holders != view1 - {me}
+        ctx.by_token = ctx.sparse or ctx.config.shares_ahead
         try:
-            outgoing = ctx.session.share_keys(view1)
+            outgoing = ctx.session.share_keys(view1, only=ctx.holders - ctx.ahead_done)
             work = ctx.session.premask()
         except (SecAggError, ValueError) as exc:
             raise RoundFailed("share", f"cannot share keys: {exc}") from exc
@@ -95,29 +111,32 @@ class ShareStage:
         # travel (the mask stage waits for them and makes the input exact)
         ctx.premasking = asyncio.ensure_future(asyncio.to_thread(work))
         ctx.premasking.add_done_callback(_retrieved)
-        # the holders of this org's shares, who also send theirs here (the graph is
-        # undirected): every other ready org, or only the SecAgg+ neighbours
-        ctx.holders = frozenset(outgoing) & (view1 - {me})
-        ctx.sparse = ctx.holders != view1 - {me}
         exchange = ctx.state.exchange(SHARES)
-        exchange.offer({o: ctx.h1 + outgoing[o] for o in ctx.holders})
-        await self._exchange(ctx, exchange)
+        exchange.offer({o: ctx.h1 + outgoing[o] for o in outgoing})
+        ctx.expected_shares = ctx.holders
+        if outgoing:
+            await self._exchange(ctx, exchange, frozenset(outgoing))
         ctx.shares = {
-            o: p for o, p in ctx.state.inbox.get(SHARES).items() if o in ctx.expected_shares
+            o: p
+            for o, p in ctx.state.inbox.get(SHARES).items()
+            if o in ctx.expected_shares and o not in ctx.ahead_in
         }
-        for org in sorted(ctx.expected_shares - ctx.shares.keys()):
+        for org in sorted(_awaited(ctx) - ctx.shares.keys()):
             why = "it left the round" if org in ctx.state.gone() else "no share by the deadline"
             ctx.observe("missing", "share", peer=org, detail=why)
         ctx.lap("share")
 
-    async def _exchange(self, ctx: StageContext, exchange: PairwiseExchange) -> None:
-        """One request and its reply per pair of holders, as for the readies: the holders
-        that send first get a moment; a holder whose share still did not come is then
-        sent this node's (a dead one is unreachable, and no longer awaited)."""
+    async def _exchange(
+        self, ctx: StageContext, exchange: PairwiseExchange, peers: frozenset[str]
+    ) -> None:
+        """One request and its reply per pair of ``peers`` (the holders whose shares did
+        not all travel ahead), as for the readies: the holders that send first get a
+        moment; a holder whose share still did not come is then sent this node's (a
+        dead one is unreachable, and no longer awaited)."""
         loop = asyncio.get_running_loop()
         inbox, state = ctx.state.inbox, ctx.state
         share_end = loop.time() + ctx.config.stage_timeout
-        sent_to = set(exchange.targets(ctx.holders))
+        sent_to = set(exchange.targets(peers))
         ctx.unshared = await self._send(ctx, exchange, sent_to)
         ctx.expected_shares = ctx.holders - ctx.unshared
         shared = functools.partial(self._shared, ctx)
@@ -125,15 +144,13 @@ class ShareStage:
             [SHARES, _GONE],
             shared,
             min(share_end, loop.time() + patience(ctx.config)),
-            expect=(SHARES, ctx.expected_shares),
+            expect=(SHARES, _awaited(ctx)),
         )
-        late = ctx.expected_shares - inbox.senders(SHARES) - state.gone() - sent_to
+        late = (_awaited(ctx) & peers) - inbox.senders(SHARES) - state.gone() - sent_to
         if late:
             ctx.unshared |= await self._send(ctx, exchange, late)
             ctx.expected_shares = ctx.holders - ctx.unshared
-        await inbox.wait_any(
-            [SHARES, _GONE], shared, share_end, expect=(SHARES, ctx.expected_shares)
-        )
+        await inbox.wait_any([SHARES, _GONE], shared, share_end, expect=(SHARES, _awaited(ctx)))
 
     @staticmethod
     async def _send(
@@ -146,7 +163,7 @@ class ShareStage:
     @staticmethod
     def _shared(ctx: StageContext) -> bool:
         """Whether every holder still awaited (not gone) sent its shares."""
-        return ctx.expected_shares - ctx.state.gone() <= ctx.state.inbox.senders(SHARES)
+        return _awaited(ctx) - ctx.state.gone() <= ctx.state.inbox.senders(SHARES)
 
     async def agree(self, ctx: StageContext) -> None:
         """Settle the participants ``U1`` and take their shares: the ring's members."""
@@ -154,7 +171,7 @@ class ShareStage:
         state, me, t = ctx.state, ctx.me, ctx.t
         view1, shares = ctx.ready_set, ctx.shares
         if (
-            not ctx.sparse
+            not ctx.by_token
             and not state.equivocal & view1
             and shares.keys() == view1 - {me}
             and all(p[:HASH_BYTES] == ctx.h1 for p in shares.values())
@@ -166,10 +183,19 @@ class ShareStage:
             if len(ctx.u1) < t:
                 raise RoundFailed("ready", f"{len(ctx.u1)} participants agreed, fewer than t={t}")
             shares = state.inbox.get(SHARES)
-        share_set = {me}
+        share_set = {me} | (ctx.ahead_in & ctx.u1)
         for org, payload in sorted(shares.items()):
-            if org in ctx.u1 and ctx.net.accept(
-                ctx.session.receive_share, org, payload[HASH_BYTES:], "share", ctx.run, ctx.round
+            if (
+                org in ctx.u1
+                and org not in ctx.ahead_in
+                and ctx.net.accept(
+                    ctx.session.receive_share,
+                    org,
+                    payload[HASH_BYTES:],
+                    "share",
+                    ctx.run,
+                    ctx.round,
+                )
             ):
                 share_set.add(org)
         # this node masks with exactly its holders in U1, which every member knows
@@ -190,9 +216,9 @@ class ShareStage:
         shares is left out of its proposal."""
         state = ctx.state
         proposal = ctx.ready_set - ctx.unshared - state.equivocal
-        if ctx.sparse:
+        if ctx.by_token:
             # every node runs this agreement: the token (O(n) messages) suffices
-            proposal -= ctx.expected_shares - ctx.shares.keys()
+            proposal -= _awaited(ctx) - ctx.shares.keys()
             u1, _ = await self.agreement.settle(state, ctx.counters, "ready", ctx.u0, proposal)
         else:
             # others may have settled at no message: they answer views, not tokens

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from coordinator_free.rounds.config import RoundConfig
@@ -44,6 +44,7 @@ __all__ = [
     "decisive",
     "decode_view",
     "known_tag",
+    "mutual_set",
     "view_hash",
 ]
 
@@ -166,7 +167,10 @@ class Token:
         """The intersection of the proposals (of members that made one) and the AND of
         the flags: the same on every node that holds the same token. For a ring
         attempt's outcome (``reduce:N``) a member whose ring completed (flag set)
-        decides alone: its proposal, completed (see :func:`decisive`)."""
+        decides alone: its proposal, completed (see :func:`decisive`). For the
+        participants (``ready``) the larger of the intersection and
+        :func:`mutual_set`'s set, so that one member whose proposal leaves out
+        others it could not exchange shares with is left out rather than them."""
         if decisive(self.tag):
             for _, proposal, flag in self.entries:
                 if flag:
@@ -176,6 +180,10 @@ class Token:
         for _, proposal, flag in self.entries:
             members &= proposal
             ok = ok and flag
+        if self.tag == "ready":
+            mutual = mutual_set({org: proposal for org, proposal, _ in self.entries})
+            if len(mutual) > len(members):
+                members = mutual
         return members, ok
 
     def to_bytes(self) -> bytes:
@@ -241,6 +249,25 @@ class Token:
         if pos != len(data):
             raise ValueError("trailing bytes after the token")
         return cls(phase, tag, base, starter, tuple(entries))
+
+
+def mutual_set(proposals: Mapping[str, frozenset[str]]) -> frozenset[str]:
+    """A set of proposers each of whose proposals holds the whole set, found greedily:
+    two proposers conflict when either's proposal leaves the other out, and the one
+    with the most conflicts (then the greatest id) goes until none is left. A pure
+    function of ``proposals``: every node holding the same token finds the same set."""
+    members = set(proposals)
+    conflicts = {
+        p: {q for q in members if q != p and (q not in proposals[p] or p not in proposals[q])}
+        for p in members
+    }
+    while True:
+        worst = max(members, key=lambda p: (len(conflicts[p]), p), default=None)
+        if worst is None or not conflicts[worst]:
+            return frozenset(members)
+        members.discard(worst)
+        for q in conflicts.pop(worst):
+            conflicts[q].discard(worst)
 
 
 def decisive(tag: str) -> bool:

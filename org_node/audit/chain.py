@@ -21,7 +21,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from org_node.audit.classes import FORBIDDEN_CLASSES, PrivacyClass, UnclassifiedKind, classify
+from org_node.audit.classes import (
+    FORBIDDEN_CLASSES,
+    PrivacyClass,
+    UnclassifiedKind,
+    classify,
+    former_classes,
+)
 from org_node.audit.records import EgressEntry, LogRecords, SignedHead, genesis_hash
 
 __all__ = [
@@ -117,7 +123,7 @@ class Chain:
             raise Broken(at, f"unknown privacy class {e.privacy_class!r}", e.index) from None
         except UnclassifiedKind:
             raise Broken(at, f"kind {e.kind!r} has no privacy class", e.index) from None
-        if expected.value != e.privacy_class:
+        if expected.value != e.privacy_class and e.privacy_class not in former_classes(e.kind):
             raise Broken(
                 at, f"kind {e.kind!r} is {expected.value}, recorded as {e.privacy_class}", e.index
             )

@@ -23,9 +23,15 @@ classed ``masked_vector_chunk``, a reply to ``round.part`` (a member asking a ch
 holder for its unmasked chunk of the sum) is classed ``aggregate_chunk``. The round's
 pairwise exchanges answer a peer's message with the responder's own of the same kind
 (one request per pair instead of two), so a reply to ``round.ready`` is classed
-``public_key``, to ``round.share`` ``encrypted_share`` and to ``round.unmask``
+``encrypted_share``, to ``round.share`` ``encrypted_share`` and to ``round.unmask``
 ``released_share``, like the requests; every other reply is an acknowledgement
 (``control``).
+
+A ready (``round.ready``, and the relayed records of ``round.readies``) carries the
+org's public keys and its Shamir shares sealed a round ahead to its holders
+(``coordinator_free.rounds.ahead``), so it is classed by the more sensitive of the
+two, ``encrypted_share``. Logs written before the shares rode with the readies class
+it ``public_key``; :data:`FORMER_CLASSES` lists that, and verification accepts it.
 The reply to an unknown kind is refused like the kind itself.
 """
 
@@ -37,6 +43,7 @@ from types import MappingProxyType
 
 __all__ = [
     "FORBIDDEN_CLASSES",
+    "FORMER_CLASSES",
     "KIND_CLASSES",
     "REPLY_SUFFIX",
     "ClassificationError",
@@ -44,6 +51,7 @@ __all__ = [
     "PrivacyClass",
     "UnclassifiedKind",
     "classify",
+    "former_classes",
     "is_head_message",
 ]
 
@@ -79,11 +87,12 @@ _RULES: dict[str, PrivacyClass] = {
     "swim.": PrivacyClass.MEMBERSHIP,
     "gossip.": PrivacyClass.MEMBERSHIP,
     # the round engine (coordinator_free.rounds): round.ready carries AdvertiseKeys
-    # (Bonawitz et al. §4 round 0), round.share the encrypted Shamir shares (round 1),
-    # round.unmask the shares released for unmasking (round 4)
-    "round.ready": PrivacyClass.PUBLIC_KEY,
+    # (Bonawitz et al. §4 round 0) and the Shamir shares sealed a round ahead,
+    # round.share the encrypted Shamir shares (round 1) of the pairs that did not
+    # seal theirs ahead, round.unmask the shares released for unmasking (round 4)
+    "round.ready": PrivacyClass.ENCRYPTED_SHARE,
     # round.readies: signed ready records relayed in batches (from 32 members on)
-    "round.readies": PrivacyClass.PUBLIC_KEY,
+    "round.readies": PrivacyClass.ENCRYPTED_SHARE,
     "round.share": PrivacyClass.ENCRYPTED_SHARE,
     "round.unmask": PrivacyClass.RELEASED_SHARE,
     # round.seed: survivors' self-mask seeds, revealed by their owners once the
@@ -130,14 +139,29 @@ _REPLY_ANSWERS: Mapping[str, PrivacyClass] = MappingProxyType(
     {
         "round.total": PrivacyClass.MASKED_CHUNK,
         "round.part": PrivacyClass.AGGREGATE_CHUNK,
-        "round.ready": PrivacyClass.PUBLIC_KEY,
-        "round.readies": PrivacyClass.PUBLIC_KEY,
+        "round.ready": PrivacyClass.ENCRYPTED_SHARE,
+        "round.readies": PrivacyClass.ENCRYPTED_SHARE,
         "round.share": PrivacyClass.ENCRYPTED_SHARE,
         "round.unmask": PrivacyClass.RELEASED_SHARE,
         "audit.heads": PrivacyClass.AUDIT_HEAD,
     }
 )
 """Kinds whose replies carry something of another class than the request."""
+
+FORMER_CLASSES: Mapping[str, frozenset[PrivacyClass]] = MappingProxyType(
+    {
+        "round.ready": frozenset({PrivacyClass.PUBLIC_KEY}),
+        "round.readies": frozenset({PrivacyClass.PUBLIC_KEY}),
+    }
+)
+"""Classes a kind (and its reply) had in logs written before its content grew: a
+ready was ``public_key`` before the shares rode with it."""
+
+
+def former_classes(kind: str) -> frozenset[PrivacyClass]:
+    """The classes ``kind`` had in older logs (empty for most kinds)."""
+    return FORMER_CLASSES.get(kind.removesuffix(REPLY_SUFFIX), frozenset())
+
 
 KIND_CLASSES: Mapping[str, PrivacyClass] = MappingProxyType(_RULES)
 """The mapping: a key ending in ``.`` is a prefix, any other key an exact kind or a

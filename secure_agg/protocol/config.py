@@ -41,6 +41,7 @@ ShareKind = Literal["b", "s"]
 SEED_BYTES = 32
 """Bytes of a self-mask seed ``b`` and of the private half of a key pair."""
 _SHARE_AAD_LABEL = b"fedweave/secagg/share-keys/v1"
+_AHEAD_AAD_LABEL = b"fedweave/secagg/share-ahead/v1"
 
 
 @dataclass(frozen=True)
@@ -124,9 +125,12 @@ class ProtocolConfig:
         return 1 if self.index(owner) < self.index(other) else -1
 
 
-def share_aad(ctx: RoundContext, sender: str, recipient: str) -> bytes:
-    """AAD of a ShareKeys ciphertext: binds the round and the ordered (sender, recipient)."""
-    parts = [_SHARE_AAD_LABEL, ctx.to_bytes(), sender.encode(), recipient.encode()]
+def share_aad(ctx: RoundContext, sender: str, recipient: str, *, ahead: bool = False) -> bytes:
+    """AAD of a ShareKeys ciphertext: binds the round and the ordered (sender, recipient),
+    and whether it was sealed ahead (to a key the recipient advertised in an earlier
+    round, :meth:`~secure_agg.protocol.peer.SecAggPeer.seal_ahead`) or in round 1."""
+    label = _AHEAD_AAD_LABEL if ahead else _SHARE_AAD_LABEL
+    parts = [label, ctx.to_bytes(), sender.encode(), recipient.encode()]
     return b"".join(struct.pack(">I", len(p)) + p for p in parts)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from secure_agg import prg, shamir
 from secure_agg.errors import ConfigError, RingError
@@ -53,6 +54,7 @@ from secure_agg.protocol.unmasking import (
     unremovable,
 )
 from secure_agg.ring import check_ring
+from secure_agg.shamir import Share
 
 __all__ = ["STREAM_CHUNK", "SecAggPeer"]
 
@@ -134,30 +136,70 @@ class SecAggPeer(PeerState):
         assert self._u1 is not None
         return sorted(self.config.graph.neighbours(self.me) & self._u1)
 
-    def share_keys(self) -> dict[str, ShareKeys]:
-        """Round 1: Shamir-share b and s_sk t-of-(holders), encrypt each pair to its holder."""
+    def _split(self) -> tuple[list[Share], list[Share]]:
+        """b and s_sk Shamir-shared t-of-(this peer's neighbours in U0), once per round:
+        the shares :meth:`seal_ahead` and :meth:`share_keys` seal are the same ones."""
+        if self._splits is None:
+            own, cfg = self._own(), self.config
+            top = max(cfg.index(h) for h in [*self.neighbours, self.me]) + 1
+            s_sk = own.s.private.private_bytes_raw()
+            b_shares = shamir.split(own.b, cfg.threshold, top, rng=self._rand)
+            s_shares = shamir.split(s_sk, cfg.threshold, top, rng=self._rand)
+            mine = cfg.index(self.me)
+            self._held[self.me] = (b_shares[mine], s_shares[mine])
+            self._splits = (b_shares, s_shares)
+        return self._splits
+
+    def _seal(self, holder: str, c_pk: bytes, *, ahead: bool) -> bytes:
+        cfg, own = self.config, self._own()
+        b_shares, s_shares = self._split()
+        i = cfg.index(holder)
+        pair = (b_shares[i], s_shares[i])
+        return seal_shares(
+            cfg, self.me, holder, own.c.private, c_pk, pair, self._rand(12), ahead=ahead
+        )
+
+    def seal_ahead(self, keys: Mapping[str, bytes]) -> dict[str, bytes]:
+        """Round 0, shares sealed ahead: after :meth:`advertise_keys`, the ciphertext of
+        this peer's two shares for each neighbour in ``keys`` (holder -> an X25519 public
+        key the holder advertised in an earlier round and keeps), under the agreement
+        of this round's ``c`` key with it, so that they travel with this peer's
+        advertisement, before U1. A key that is not a usable X25519 key is skipped."""
+        self._require_stage(Stage.ADVERTISE_KEYS, action="seal_ahead()")
+        holders = sorted(h for h in self.neighbours & keys.keys() if usable_public_key(keys[h]))
+        return {h: self._seal(h, keys[h], ahead=True) for h in holders}
+
+    def open_ahead(self, sender: str, ciphertext: bytes, key: X25519PrivateKey) -> None:
+        """Round 0: take the shares ``sender`` sealed ahead for this peer
+        (:meth:`seal_ahead`), given the private half of the key they were sealed to;
+        after ``sender``'s AdvertiseKeys. :class:`InvalidShare` when they do not open."""
+        self._require_stage(Stage.ADVERTISE_KEYS, action="open_ahead()")
+        if sender not in self._adverts or sender not in self.neighbours:
+            raise UnknownSender(f"{sender!r} is no neighbour of {self.me} that advertised keys")
+        if sender in self._held:
+            raise DuplicateMessage(f"second shares from {sender!r}")
+        c_pk = self._adverts[sender].c_pk
+        self._held[sender] = open_shares(
+            self.config, sender, self.me, key, c_pk, ciphertext, ahead=True
+        )
+
+    def share_keys(self, only: Iterable[str] | None = None) -> dict[str, ShareKeys]:
+        """Round 1: Shamir-share b and s_sk t-of-(holders), encrypt each pair to its holder
+        (every holder in U1, or those of ``only``: the others hold them sealed ahead)."""
         self._require_stage(Stage.SHARE_KEYS, action="share_keys()")
         if self._shared:
             raise OutOfStage(f"{self.me} already sent its shares this round")
-        own = self._own()
-        cfg = self.config
         holders = self._holders()
-        top = max(cfg.index(h) for h in [*holders, self.me]) + 1
-        s_sk = own.s.private.private_bytes_raw()
-        b_shares = shamir.split(own.b, cfg.threshold, top, rng=self._rand)
-        s_shares = shamir.split(s_sk, cfg.threshold, top, rng=self._rand)
+        if only is not None:
+            wanted = frozenset(only)
+            holders = [h for h in holders if h in wanted]
+        self._split()
         out: dict[str, ShareKeys] = {}
         for h in holders:
-            i = cfg.index(h)
-            pair = (b_shares[i], s_shares[i])
-            blob = seal_shares(
-                cfg, self.me, h, own.c.private, self._adverts[h].c_pk, pair, self._rand(12)
-            )
+            blob = self._seal(h, self._adverts[h].c_pk, ahead=False)
             out[h] = ShareKeys(self._header(Stage.SHARE_KEYS), recipient=h, ciphertext=blob).signed(
                 self._sign
             )
-        mine = cfg.index(self.me)
-        self._held[self.me] = (b_shares[mine], s_shares[mine])
         self._shared = True
         return out
 

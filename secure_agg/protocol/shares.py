@@ -47,11 +47,15 @@ def seal_shares(
     recipient_c_pk: bytes,
     shares: tuple[Share, Share],
     nonce: bytes,
+    *,
+    ahead: bool = False,
 ) -> bytes:
-    """The ShareKeys ciphertext of ``sender``'s ``(b-share, s_sk-share)`` for ``recipient``."""
+    """The ShareKeys ciphertext of ``sender``'s ``(b-share, s_sk-share)`` for ``recipient``
+    (``ahead``: sealed to a key the recipient advertised in an earlier round)."""
     key = _pair_key(config, c_private, recipient_c_pk, sender, recipient)
     plaintext = shares[0].to_bytes() + shares[1].to_bytes()
-    return encrypt(key, plaintext, share_aad(config.ctx, sender, recipient), nonce=nonce)
+    aad = share_aad(config.ctx, sender, recipient, ahead=ahead)
+    return encrypt(key, plaintext, aad, nonce=nonce)
 
 
 def open_shares(
@@ -61,12 +65,15 @@ def open_shares(
     c_private: X25519PrivateKey,
     sender_c_pk: bytes,
     ciphertext: bytes,
+    *,
+    ahead: bool = False,
 ) -> tuple[Share, Share]:
     """The two shares ``sender`` sealed for ``recipient``; :class:`InvalidShare` when they
     do not decrypt, do not parse, or carry another holder's x."""
     key = _pair_key(config, c_private, sender_c_pk, sender, recipient)
     try:
-        plaintext = decrypt(key, ciphertext, share_aad(config.ctx, sender, recipient))
+        aad = share_aad(config.ctx, sender, recipient, ahead=ahead)
+        plaintext = decrypt(key, ciphertext, aad)
     except SecAggError:
         raise InvalidShare(f"shares from {sender!r} do not decrypt") from None
     if len(plaintext) != PLAINTEXT_BYTES:

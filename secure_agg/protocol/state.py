@@ -79,6 +79,8 @@ class PeerState:
         self._adverts: dict[str, AdvertiseKeys] = {}
         self._u1: frozenset[str] | None = None
         self._shared = False
+        # b and s_sk Shamir-shared once per round (SecAggPeer._split)
+        self._splits: tuple[list[Share], list[Share]] | None = None
         self._held: dict[str, tuple[Share, Share]] = {}
         self._u2: frozenset[str] | None = None
         # the participants agreed after the shares (close_shares), if any: every

@@ -5,6 +5,7 @@ the exact sum of its survivors; whoever does not says why."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Sequence
 
 import pytest
@@ -57,9 +58,12 @@ def names(n: int) -> list[str]:
     return [f"org-{i:0{len(str(n - 1))}d}" for i in range(n)]
 
 
-def _run(n: int, reached: frozenset[str], silent: str) -> tuple[RoundOutcome, RoundOutcome]:
+def _run(
+    n: int, reached: frozenset[str], silent: str, *, ahead: bool = True
+) -> tuple[RoundOutcome, RoundOutcome]:
     dropper = names(n)[-1]
-    config = SimConfig(peers=n, length=64, seed=4, round_config=QUICK)
+    round_config = dataclasses.replace(QUICK, shares_ahead=ahead)
+    config = SimConfig(peers=n, length=64, seed=4, round_config=round_config)
     faults = [FaultSpec(silent, Fault.KILL, "unmask", round=1)]
 
     async def scenario() -> tuple[RoundOutcome, RoundOutcome]:
@@ -69,15 +73,19 @@ def _run(n: int, reached: frozenset[str], silent: str) -> tuple[RoundOutcome, Ro
     return asyncio.run(scenario())
 
 
+@pytest.mark.parametrize("ahead", [True, False], ids=["token", "views"])
 @pytest.mark.parametrize("n", [7, 12])
 @pytest.mark.parametrize("reach", ["one", "all-but-one"])
 def test_finding_4_a_partial_share_send_and_a_silent_holder_never_give_a_wrong_sum(
-    n: int, reach: str
+    n: int, reach: str, ahead: bool
 ) -> None:
+    """With ``shares_ahead`` (``token``) the participants are agreed by the token, which
+    every live member joins; without (``views``) the members whose shares all came with
+    their own view hash settle at no message and the others by views."""
     orgs = names(n)
     dropper, silent = orgs[-1], orgs[0]
     reached = frozenset(orgs[:1] if reach == "one" else orgs[:-2])
-    first, second = _run(n, reached, silent)
+    first, second = _run(n, reached, silent, ahead=ahead)
     # every finisher holds the plaintext sum of exactly its survivors, all the same,
     # and every other org failed its round with a reason
     assert first.problems() == []
@@ -87,7 +95,13 @@ def test_finding_4_a_partial_share_send_and_a_silent_holder_never_give_a_wrong_s
     for res in first.results.values():
         assert dropper not in res.survivors
         assert (res.sum == first.expected(res.survivors)).all()
-    if reach == "all-but-one":
+    if reach == "all-but-one" and ahead:
+        # the member it did not reach proposes no dropper, which the token's decision
+        # leaves out: every live member finishes, the dropper in no one's participants
+        assert set(first.results) == set(orgs) - first.killed
+        for res in first.results.values():
+            assert dropper not in res.participants
+    elif reach == "all-but-one":
         # the members it reached settled U1 with it; the silent holder masked with it,
         # and its masks with every survivor come off its reconstructed key
         assert set(first.results) == set(orgs[1:-2])

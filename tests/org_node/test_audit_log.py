@@ -122,7 +122,7 @@ def test_every_kind_used_in_coordinator_free_is_classified_and_allowed() -> None
 @pytest.mark.parametrize(
     "kind, cls",
     [
-        ("round.ready", PrivacyClass.PUBLIC_KEY),
+        ("round.ready", PrivacyClass.ENCRYPTED_SHARE),
         ("secagg.advertise", PrivacyClass.PUBLIC_KEY),
         ("round.share", PrivacyClass.ENCRYPTED_SHARE),
         ("round.unmask", PrivacyClass.RELEASED_SHARE),
@@ -141,12 +141,12 @@ def test_every_kind_used_in_coordinator_free_is_classified_and_allowed() -> None
         ("round.part", PrivacyClass.CONTROL),
         ("round.part.reply", PrivacyClass.AGGREGATE_CHUNK),
         # a pairwise exchange's reply carries the responder's own message of the kind
-        ("round.ready.reply", PrivacyClass.PUBLIC_KEY),
+        ("round.ready.reply", PrivacyClass.ENCRYPTED_SHARE),
         ("round.share.reply", PrivacyClass.ENCRYPTED_SHARE),
         ("round.unmask.reply", PrivacyClass.RELEASED_SHARE),
         # relayed ready records: the batch and the reply that carries the responder's own
-        ("round.readies", PrivacyClass.PUBLIC_KEY),
-        ("round.readies.reply", PrivacyClass.PUBLIC_KEY),
+        ("round.readies", PrivacyClass.ENCRYPTED_SHARE),
+        ("round.readies.reply", PrivacyClass.ENCRYPTED_SHARE),
         ("round.seed", PrivacyClass.RELEASED_SHARE),
         ("round.seed.reply", PrivacyClass.CONTROL),
         ("round.permit", PrivacyClass.CONTROL),
@@ -188,7 +188,7 @@ def test_entries_chain_from_the_header_and_record_the_wire_bytes(tmp_path: Path)
     assert first.entry_hash == first.computed_hash()
     assert first.bytes == len(wire) and second.bytes == len(wire2)
     assert first.sha256 == hashlib.sha256(b"keys").hexdigest()
-    assert (first.peer, first.kind, first.privacy_class) == ("b", "round.ready", "public_key")
+    assert (first.peer, first.kind, first.privacy_class) == ("b", "round.ready", "encrypted_share")
     assert log.header["created"] == "2027-01-15T08:00:01.500000Z"
     assert first.time == "2027-01-15T08:00:03.000000Z"
     records = read_log(tmp_path / "a.log")

@@ -95,7 +95,8 @@ def test_a_forbidden_message_in_the_log_is_reported_as_sent(tmp_path: Path) -> N
 @pytest.mark.parametrize(
     "kind, cls, message",
     [
-        ("round.ready", "control", "is public_key, recorded as control"),
+        ("round.ready", "control", "is encrypted_share, recorded as control"),
+        ("round.share", "public_key", "is encrypted_share, recorded as public_key"),
         ("nobody.knows", "control", "has no privacy class"),
         ("round.ready", "secret", "unknown privacy class"),
     ],
@@ -106,6 +107,17 @@ def test_a_misclassified_entry_is_named(tmp_path: Path, kind: str, cls: str, mes
     append_chained(path, kind, cls)
     result = verify_log(path)
     assert not result.ok and "entry 2" in result.summary and message in result.summary
+
+
+@pytest.mark.parametrize("kind", ["round.ready", "round.ready.reply", "round.readies"])
+def test_a_ready_classed_public_key_in_an_older_log_still_verifies(
+    tmp_path: Path, kind: str
+) -> None:
+    """Before the shares rode with the readies, a ready was ``public_key``."""
+    path = tmp_path / "a.log"
+    small_log(path).close()
+    append_chained(path, kind, "public_key")
+    assert verify_log(path).ok
 
 
 def test_a_key_other_than_the_pinned_one_is_refused(tmp_path: Path) -> None:

@@ -1,0 +1,342 @@
+"""Shares sealed a round ahead: the keys, the ready's bytes, and rounds that use them."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import numpy as np
+import pytest
+from coordinator_free.rounds import RoundConfig
+from coordinator_free.rounds.ahead import (
+    KEY_ID_BYTES,
+    RETAINED,
+    Ahead,
+    AheadKeys,
+    Blob,
+    Ready,
+    key_id,
+)
+from coordinator_free.rounds.wire import Token, mutual_set
+from coordinator_free.sim import RoundOutcome, SimConfig, Simulation
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from secure_agg import shamir
+from secure_agg.keys import RoundContext, generate_keypair
+from secure_agg.protocol import InvalidShare, ProtocolConfig, SecAggPeer
+from secure_agg.protocol.errors import DuplicateMessage, UnknownSender
+from secure_agg.protocol.simulate import _ed25519_identities
+
+FAST = RoundConfig(
+    ready_timeout=0.6, stage_timeout=4.0, step_timeout=2.0, send_timeout=4.0, ring_min_chunk=1
+)
+
+# -- the ready's bytes ---------------------------------------------------------------------
+
+
+def test_a_ready_has_fixed_bytes() -> None:
+    ahead = Ahead(
+        next_pk=bytes(range(32)),
+        held=frozenset({b"\x01" * 8}),
+        blobs={3: Blob(b"\x02" * 8, b"ct")},
+    )
+    data = Ready(b"\xaa" * 32, b"advert", ahead).to_bytes()
+    assert data.hex() == (
+        "aa" * 32
+        + "00000006"
+        + b"advert".hex()
+        + bytes(range(32)).hex()
+        + "01"
+        + "01" * 8
+        + "0001"
+        + "0003"
+        + "02" * 8
+        + "0002"
+        + b"ct".hex()
+    )
+    assert Ready.from_bytes(data, 32) == Ready(b"\xaa" * 32, b"advert", ahead)
+
+
+def test_a_ready_without_ahead_part_is_the_hash_and_the_advertisement() -> None:
+    data = Ready(b"\xbb" * 32, b"keys").to_bytes()
+    assert data == b"\xbb" * 32 + b"\x00\x00\x00\x04keys"
+    assert Ready.from_bytes(data, 32) == Ready(b"\xbb" * 32, b"keys", None)
+
+
+_blobs = st.dictionaries(
+    st.integers(0, 65535),
+    st.builds(Blob, st.binary(min_size=8, max_size=8), st.binary(max_size=200)),
+    max_size=6,
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    advert=st.binary(max_size=300),
+    next_pk=st.binary(min_size=32, max_size=32),
+    held=st.frozensets(st.binary(min_size=8, max_size=8), max_size=RETAINED),
+    blobs=_blobs,
+)
+def test_a_ready_round_trips(
+    advert: bytes, next_pk: bytes, held: frozenset[bytes], blobs: dict[int, Blob]
+) -> None:
+    ready = Ready(b"\x01" * 32, advert, Ahead(next_pk, held, blobs))
+    assert Ready.from_bytes(ready.to_bytes(), 32) == ready
+
+
+@settings(max_examples=80, deadline=None)
+@given(blobs=_blobs, cut=st.integers(1, 400))
+def test_a_cut_ready_is_refused_never_misread(blobs: dict[int, Blob], cut: int) -> None:
+    data = Ready(b"\x01" * 32, b"adv", Ahead(b"\x07" * 32, frozenset(), blobs)).to_bytes()
+    cut = min(cut, len(data) - 33)  # keep the hash and part of the rest
+    short = data[:-cut]
+    try:
+        parsed = Ready.from_bytes(short, 32)
+    except ValueError:
+        return
+    # a cut that leaves a well-formed ready can only have dropped the ahead part whole
+    assert parsed.ahead is None and short == data[: len(short)]
+
+
+def test_malformed_ahead_parts_are_refused() -> None:
+    good = Ahead(b"\x07" * 32, frozenset({b"\x01" * 8}), {1: Blob(b"\x02" * 8, b"x")}).to_bytes()
+    for bad in (
+        good + b"\x00",  # trailing bytes
+        good[:40],  # cut in the held list
+        b"\x07" * 32 + bytes([RETAINED + 1]) + b"\x01" * 8 * (RETAINED + 1) + b"\x00\x00",
+        b"\x07" * 32 + b"\x02" + b"\x01" * 16 + b"\x00\x00",  # one key listed twice
+        b"\x07" * 32 + b"\x00" + b"\x00\x02" + (b"\x00\x01" + b"\x02" * 8 + b"\x00\x00") * 2,
+    ):
+        with pytest.raises(ValueError):
+            Ahead.from_bytes(bad)
+
+
+# -- the keys -------------------------------------------------------------------------------
+
+
+def test_a_node_keeps_its_last_keys_only_and_opens_with_those_it_held_before() -> None:
+    keys = AheadKeys()
+    published: list[bytes] = []
+    for i in range(RETAINED + 3):
+        public, held = keys.rotate(bytes([i]) * 32)
+        # what a ready of this round may open: the keys held before this one
+        assert set(held) == {key_id(p) for p in published[-RETAINED:]}
+        published.append(public)
+    # the oldest beyond RETAINED are gone: a share sealed to one of them does not open
+    assert keys.held_ids() == {key_id(p) for p in published[-RETAINED:]}
+    assert key_id(published[0]) not in keys.held_ids()
+    assert all(len(k) == KEY_ID_BYTES for k in keys.held_ids())
+
+
+def test_a_peer_key_that_is_not_usable_is_not_kept() -> None:
+    keys = AheadKeys()
+    assert not keys.learn("b", bytes(32))  # the all-zero point: low order
+    assert not keys.learn("b", b"\x09" * 31)
+    good = generate_keypair(b"\x05" * 32).public
+    assert keys.learn("b", good)
+    assert keys.known(["a", "b"]) == {"b": good}
+
+
+# -- the peer's side ----------------------------------------------------------------------
+
+
+def _peers(n: int, round: int = 1) -> dict[str, SecAggPeer]:
+    orgs = [f"o{i}" for i in range(n)]
+    signers, verify = _ed25519_identities(orgs, seed=3)
+    config = ProtocolConfig(
+        ctx=RoundContext("fed", "run", round),
+        participants=tuple(orgs),
+        threshold=n // 2 + 1,
+        vector_length=4,
+    )
+    peers = {o: SecAggPeer(config, o, signers[o], verify) for o in orgs}
+    adverts = {o: p.advertise_keys() for o, p in peers.items()}
+    for o, p in peers.items():
+        for other, msg in adverts.items():
+            if other != o:
+                p.receive_advertise(msg, authenticated=True)
+    return peers
+
+
+def test_shares_sealed_ahead_and_by_the_exchange_are_one_sharing() -> None:
+    peers = _peers(5)
+    ahead = {o: generate_keypair(bytes([i + 1]) * 32) for i, o in enumerate(peers)}
+    sender = peers["o0"]
+    sealed = sender.seal_ahead({o: ahead[o].public for o in ("o1", "o2")})
+    assert set(sealed) == {"o1", "o2"}
+    for o in ("o1", "o2"):
+        peers[o].open_ahead("o0", sealed[o], ahead[o].private)
+    sender.close_advertise()
+    by_exchange = sender.share_keys(only=["o3", "o4"])
+    assert set(by_exchange) == {"o3", "o4"}
+    for o in ("o3", "o4"):
+        peers[o].close_advertise()
+        peers[o].receive_shares(by_exchange[o], authenticated=True)
+    # any t of the shares, from either path, give back the one secret
+    held = [peers[o]._held["o0"][0] for o in ("o1", "o3", "o4")]
+    assert shamir.combine(held, 3, len(sender._own().b)) == sender._own().b
+
+
+def test_shares_sealed_ahead_open_only_for_their_round_pair_and_key() -> None:
+    peers, later = _peers(3, round=1), _peers(3, round=2)
+    key, other = generate_keypair(b"\x01" * 32), generate_keypair(b"\x02" * 32)
+    blob = peers["o0"].seal_ahead({"o1": key.public})["o1"]
+    with pytest.raises(InvalidShare):
+        peers["o1"].open_ahead("o0", blob, other.private)  # another key
+    with pytest.raises(InvalidShare):
+        peers["o2"].open_ahead("o0", blob, key.private)  # another recipient
+    with pytest.raises(InvalidShare):
+        later["o1"].open_ahead("o0", blob, key.private)  # another round
+    assert "o0" not in peers["o1"]._held
+    peers["o1"].open_ahead("o0", blob, key.private)
+    with pytest.raises(DuplicateMessage):
+        peers["o1"].open_ahead("o0", blob, key.private)
+    with pytest.raises(UnknownSender):
+        peers["o1"].open_ahead("o9", blob, key.private)
+
+
+def test_a_blob_sealed_ahead_is_no_share_message_of_round_one() -> None:
+    """The two paths seal under different associated data: a blob sealed ahead, replayed
+    as a round-1 ciphertext to the same key, does not open."""
+    peers = _peers(3)
+    c_key = peers["o1"]._own().c
+    blob = peers["o0"].seal_ahead({"o1": c_key.public})["o1"]
+    peers["o0"].close_advertise()
+    msg = peers["o0"].share_keys(only=["o1"])["o1"]
+    forged = dataclasses.replace(msg, ciphertext=blob)
+    peers["o1"].close_advertise()
+    with pytest.raises(InvalidShare):
+        peers["o1"].receive_shares(forged, authenticated=True)
+
+
+# -- rounds -------------------------------------------------------------------------------
+
+
+def _check(out: RoundOutcome) -> None:
+    assert out.problems() == []
+    for res in out.results.values():
+        assert (res.sum == out.expected(res.survivors)).all()
+
+
+def _share_messages(out: RoundOutcome) -> int:
+    return sum(c["round.share"] + c["round.share.reply"] for c in out.signed.values())
+
+
+def test_from_the_second_round_on_the_shares_ride_with_the_readies() -> None:
+    n = 6
+
+    async def scenario() -> list[RoundOutcome]:
+        async with Simulation(SimConfig(peers=n, length=64, seed=5, round_config=FAST)) as sim:
+            return [await sim.round(r) for r in (1, 2, 3)]
+
+    first, *later = asyncio.run(scenario())
+    for out in (first, *later):
+        _check(out)
+        assert len(out.results) == n
+    # a first round knows no keys: the shares go by one request per pair
+    assert _share_messages(first) == n * (n - 1)
+    # then no share message at all, and n (n - 1) / 2 fewer signed messages per round
+    for out in later:
+        assert _share_messages(out) == 0
+        assert out.results.keys() == first.results.keys()
+    sent = [sum(r.messages_sent for r in out.results.values()) for out in (first, *later)]
+    assert sent[1] <= sent[0] - n * (n - 1) // 2 + n
+
+
+def test_a_node_that_lost_its_keys_gets_and_sends_its_shares_by_the_exchange() -> None:
+    """A restart loses the keys (they live in memory only): the restarted node lists
+    none, its pairs take the share exchange, the others keep riding, the sum is exact."""
+    n = 5
+
+    async def scenario() -> RoundOutcome:
+        async with Simulation(SimConfig(peers=n, length=64, seed=6, round_config=FAST)) as sim:
+            _check(await sim.round(1))
+            sim.engines["org-2"].ahead_keys._own.clear()  # what a restart loses
+            return await sim.round(2)
+
+    out = asyncio.run(scenario())
+    _check(out)
+    assert len(out.results) == n
+    by_org = {o: c["round.share"] + c["round.share.reply"] for o, c in out.signed.items()}
+    # one request (or reply) each way for each of org-2's four pairs, nothing else
+    assert by_org["org-2"] == n - 1
+    assert sum(by_org.values()) == 2 * (n - 1)
+
+
+def test_a_garbled_share_sealed_ahead_costs_its_sender_its_place_never_the_sum(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """org-1 seals org-3's shares wrongly in round 2: org-3 cannot open them and asks by
+    the exchange; org-1 believes the pair done and sends nothing, so org-3 proposes no
+    org-1 and the participants are agreed without it. The sum is the others', exact."""
+    n = 5
+    seal = SecAggPeer.seal_ahead
+
+    def garbled(self: SecAggPeer, keys: dict[str, bytes]) -> dict[str, bytes]:
+        sealed = seal(self, keys)
+        if self.me == "org-1" and self.config.ctx.round == 2 and "org-3" in sealed:
+            blob = bytearray(sealed["org-3"])
+            blob[-1] ^= 1
+            sealed["org-3"] = bytes(blob)
+        return sealed
+
+    monkeypatch.setattr(SecAggPeer, "seal_ahead", garbled)
+
+    async def scenario() -> RoundOutcome:
+        async with Simulation(SimConfig(peers=n, length=64, seed=8, round_config=FAST)) as sim:
+            _check(await sim.round(1))
+            return await sim.round(2)
+
+    out = asyncio.run(scenario())
+    _check(out)
+    assert out.completed
+    survivors = {frozenset(r.survivors) for r in out.results.values()}
+    assert len(survivors) == 1
+    (agreed,) = survivors
+    assert "org-1" not in agreed and len(agreed) == n - 1
+    assert np.array_equal(
+        out.results["org-0"].sum, out.expected(agreed)
+    )  # the sum of exactly the agreed participants
+
+
+# -- the participants' decision -------------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.dictionaries(
+        st.sampled_from([f"o{i}" for i in range(7)]),
+        st.frozensets(st.sampled_from([f"o{i}" for i in range(7)])),
+        min_size=1,
+    )
+)
+def test_the_participants_decided_hold_each_other_and_are_the_same_on_every_node(
+    proposals: dict[str, frozenset[str]],
+) -> None:
+    entries = tuple((o, p | {o}, True) for o, p in proposals.items())
+    members, ok = Token(1, "ready", bytes(32), "o0", entries).decision()
+    shuffled, _ = Token(1, "ready", bytes(32), "o0", tuple(reversed(entries))).decision()
+    assert ok and members == shuffled
+    # every member decided proposed the whole decision: each holds the others' shares
+    mine = {o: p for o, p, _ in entries}
+    assert all(o in mine and members <= mine[o] for o in members)
+    # never fewer than the intersection of the proposals
+    assert len(members) >= len(frozenset(mine).intersection(*mine.values()))
+
+
+def test_one_member_in_conflict_with_all_is_left_out_rather_than_those_it_proposes_without() -> (
+    None
+):
+    everyone = frozenset(f"o{i}" for i in range(6))
+    proposals = {o: everyone - {"o2"} for o in everyone - {"o2"}}
+    proposals["o2"] = everyone - {"o4", "o5"}  # it could not exchange shares with these
+    assert mutual_set(proposals) == everyone - {"o2"}
+    entries = tuple((o, p, True) for o, p in sorted(proposals.items()))
+    assert Token(1, "ready", bytes(32), "o0", entries).decision() == (everyone - {"o2"}, True)
+    # a ring attempt's outcome keeps the plain intersection
+    assert Token(1, "scatter:0", bytes(32), "o0", entries).decision()[0] == everyone - {
+        "o2",
+        "o4",
+        "o5",
+    }
