@@ -51,6 +51,7 @@ class StageContext:
     k: int | None = None
     maybe_session: MaskedSum | None = None
     ready_set: frozenset[str] = frozenset()
+    closed_without_me: set[str] = field(default_factory=set)  # refused this ready as stale
     # ready, with shares sealed ahead (rounds.ahead): the keys this node held when it
     # made its ready (id -> private half), the key id it sealed each holder's shares
     # to, the orgs whose shares it opened, and the holders whose shares and this

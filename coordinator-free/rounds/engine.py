@@ -19,8 +19,10 @@ compares the next model's digest with the participants'
 (:mod:`~coordinator_free.rounds.model_hash`).
 
 The cost per node is about ``(n - 1) / 2`` small signed requests (and as many
-replies) for each of the ready and share stages (the pairwise shares of Bonawitz et
-al. make ``O(n)`` inherent; from ``RoundConfig.ready_relay_from`` members on the
+replies) for the ready stage, whose readies carry each org's shares sealed a round
+ahead (:mod:`~coordinator_free.rounds.ahead`; the share stage's requests go only to
+the pairs whose shares could not ride, every pair in a first round; the pairwise
+shares of Bonawitz et al. make ``O(n)`` bytes inherent; from ``RoundConfig.ready_relay_from`` members on the
 readies are relayed in ``ceil(log2 n)`` requests, :mod:`~coordinator_free.rounds.ready_relay`), ``ceil(log2 n)`` for the seeds (or ``(n - 1) / 2`` for the
 releases), plus about ``2 (n - 1) / n`` times the vector along the ring. Above
 ``RoundConfig.secagg_plus_above`` members the masked sum runs as SecAgg+ (Bell et al.,

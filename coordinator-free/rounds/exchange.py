@@ -161,10 +161,11 @@ class PairwiseExchange:
         payload: bytes | Mapping[str, bytes] | None = None,
         *,
         unwrap: Unwrap | None = whole,
+        on_refused: Callable[[str, Refused], None] | None = None,
     ) -> set[str]:
         """Send this node's message (or ``payload``) to ``peers``; each reply that
-        ``unwrap`` makes a message is filed as that peer's. Returns the peers that
-        failed to take it."""
+        ``unwrap`` makes a message is filed as that peer's, each refusal goes to
+        ``on_refused``. Returns the peers that failed to take it."""
         state = self.state
         message = self.own if payload is None else payload
         assert message is not None, "offer the message before sending it"
@@ -183,4 +184,5 @@ class PairwiseExchange:
             round=state.round,
             stage=stage,
             on_reply=take if unwrap is not None else None,
+            on_refused=on_refused,
         )

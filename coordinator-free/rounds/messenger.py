@@ -146,10 +146,11 @@ class Messenger:
         stage: str,
         timeout: float | None = None,
         on_reply: Callable[[str, bytes], None] | None = None,
+        on_refused: Callable[[str, Refused], None] | None = None,
     ) -> set[str]:
         """Send to every peer at once (``payload``: one for all, or one per peer); return
         the peers that failed to take it. ``on_reply(peer, data)`` gets each non-empty
-        reply."""
+        reply, ``on_refused(peer, error)`` each refusal."""
         failed: set[str] = set()
 
         async def one(peer: str) -> None:
@@ -163,6 +164,8 @@ class Messenger:
             except TransportError as exc:
                 logger.info("%s: %s to %s failed: %s", self.org_id, kind, peer, exc)
                 failed.add(peer)
+                if on_refused is not None and isinstance(exc, Refused):
+                    on_refused(peer, exc)
                 self.observe(
                     refusal_kind(exc) if isinstance(exc, Refused) else "unreachable",
                     run,

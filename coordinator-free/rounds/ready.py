@@ -34,6 +34,7 @@ import logging
 import os
 from collections.abc import Callable, Iterable
 
+from coordinator_free.errors import RefusalReason, Refused
 from coordinator_free.rounds.ahead import Ahead, AheadKeys, Blob, Ready, key_id
 from coordinator_free.rounds.config import patience
 from coordinator_free.rounds.context import StageContext
@@ -198,6 +199,13 @@ class ReadyStage:
         if ctx.config.attempts_per_round is not None:
             widen_at = loop.time() + patience(ctx.config)
         tries = 0
+
+        def closed(peer: str, error: Refused) -> None:
+            # a member that refused this node's ready as stale closed the round
+            # without it: its ready, filed before, makes no participant of it here
+            if error.reason is RefusalReason.STALE:
+                ctx.closed_without_me.add(peer)
+
         while True:
             now = loop.time()
             if widen_at is not None and now >= widen_at:
@@ -211,7 +219,9 @@ class ReadyStage:
                     for org in sorted(pending):
                         ctx.observe("retry", "ready", peer=org, detail="ready re-sent")
                 tries += 1
-                pending = await exchange.send(ctx.net, ctx.counters, pending, KIND_READY, "ready")
+                pending = await exchange.send(
+                    ctx.net, ctx.counters, pending, KIND_READY, "ready", on_refused=closed
+                )
                 next_send = loop.time() + retry_s
             self._check_superseded(ctx)
             if wait_is_over(ctx) or loop.time() >= ready_end:
@@ -236,6 +246,9 @@ class ReadyStage:
         ready_set = {ctx.me}
         for org, payload in sorted(readies.items()):
             if org == ctx.me:
+                continue
+            if org in ctx.closed_without_me:
+                ctx.observe("missing", "ready", peer=org, detail="it closed the round without us")
                 continue
             try:
                 ready = Ready.from_bytes(payload, HASH_BYTES)

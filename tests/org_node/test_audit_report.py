@@ -147,7 +147,7 @@ def test_traffic_is_the_run_segment_per_peer_class_and_round(
     assert {p["peer"]: p["bytes"] for p in traffic["per_peer"]} == sent
     assert traffic["total"]["messages"] == 10
     rounds = {(r["round"], r["class"]): r["messages"] for r in traffic["per_round"]}
-    assert rounds[(1, "masked_vector_chunk")] == 2 and rounds[(2, "public_key")] == 2
+    assert rounds[(1, "masked_vector_chunk")] == 2 and rounds[(2, "encrypted_share")] == 2
     assert rounds[(None, "membership")] == 2  # the run-less pings in the window
     assert traffic["forbidden_messages"] == 0
 
