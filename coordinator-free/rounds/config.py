@@ -59,13 +59,16 @@ class RoundConfig:
         round's graph (:mod:`secure_agg.graph`), so the share stage costs ``O(n k)``
         messages instead of ``O(n^2)`` and masking and unmasking ``O(k)`` work per
         secret; ``None`` always uses the complete graph of Bonawitz et al.
-    shares_ahead: every ready advertises a key for a later round, and each org's
-        shares ride with its next ready, sealed to the keys its holders advertised
-        (:mod:`~coordinator_free.rounds.ahead`): the share exchange runs only for the
-        pairs where that did not work (a first round, a restarted node), and the
-        participants ``U1`` are always agreed by the token. ``False``: the shares
-        travel in the share exchange after the readies (Bonawitz et al.'s round 1).
-        Every member of a federation must use the same setting.
+    shares_ahead_from: with at least this many members, every ready advertises a key
+        for a later round, and each org's shares ride with its next ready, sealed to
+        the keys its holders advertised (:mod:`~coordinator_free.rounds.ahead`): the
+        share exchange runs only for the pairs where that did not work (a first
+        round, a restarted node), and the participants ``U1`` are agreed by the token.
+        The default starts where SecAgg+ does, since ``U1`` goes by the token there
+        anyway: below it, the shares in the share exchange carry each node's view
+        hash and settle ``U1`` at no message, where the token would add ``n`` hops one
+        after another. ``None``: never. Every member of a federation must use the
+        same setting.
     """
 
     ready_timeout: float = 5.0
@@ -84,7 +87,7 @@ class RoundConfig:
     ready_relay_from: int | None = 32
     attempts_per_round: int | None = None
     max_open_rounds: int | None = None
-    shares_ahead: bool = True
+    shares_ahead_from: int | None = 33
 
     def __post_init__(self) -> None:
         for name in (
@@ -129,16 +132,17 @@ class RoundConfig:
                 "RoundConfig.attempts_per_round must be None or a positive int, "
                 f"got {self.attempts_per_round!r}"
             )
-        for name in ("secagg_plus_above", "owner_unmask_from", "ready_relay_from"):
+        for name in (
+            "secagg_plus_above",
+            "owner_unmask_from",
+            "ready_relay_from",
+            "shares_ahead_from",
+        ):
             value = getattr(self, name)
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, int) or value < 3
             ):
                 raise ValueError(f"RoundConfig.{name} must be None or an int >= 3, got {value!r}")
-        if not isinstance(self.shares_ahead, bool):
-            raise ValueError(
-                f"RoundConfig.shares_ahead must be true or false, got {self.shares_ahead!r}"
-            )
         if self.topology not in ("ring", "star"):
             raise ValueError(
                 f"RoundConfig.topology must be 'ring' or 'star', got {self.topology!r}"
@@ -189,6 +193,10 @@ class RoundConfig:
         if k is None:
             return self.threshold_for(n_members)
         return k // 2 + 1
+
+    def seals_ahead(self, n_members: int) -> bool:
+        """Whether a round of ``n_members`` seals its shares ahead (``shares_ahead_from``)."""
+        return self.shares_ahead_from is not None and n_members >= self.shares_ahead_from
 
     def relays_readies(self, n_members: int) -> bool:
         """Whether a round of ``n_members`` relays its readies (``ready_relay_from``)."""

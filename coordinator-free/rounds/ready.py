@@ -18,7 +18,7 @@ members whose record did not come through, and to those whose ready came before 
 node had its own. The ready set is the same either way: the readies seen by the
 deadline.
 
-With ``RoundConfig.shares_ahead`` each ready also carries the ahead part
+From ``RoundConfig.shares_ahead_from`` members on, each ready also carries the ahead part
 (:mod:`~coordinator_free.rounds.ahead`): a key for a later round, the keys this org
 still holds, and its shares sealed to the keys its holders advertised before. The
 node opens the shares sealed for it as it takes the readies, and notes the holders
@@ -160,7 +160,7 @@ class ReadyStage:
         for a later round, the keys it holds, and its shares for each holder whose key
         it knows, sealed to that key."""
         advert = ctx.session.advertise()
-        if self.ahead is None or not ctx.config.shares_ahead:
+        if self.ahead is None or not ctx.config.seals_ahead(len(ctx.u0)):
             return Ready(h0, advert).to_bytes()
         next_pk, ctx.ahead_keys = self.ahead.rotate(os.urandom(32))
         known = self.ahead.known(ctx.session.holders(frozenset(ctx.u0)))

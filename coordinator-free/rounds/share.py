@@ -18,7 +18,7 @@ it (their masks would not cancel). ``U1`` is the ring's members, and each node m
 with exactly its holders in ``U1``: a node that lacks the shares of one of them fails
 its round rather than mask with a set the others cannot know.
 
-With ``RoundConfig.shares_ahead`` the shares of most pairs rode with the readies
+From ``RoundConfig.shares_ahead_from`` members on, the shares of most pairs rode with the readies
 (:mod:`~coordinator_free.rounds.ahead`): the exchange runs only with the holders of
 the others (``StageContext.ahead_done`` left out; none at all in a steady federation),
 and the shares carry no view hash to compare, so ``U1`` is agreed by the token.
@@ -101,7 +101,7 @@ class ShareStage:
         # undirected): every other ready org, or only the SecAgg+ neighbours
         ctx.holders = ctx.session.holders(view1)
         ctx.sparse = ctx.holders != view1 - {me}
-        ctx.by_token = ctx.sparse or ctx.config.shares_ahead
+        ctx.by_token = ctx.sparse or ctx.config.seals_ahead(len(ctx.u0))
         try:
             outgoing = ctx.session.share_keys(view1, only=ctx.holders - ctx.ahead_done)
             work = ctx.session.premask()

@@ -28,7 +28,7 @@ pairwise exchanges answer a peer's message with the responder's own of the same 
 (``control``).
 
 A ready (``round.ready``, and the relayed records of ``round.readies``) carries the
-org's public keys and its Shamir shares sealed a round ahead to its holders
+org's public keys and, from 33 members on, its Shamir shares sealed a round ahead
 (``coordinator_free.rounds.ahead``), so it is classed by the more sensitive of the
 two, ``encrypted_share``. Logs written before the shares rode with the readies class
 it ``public_key``; :data:`FORMER_CLASSES` lists that, and verification accepts it.

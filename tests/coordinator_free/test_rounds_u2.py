@@ -62,7 +62,7 @@ def _run(
     n: int, reached: frozenset[str], silent: str, *, ahead: bool = True
 ) -> tuple[RoundOutcome, RoundOutcome]:
     dropper = names(n)[-1]
-    round_config = dataclasses.replace(QUICK, shares_ahead=ahead)
+    round_config = dataclasses.replace(QUICK, shares_ahead_from=3 if ahead else None)
     config = SimConfig(peers=n, length=64, seed=4, round_config=round_config)
     faults = [FaultSpec(silent, Fault.KILL, "unmask", round=1)]
 
@@ -79,7 +79,7 @@ def _run(
 def test_finding_4_a_partial_share_send_and_a_silent_holder_never_give_a_wrong_sum(
     n: int, reach: str, ahead: bool
 ) -> None:
-    """With ``shares_ahead`` (``token``) the participants are agreed by the token, which
+    """With the shares sealed ahead (``token``) the participants are agreed by the token, which
     every live member joins; without (``views``) the members whose shares all came with
     their own view hash settle at no message and the others by views."""
     orgs = names(n)

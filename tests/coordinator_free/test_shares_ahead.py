@@ -18,7 +18,7 @@ from coordinator_free.rounds.ahead import (
     key_id,
 )
 from coordinator_free.rounds.wire import Token, mutual_set
-from coordinator_free.sim import RoundOutcome, SimConfig, Simulation
+from coordinator_free.sim import Fault, FaultSpec, RoundOutcome, SimConfig, Simulation
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -28,8 +28,14 @@ from secure_agg.protocol import InvalidShare, ProtocolConfig, SecAggPeer
 from secure_agg.protocol.errors import DuplicateMessage, UnknownSender
 from secure_agg.protocol.simulate import _ed25519_identities
 
+# the shares sealed ahead from three members on (the default starts with SecAgg+)
 FAST = RoundConfig(
-    ready_timeout=0.6, stage_timeout=4.0, step_timeout=2.0, send_timeout=4.0, ring_min_chunk=1
+    ready_timeout=0.6,
+    stage_timeout=4.0,
+    step_timeout=2.0,
+    send_timeout=4.0,
+    ring_min_chunk=1,
+    shares_ahead_from=3,
 )
 
 # -- the ready's bytes ---------------------------------------------------------------------
@@ -340,3 +346,24 @@ def test_one_member_in_conflict_with_all_is_left_out_rather_than_those_it_propos
         "o4",
         "o5",
     }
+
+
+def test_a_member_that_equivocates_in_the_share_stage_is_left_out_and_no_one_else() -> None:
+    """org-2 sends every other member a garbage share before its real one: they hold two
+    different shares from it and propose no org-2; org-2, refused, lacks their shares
+    and proposes none of them. The token's decision leaves out org-2 alone (in
+    conflict with the most), where the plain intersection would leave out all."""
+
+    async def scenario() -> tuple[RoundOutcome, RoundOutcome]:
+        faults = [FaultSpec("org-2", Fault.GARBAGE, "share", round=1)]
+        config = SimConfig(peers=6, length=64, seed=7, round_config=FAST)
+        async with Simulation(config, faults) as sim:
+            return await sim.round(1), await sim.round(2)
+
+    out, after = asyncio.run(scenario())
+    _check(out)
+    assert set(out.results) == {"org-0", "org-1", "org-3", "org-4", "org-5"}
+    for res in out.results.values():
+        assert "org-2" not in res.survivors
+    _check(after)
+    assert len(after.results) == 6
