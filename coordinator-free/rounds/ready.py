@@ -244,6 +244,7 @@ class ReadyStage:
         takes, this node included; the others are reported."""
         readies = {o: p for o, p in ctx.state.inbox.get(READY).items() if o in ctx.u0}
         ready_set = {ctx.me}
+        mine = ctx.u0.index(ctx.me)  # the index the blobs sealed for this node carry
         for org, payload in sorted(readies.items()):
             if org == ctx.me:
                 continue
@@ -264,18 +265,18 @@ class ReadyStage:
             ):
                 ready_set.add(org)
                 if ready.ahead is not None:
-                    self._take_ahead(ctx, org, ready.ahead)
+                    self._take_ahead(ctx, org, ready.ahead, mine)
         for org in sorted(set(ctx.u0) - readies.keys() - {ctx.me}):
             ctx.observe("missing", "ready", peer=org, detail="no ready by the deadline")
         return frozenset(ready_set)
 
-    def _take_ahead(self, ctx: StageContext, org: str, ahead: Ahead) -> None:
+    def _take_ahead(self, ctx: StageContext, org: str, ahead: Ahead, mine: int) -> None:
         """Keep ``org``'s key for a later round; open the shares it sealed ahead for this
         node, with a key this node held when it made its ready. The pair needs no share
         exchange when they open and ``org`` holds the key this node sealed its own to."""
         if self.ahead is not None:
             self.ahead.learn(org, ahead.next_pk)
-        blob = ahead.blobs.get(ctx.u0.index(ctx.me))
+        blob = ahead.blobs.get(mine)
         key = None if blob is None else ctx.ahead_keys.get(blob.key)
         if blob is None or key is None:
             return

@@ -175,12 +175,13 @@ class Token:
             for _, proposal, flag in self.entries:
                 if flag:
                     return proposal, True
-        members = frozenset(org for org, _, _ in self.entries)
+        proposers = members = frozenset(org for org, _, _ in self.entries)
         ok = True
         for _, proposal, flag in self.entries:
             members &= proposal
             ok = ok and flag
-        if self.tag == "ready":
+        # a mutual set is a set of proposers: it can only be larger when some are out
+        if self.tag == "ready" and members != proposers:
             mutual = mutual_set({org: proposal for org, proposal, _ in self.entries})
             if len(mutual) > len(members):
                 members = mutual
