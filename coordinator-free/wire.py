@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import struct
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from coordinator_free.errors import RefusalReason, Refused
 
@@ -99,66 +99,110 @@ class Envelope:
         if len(self.signature) > MAX_STRING_BYTES:
             raise ValueError("Envelope.signature is too long")
 
-    def _body(self) -> bytes:
-        parts = [MAGIC, bytes([VERSION])]
-        for name in _STRING_FIELDS:
-            encoded = getattr(self, name).encode("utf-8")
-            parts.append(struct.pack(">H", len(encoded)))
-            parts.append(encoded)
-        parts.append(struct.pack(">QQd", self.round, self.seq, float(self.sent_at)))
-        parts.append(struct.pack(">Q", len(self.payload)))
-        parts.append(self.payload)
-        return b"".join(parts)
+    def _head(self) -> bytes:
+        """The encoding up to the payload's bytes (its length included); built once."""
+        head: bytes | None = self.__dict__.get("_head_cache")
+        if head is None:
+            parts = [MAGIC, bytes([VERSION])]
+            for name in _STRING_FIELDS:
+                encoded = getattr(self, name).encode("utf-8")
+                parts.append(struct.pack(">H", len(encoded)))
+                parts.append(encoded)
+            parts.append(
+                struct.pack(">QQdQ", self.round, self.seq, float(self.sent_at), len(self.payload))
+            )
+            head = b"".join(parts)
+            object.__setattr__(self, "_head_cache", head)
+        return head
 
     def signing_bytes(self) -> bytes:
-        """Canonical encoding of every field but the signature, domain-separated."""
-        return SIGNING_DOMAIN + self._body()
+        """Canonical encoding of every field but the signature, domain-separated.
+
+        An envelope read by :meth:`from_wire` takes these bytes from the wire as they
+        came (the encoding is canonical, so they equal the fields' encoding): one copy
+        of the payload, no encoding built again."""
+        wire: bytes | None = self.__dict__.get("_wire")
+        if wire is not None:
+            return b"".join((SIGNING_DOMAIN, memoryview(wire)[: self.__dict__["_body_end"]]))
+        return b"".join((SIGNING_DOMAIN, self._head(), self.payload))
 
     def to_wire(self) -> bytes:
         """Canonical binary encoding, signature included."""
-        return self._body() + struct.pack(">H", len(self.signature)) + self.signature
+        sig = self.signature
+        return b"".join((self._head(), self.payload, struct.pack(">H", len(sig)), sig))
 
     def with_signature(self, signature: bytes) -> Envelope:
-        """A copy of this envelope carrying ``signature``."""
-        return replace(self, signature=signature)
+        """A copy of this envelope carrying ``signature`` (its fields are not checked
+        again, and its encoding is not built again)."""
+        if not isinstance(signature, bytes) or len(signature) > MAX_STRING_BYTES:
+            raise ValueError("Envelope.signature must be bytes of at most 65535")
+        copy = object.__new__(Envelope)
+        copy.__dict__.update(self.__dict__)
+        copy.__dict__.pop("_wire", None)
+        object.__setattr__(copy, "signature", signature)
+        return copy
 
     @classmethod
     def from_wire(cls, data: bytes, max_size: int) -> Envelope:
         """Decode ``data``; raise :class:`Oversized` or :class:`MalformedMessage`.
 
-        The size check comes first, so an oversized message is never parsed.
+        The size check comes first, so an oversized message is never parsed. The
+        payload is the one copy made of the data; the fields parsed are those the
+        constructor would check, so they are not checked twice.
         """
         if len(data) > max_size:
             raise Oversized(f"{len(data)} bytes > limit {max_size}")
-        reader = _Reader(data)
-        if reader.take(3) != MAGIC:
+        if not isinstance(data, bytes):
+            data = bytes(data)
+        if data[:3] != MAGIC:
             raise MalformedMessage("bad magic")
-        version = reader.take(1)[0]
-        if version != VERSION:
-            raise MalformedMessage(f"unknown version {version}")
-        strings: dict[str, str] = {}
-        for name in _STRING_FIELDS:
-            raw = reader.take(reader.u16())
-            try:
-                strings[name] = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                raise MalformedMessage(f"{name} is not UTF-8") from None
-        round_, seq, sent_at = struct.unpack(">QQd", reader.take(24))
-        payload = reader.take(reader.u64())
-        signature = reader.take(reader.u16())
-        if reader.remaining:
-            raise MalformedMessage(f"{reader.remaining} trailing bytes")
+        if len(data) < 4:
+            raise MalformedMessage("truncated")
+        if data[3] != VERSION:
+            raise MalformedMessage(f"unknown version {data[3]}")
+        fields: dict[str, object] = {}
+        pos = 4
         try:
-            return cls(
-                round=round_,
-                seq=seq,
-                sent_at=sent_at,
-                payload=payload,
-                signature=signature,
-                **strings,
-            )
-        except (TypeError, ValueError) as exc:
-            raise MalformedMessage(str(exc)) from None
+            for name in _STRING_FIELDS:
+                (size,) = _U16.unpack_from(data, pos)
+                end = pos + 2 + size
+                if end > len(data):
+                    raise MalformedMessage("truncated")
+                try:
+                    fields[name] = data[pos + 2 : end].decode("utf-8")
+                except UnicodeDecodeError:
+                    raise MalformedMessage(f"{name} is not UTF-8") from None
+                pos = end
+            round_, seq, sent_at, size = _NUMBERS.unpack_from(data, pos)
+            pos += _NUMBERS.size
+            body_end = pos + size
+            if body_end + 2 > len(data):
+                raise MalformedMessage("truncated")
+            (sig_size,) = _U16.unpack_from(data, body_end)
+        except struct.error:
+            raise MalformedMessage("truncated") from None
+        if body_end + 2 + sig_size != len(data):
+            if body_end + 2 + sig_size > len(data):
+                raise MalformedMessage("truncated")
+            raise MalformedMessage(f"{len(data) - body_end - 2 - sig_size} trailing bytes")
+        if not math.isfinite(sent_at):
+            raise MalformedMessage("Envelope.sent_at must be finite")
+        fields.update(
+            round=round_,
+            seq=seq,
+            sent_at=sent_at,
+            payload=data[pos:body_end],
+            signature=data[body_end + 2 :],
+            _wire=data,
+            _body_end=body_end,
+        )
+        env = object.__new__(cls)
+        env.__dict__.update(fields)
+        return env
+
+
+_U16 = struct.Struct(">H")
+_NUMBERS = struct.Struct(">QQdQ")  # round, seq, sent_at, payload length
 
 
 class _Reader:

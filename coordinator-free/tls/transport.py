@@ -182,15 +182,18 @@ class TlsTransport:
 
     async def _read_body(self, chunks: AsyncIterator[bytes]) -> bytes:
         limit = self.config.max_message_bytes
-        body = bytearray()
-        received = 0
+        parts: list[bytes] = []
+        kept = received = 0
         async for chunk in chunks:
             received += len(chunk)
-            if len(body) <= limit:
-                body.extend(chunk[: limit + 1 - len(body)])
+            if kept <= limit:
+                piece = chunk[: limit + 1 - kept]
+                parts.append(piece)
+                kept += len(piece)
             elif received > _DRAIN_FACTOR * limit:
                 break
-        return bytes(body)
+        # the pieces joined once: one copy of the message, not two
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     async def _answer(self, chunks: AsyncIterator[bytes]) -> tuple[int, dict[str, str], bytes]:
         """Status, headers and body of the answer to the message read from ``chunks``."""
@@ -316,13 +319,15 @@ class TlsTransport:
 
     async def _read_reply(self, response: httpx.Response, peer: str) -> bytes:
         limit = self.config.max_message_bytes
-        body = bytearray()
+        parts: list[bytes] = []
+        size = 0
         async for chunk in response.aiter_raw():
-            body.extend(chunk)
-            if len(body) > limit:
+            parts.append(chunk)
+            size += len(chunk)
+            if size > limit:
                 logger.warning("%s refused a reply: %s (from %r)", self.org_id, "oversized", peer)
                 raise Refused(RefusalReason.OVERSIZED, f"reply from {peer!r} exceeds {limit} bytes")
-        return bytes(body)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     @staticmethod
     def _status_error(response: httpx.Response, peer: str) -> TransportError:
