@@ -17,6 +17,12 @@ Encoding (``to_wire``), all integers big-endian::
 encoding without the signature, so a signature can never be replayed as a signature
 over another kind of object. ``from_wire`` is total: on any input it returns an
 envelope or raises :class:`MalformedMessage` / :class:`Oversized`, nothing else.
+
+The encoding is canonical (one encoding per envelope), so a received envelope's
+``signing_bytes`` are the bytes it came in, not an encoding built again from its
+fields; a sent one's head (everything before the payload) is built once. A payload is
+copied twice on each side: into the signed bytes and the wire bytes when sent, out of
+the wire bytes and into the signed bytes when received.
 """
 
 from __future__ import annotations
