@@ -8,6 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from coordinator_free.transport import MessageGuard
 
 from bench import envelope as bench_envelope
 
@@ -20,9 +21,7 @@ def test_the_timed_round_trip_is_the_real_path_and_checks_what_came_through(
     sent()  # a second one too: a new sequence number, so no replay
     signature()
     # a payload the receiver does not get back as sent is an error, not a figure
-    monkeypatch.setattr(
-        bench_envelope.MessageGuard, "check", lambda self, data: SimpleNamespace(payload=b"y")
-    )
+    monkeypatch.setattr(MessageGuard, "check", lambda self, data: SimpleNamespace(payload=b"y"))
     with pytest.raises(RuntimeError, match="did not come through"):
         sent()
 
