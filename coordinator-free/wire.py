@@ -209,30 +209,3 @@ class Envelope:
 
 _U16 = struct.Struct(">H")
 _NUMBERS = struct.Struct(">QQdQ")  # round, seq, sent_at, payload length
-
-
-class _Reader:
-    """Bounds-checked reader over a byte string."""
-
-    def __init__(self, data: bytes) -> None:
-        self._data = memoryview(data)
-        self._pos = 0
-
-    @property
-    def remaining(self) -> int:
-        return len(self._data) - self._pos
-
-    def take(self, n: int) -> bytes:
-        if n > self.remaining:
-            raise MalformedMessage("truncated")
-        chunk = bytes(self._data[self._pos : self._pos + n])
-        self._pos += n
-        return chunk
-
-    def u16(self) -> int:
-        value: int = struct.unpack(">H", self.take(2))[0]
-        return value
-
-    def u64(self) -> int:
-        value: int = struct.unpack(">Q", self.take(8))[0]
-        return value
