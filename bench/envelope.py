@@ -26,7 +26,7 @@ from coordinator_free.identity import OrgIdentity, verify_signature
 from coordinator_free.transport import MessageGuard, SequenceCounter
 from coordinator_free.wire import Envelope
 
-from bench.common import Report, run_main
+from bench.common import Report, best_of, run_main
 
 __all__ = ["SIZES", "main", "round_trip"]
 
@@ -75,15 +75,6 @@ def round_trip(payload: bytes) -> tuple[Callable[[], None], Callable[[], None]]:
     return envelope, signature
 
 
-def _median_s(fn: Callable[[], None], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def body(report: Report) -> None:
     for label, size in SIZES:
         envelope, signature = round_trip(os.urandom(size))
@@ -91,8 +82,8 @@ def body(report: Report) -> None:
         # interleaved in blocks, so that a slow spell of the machine weighs on both
         env_s, sig_s = [], []
         for _ in range(3):
-            env_s.append(_median_s(envelope, repeats))
-            sig_s.append(_median_s(signature, repeats))
+            env_s.append(best_of(envelope, repeats, stat="median"))
+            sig_s.append(best_of(signature, repeats, stat="median"))
         report.add(
             f"envelope_vs_signature[payload={label}]",
             statistics.median(env_s),

@@ -129,7 +129,8 @@ class Envelope:
         of the payload, no encoding built again."""
         wire: bytes | None = self.__dict__.get("_wire")
         if wire is not None:
-            return b"".join((SIGNING_DOMAIN, memoryview(wire)[: self.__dict__["_body_end"]]))
+            body = memoryview(wire)[: len(wire) - 2 - len(self.signature)]
+            return b"".join((SIGNING_DOMAIN, body))
         return b"".join((SIGNING_DOMAIN, self._head(), self.payload))
 
     def to_wire(self) -> bytes:
@@ -200,7 +201,6 @@ class Envelope:
             payload=data[pos:body_end],
             signature=data[body_end + 2 :],
             _wire=data,
-            _body_end=body_end,
         )
         env = object.__new__(cls)
         env.__dict__.update(fields)
