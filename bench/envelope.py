@@ -13,6 +13,15 @@ signed, encoded, parsed and checked, against the baseline measured in the same r
 Ed25519's signature and verification of the payload's bytes alone, the floor any
 signed message pays. The ratio is what the envelope's encoding, its copies and the
 checks add (no target: a report of where a message's CPU goes).
+
+Rows ``ready_record_parse_vs_verification[blobs=24, parse=own|all]``: from 32 members
+on every node takes every member's relayed ready record (``rounds/ready_relay.py``),
+and from 33 on each record carries its author's shares sealed to its ``k`` holders (24
+at 256 members). Besides checking the author's signature, a holder reads the record
+from the relayed batch, parses the ready and decodes the advertisement: that work is
+timed against the baseline in the same run, the Ed25519 verification of the record.
+``own`` parses the ahead part for this holder's blob alone, as the node does; ``all``
+parses every blob, as it did before, for comparison.
 """
 
 from __future__ import annotations
@@ -23,12 +32,22 @@ import time
 from collections.abc import Callable, Sequence
 
 from coordinator_free.identity import OrgIdentity, verify_signature
+from coordinator_free.rounds.ahead import Ahead, Blob, Ready
+from coordinator_free.rounds.ready_relay import (
+    ReadyRecord,
+    decode_batch,
+    encode_batch,
+    record_signing_bytes,
+)
+from coordinator_free.rounds.wire import HASH_BYTES
 from coordinator_free.transport import MessageGuard, SequenceCounter
 from coordinator_free.wire import Envelope
 
 from bench.common import Report, best_of, run_main
+from secure_agg.keys import RoundContext
+from secure_agg.messages import AdvertiseKeys, Header, Stage
 
-__all__ = ["SIZES", "main", "round_trip"]
+__all__ = ["BLOBS", "SIZES", "main", "ready_record", "round_trip"]
 
 SIZES: tuple[tuple[str, int], ...] = (
     ("100B", 100),
@@ -37,6 +56,9 @@ SIZES: tuple[tuple[str, int], ...] = (
     ("4MB", 4 << 20),
 )
 """Row label and payload bytes."""
+BLOBS = 24
+"""Sealed blobs in a ready record: an org's SecAgg+ holders at 256 members."""
+_SEALED_BYTES = 160  # one holder's two shares, sealed (AES-GCM)
 
 
 def round_trip(payload: bytes) -> tuple[Callable[[], None], Callable[[], None]]:
@@ -75,22 +97,84 @@ def round_trip(payload: bytes) -> tuple[Callable[[], None], Callable[[], None]]:
     return envelope, signature
 
 
+def ready_record(
+    blobs: int = BLOBS, parse_all: bool = False
+) -> tuple[Callable[[], None], Callable[[], None]]:
+    """What one holder does with a relayed ready record besides checking its signature
+    (read it from the batch, parse the ready, decode the advertisement), and that
+    check alone (the baseline), each as a call to time."""
+    author = OrgIdentity.generate("org-a")
+    fed, run, rnd = "fed", "run-1", 7
+    header = Header(RoundContext(fed, run, rnd), Stage.ADVERTISE_KEYS, author.org_id)
+    advert = AdvertiseKeys(
+        header, c_pk=os.urandom(32), s_pk=os.urandom(32), b_commitment=os.urandom(32)
+    ).signed(author.sign)
+    holders = {7 * i: Blob(os.urandom(8), os.urandom(_SEALED_BYTES)) for i in range(blobs)}
+    ahead = Ahead(os.urandom(32), frozenset(os.urandom(8) for _ in range(8)), holders)
+    ready = Ready(os.urandom(HASH_BYTES), advert.to_bytes(), ahead).to_bytes()
+    signed = record_signing_bytes(fed, run, rnd, author.org_id, ready)
+    signature = author.sign(signed)
+    batch = encode_batch(3, [ReadyRecord.make(author.org_id, ready, signature).raw])
+    public, mine = author.public_key, 7 * (blobs // 2)
+    only = None if parse_all else mine
+
+    def parse() -> None:
+        (rec,) = decode_batch(batch)[1]
+        if record_signing_bytes(fed, run, rnd, rec.author, rec.ready) != signed:
+            raise RuntimeError("the record's signed bytes did not come through")
+        parsed = Ready.from_bytes(rec.ready, HASH_BYTES, only=only)
+        if AdvertiseKeys.from_bytes(parsed.advert) != advert or parsed.ahead is None:
+            raise RuntimeError("the record's ready did not come through")
+        if parsed.ahead.blobs.get(mine) != holders[mine]:
+            raise RuntimeError("the holder's blob did not come through")
+
+    def verification() -> None:
+        if not verify_signature(public, signed, signature):
+            raise RuntimeError("the record's signature did not verify")
+
+    return parse, verification
+
+
+def _interleaved(
+    report: Report,
+    name: str,
+    timed: Callable[[], None],
+    base: Callable[[], None],
+    repeats: int,
+    note: str,
+) -> None:
+    # interleaved in blocks, so that a slow spell of the machine weighs on both
+    timed_s, base_s = [], []
+    for _ in range(3):
+        timed_s.append(best_of(timed, repeats, stat="median"))
+        base_s.append(best_of(base, repeats, stat="median"))
+    report.add(name, statistics.median(timed_s), "s", statistics.median(base_s), note=note)
+
+
 def body(report: Report) -> None:
     for label, size in SIZES:
         envelope, signature = round_trip(os.urandom(size))
         repeats = max(9, (2000 if report.quick else 20000) // max(1, size >> 10))
-        # interleaved in blocks, so that a slow spell of the machine weighs on both
-        env_s, sig_s = [], []
-        for _ in range(3):
-            env_s.append(best_of(envelope, repeats, stat="median"))
-            sig_s.append(best_of(signature, repeats, stat="median"))
-        report.add(
+        _interleaved(
+            report,
             f"envelope_vs_signature[payload={label}]",
-            statistics.median(env_s),
-            "s",
-            statistics.median(sig_s),
-            note=f"median of {repeats} round trips, three blocks; baseline: Ed25519 "
+            envelope,
+            signature,
+            repeats,
+            f"median of {repeats} round trips, three blocks; baseline: Ed25519 "
             "sign and verify of the payload alone",
+        )
+    repeats = 2000 if report.quick else 20000
+    for parse in ("own", "all"):
+        parsed, verification = ready_record(BLOBS, parse_all=parse == "all")
+        _interleaved(
+            report,
+            f"ready_record_parse_vs_verification[blobs={BLOBS}, parse={parse}]",
+            parsed,
+            verification,
+            repeats,
+            f"median of {repeats} records, three blocks; baseline: Ed25519 "
+            "verification of the record alone",
         )
 
 

@@ -133,7 +133,14 @@ class _Reader:
         return self.take(self.u32(what), what)
 
     def text(self, what: str) -> str:
-        raw = self.blob16(what)
+        # blob16 inline: every message's header reads three of these
+        data, pos = self._data, self._pos
+        if pos + 2 > len(data):
+            raise MalformedMessage(f"truncated message: {what} needs 2 bytes")
+        stop = pos + 2 + ((data[pos] << 8) | data[pos + 1])
+        if stop > len(data):
+            raise MalformedMessage(f"truncated message: {what} needs {stop - pos - 2} bytes")
+        raw, self._pos = data[pos + 2 : stop], stop
         try:
             s = raw.decode("utf-8")
         except UnicodeDecodeError:

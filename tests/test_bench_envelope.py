@@ -8,6 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from coordinator_free.rounds.ahead import Ahead
 from coordinator_free.transport import MessageGuard
 
 from bench import envelope as bench_envelope
@@ -26,6 +27,21 @@ def test_the_timed_round_trip_is_the_real_path_and_checks_what_came_through(
         sent()
 
 
+@pytest.mark.parametrize("parse_all", [False, True])
+def test_the_timed_ready_record_is_read_as_a_holder_reads_it(
+    parse_all: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    parse, verification = bench_envelope.ready_record(6, parse_all=parse_all)
+    parse()  # the holder's blob, the advertisement and the signed bytes come through
+    verification()
+    # a parse that loses the holder's blob is an error, not a figure
+    monkeypatch.setattr(
+        Ahead, "from_bytes", classmethod(lambda cls, data, only=None: Ahead(data[:32]))
+    )
+    with pytest.raises(RuntimeError, match="blob did not come through"):
+        parse()
+
+
 def test_quick_mode_writes_one_row_per_payload_size(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -36,5 +52,7 @@ def test_quick_mode_writes_one_row_per_payload_size(
     assert set(rows) == {
         "envelope_vs_signature[payload=100B]",
         "envelope_vs_signature[payload=4KB]",
+        "ready_record_parse_vs_verification[blobs=24, parse=own]",
+        "ready_record_parse_vs_verification[blobs=24, parse=all]",
     }
     assert all(r["value"] > 0 and r["baseline"] > 0 and r["ratio"] > 0 for r in rows.values())

@@ -76,31 +76,42 @@ class Ahead:
         return b"".join(parts)
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> Ahead:
-        """Parse; ``ValueError`` on anything malformed."""
-        view = memoryview(data)
-        if len(view) < PUBLIC_BYTES + 3:
+    def from_bytes(cls, data: bytes, only: int | None = None) -> Ahead:
+        """Parse; ``ValueError`` on anything malformed. ``only``: keep the blob of that
+        holder alone (what one holder reads of a peer's ready): every blob's header is
+        still checked, but no other ciphertext is copied."""
+        if len(data) < PUBLIC_BYTES + 3:
             raise ValueError("ahead part too short")
-        next_pk, pos = bytes(view[:PUBLIC_BYTES]), PUBLIC_BYTES
-        count, pos = view[pos], pos + 1
+        count, pos = data[PUBLIC_BYTES], PUBLIC_BYTES + 1
         end = pos + count * KEY_ID_BYTES
-        held = [bytes(view[i : i + KEY_ID_BYTES]) for i in range(pos, end, KEY_ID_BYTES)]
-        if count > RETAINED or end + 2 > len(view) or len(set(held)) != count:
+        held = frozenset(data[i : i + KEY_ID_BYTES] for i in range(pos, end, KEY_ID_BYTES))
+        if count > RETAINED or end + 2 > len(data) or len(held) != count:
             raise ValueError("ahead part: bad list of held keys")
-        (n_blobs,), pos = struct.unpack_from(">H", view, end), end + 2
-        blobs: dict[int, Blob] = {}
-        for _ in range(n_blobs):
-            if pos + _BLOB.size > len(view):
-                raise ValueError("ahead part: truncated blob")
-            index, key, size = _BLOB.unpack_from(view, pos)
-            pos += _BLOB.size
-            if index in blobs or size > _MAX_BLOB or pos + size > len(view):
-                raise ValueError("ahead part: bad blob")
-            blobs[index] = Blob(key, bytes(view[pos : pos + size]))
-            pos += size
-        if pos != len(view):
-            raise ValueError("ahead part: trailing bytes")
-        return cls(next_pk, frozenset(held), blobs)
+        blobs = _read_blobs(data, end, only)
+        return cls(bytes(data[:PUBLIC_BYTES]), held, blobs)
+
+
+def _read_blobs(data: bytes, pos: int, only: int | None) -> dict[int, Blob]:
+    """The blobs from ``pos`` (their count first) to the end of ``data``, in strictly
+    rising holder order as :meth:`Ahead.to_bytes` writes them; with ``only``, that
+    holder's blob alone."""
+    (n_blobs,), pos = struct.unpack_from(">H", data, pos), pos + 2
+    unpack, header, total = _BLOB.unpack_from, _BLOB.size, len(data)
+    blobs: dict[int, Blob] = {}
+    last = -1
+    for _ in range(n_blobs):
+        if pos + header > total:
+            raise ValueError("ahead part: truncated blob")
+        index, key, size = unpack(data, pos)
+        pos += header
+        if index <= last or size > _MAX_BLOB or pos + size > total:
+            raise ValueError("ahead part: bad blob (out of order, too long or cut)")
+        if only is None or index == only:
+            blobs[index] = Blob(key, bytes(data[pos : pos + size]))
+        last, pos = index, pos + size
+    if pos != total:
+        raise ValueError("ahead part: trailing bytes")
+    return blobs
 
 
 @dataclass(frozen=True)
@@ -116,8 +127,9 @@ class Ready:
         return self.h0 + _HEAD.pack(len(self.advert)) + self.advert + tail
 
     @classmethod
-    def from_bytes(cls, data: bytes, hash_bytes: int) -> Ready:
-        """Parse; ``ValueError`` on anything malformed."""
+    def from_bytes(cls, data: bytes, hash_bytes: int, only: int | None = None) -> Ready:
+        """Parse; ``ValueError`` on anything malformed. ``only``: as for
+        :meth:`Ahead.from_bytes`, the blob of that holder alone."""
         if len(data) < hash_bytes + _HEAD.size:
             raise ValueError("ready too short")
         (size,) = _HEAD.unpack_from(data, hash_bytes)
@@ -125,7 +137,7 @@ class Ready:
         if start + size > len(data):
             raise ValueError("ready: truncated advertisement")
         rest = data[start + size :]
-        ahead = Ahead.from_bytes(rest) if rest else None
+        ahead = Ahead.from_bytes(rest, only) if rest else None
         return cls(data[:hash_bytes], data[start : start + size], ahead)
 
 

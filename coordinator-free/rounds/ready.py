@@ -252,7 +252,7 @@ class ReadyStage:
                 ctx.observe("missing", "ready", peer=org, detail="it closed the round without us")
                 continue
             try:
-                ready = Ready.from_bytes(payload, HASH_BYTES)
+                ready = Ready.from_bytes(payload, HASH_BYTES, only=mine)
             except ValueError as exc:
                 ctx.observe("mismatch", "ready", peer=org, detail=f"malformed ready: {exc}")
                 continue

@@ -176,10 +176,11 @@ class Token:
                 if flag:
                     return proposal, True
         proposers = members = frozenset(org for org, _, _ in self.entries)
-        ok = True
-        for _, proposal, flag in self.entries:
+        ok = all(flag for _, _, flag in self.entries)
+        # most members propose the same set, which a decoded token holds once: each
+        # distinct set is intersected once, not once per member (n² at n members)
+        for proposal in {id(p): p for _, p, _ in self.entries}.values():
             members &= proposal
-            ok = ok and flag
         # a mutual set is a set of proposers: it can only be larger when some are out
         if self.tag == "ready" and members != proposers:
             mutual = mutual_set({org: proposal for org, proposal, _ in self.entries})

@@ -105,6 +105,44 @@ def test_a_cut_ready_is_refused_never_misread(blobs: dict[int, Blob], cut: int) 
     assert parsed.ahead is None and short == data[: len(short)]
 
 
+@settings(max_examples=80, deadline=None)
+@given(blobs=_blobs, holder=st.integers(0, 65535), cut=st.integers(0, 300))
+def test_a_holder_reads_its_own_blob_of_a_ready_and_refuses_what_the_full_parse_refuses(
+    blobs: dict[int, Blob], holder: int, cut: int
+) -> None:
+    # a node reads only its own blob of each peer's ready (``only``): the same fields,
+    # the other holders' blobs left out, and every malformed ready refused all the same
+    holder = next(iter(blobs), holder) if cut % 2 else holder
+    ahead = Ahead(b"\x07" * 32, frozenset({b"\x01" * 8}), blobs)
+    data = Ready(b"\x01" * 32, b"adv", ahead).to_bytes()
+    mine = Ready.from_bytes(data, 32, only=holder)
+    assert mine.ahead == Ahead(
+        ahead.next_pk, ahead.held, {holder: blobs[holder]} if holder in blobs else {}
+    )
+    short = data[: max(33, len(data) - cut)]
+    for only in (None, holder):
+        try:
+            parsed = Ready.from_bytes(short, 32, only=only)
+        except ValueError:
+            refused = True
+        else:
+            refused = False
+            assert parsed.h0 == data[:32]
+        if only is None:
+            full_refused = refused
+    assert refused == full_refused
+
+
+def test_blobs_out_of_holder_order_are_refused() -> None:
+    one = b"\x00\x05" + b"\x02" * 8 + b"\x00\x01x"
+    two = b"\x00\x03" + b"\x02" * 8 + b"\x00\x01y"
+    head = b"\x07" * 32 + b"\x00" + b"\x00\x02"
+    assert Ahead.from_bytes(head + two + one).blobs.keys() == {3, 5}
+    for only in (None, 3, 5):
+        with pytest.raises(ValueError, match="out of order"):
+            Ahead.from_bytes(head + one + two, only)
+
+
 def test_malformed_ahead_parts_are_refused() -> None:
     good = Ahead(b"\x07" * 32, frozenset({b"\x01" * 8}), {1: Blob(b"\x02" * 8, b"x")}).to_bytes()
     for bad in (
@@ -329,6 +367,32 @@ def test_the_participants_decided_hold_each_other_and_are_the_same_on_every_node
     assert all(o in mine and members <= mine[o] for o in members)
     # never fewer than the intersection of the proposals
     assert len(members) >= len(frozenset(mine).intersection(*mine.values()))
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.frozensets(st.sampled_from([f"o{i}" for i in range(6)])), st.booleans()),
+        min_size=1,
+        max_size=6,
+    ),
+    st.sampled_from(["ready", "scatter:0"]),
+)
+def test_a_decoded_token_decides_as_the_token_it_was_encoded_from(
+    picks: list[tuple[frozenset[str], bool]], tag: str
+) -> None:
+    # a decoded token holds each distinct proposal once and intersects it once: the
+    # decision is the one every entry's own proposal gives
+    entries = tuple((f"o{i}", proposal, flag) for i, (proposal, flag) in enumerate(picks))
+    token = Token(1, tag, bytes(32), "o0", entries)
+    members = frozenset(o for o, _, _ in entries).intersection(*(p for _, p, _ in entries))
+    decided, ok = Token.from_bytes(token.to_bytes()).decision()
+    assert (decided, ok) == token.decision()
+    assert ok == all(flag for _, _, flag in entries)
+    if tag == "ready":  # the larger of the intersection and a mutual set
+        assert len(decided) >= len(members)
+    else:
+        assert decided == members
 
 
 def test_one_member_in_conflict_with_all_is_left_out_rather_than_those_it_proposes_without() -> (
