@@ -49,6 +49,7 @@ class Inbox:
         self.owner = owner
         self.limits = limits or InboxLimits()
         self._held: Counter[str] = Counter()
+        self._total = 0  # the sum of ``_held``, kept as it grows (not summed per message)
         self._items: dict[tuple[str, ...], dict[str, bytes]] = {}
         self._events: dict[tuple[str, ...], asyncio.Event] = {}
         # what the round waits for now: an inbox key and whose message under it
@@ -63,7 +64,7 @@ class Inbox:
 
     def held(self, sender: str | None = None) -> int:
         """The bytes kept from ``sender`` (from every peer when ``None``)."""
-        return self._held.total() if sender is None else self._held[sender]
+        return self._total if sender is None else self._held[sender]
 
     def put(self, key: tuple[str, ...], sender: str, payload: bytes) -> bool:
         """File ``payload``; ``False`` when ``sender`` filed under ``key`` already.
@@ -83,12 +84,13 @@ class Inbox:
                     f"{sender!r} would have more than {self.limits.per_sender} bytes kept "
                     "in this round",
                 )
-            if self._held.total() + cost > self.limits.per_round:
+            if self._total + cost > self.limits.per_round:
                 raise Refused(
                     RefusalReason.OVERSIZED,
                     f"the round would keep more than {self.limits.per_round} bytes",
                 )
             self._held[sender] += cost
+            self._total += cost
         box = self._items.setdefault(key, {})
         box[sender] = payload
         self._events.setdefault(key, asyncio.Event()).set()

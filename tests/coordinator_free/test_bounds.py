@@ -28,7 +28,7 @@ from coordinator_free.peer_json import json_depth, loads_bounded
 from coordinator_free.ring.wire import HEADER, KIND_CHUNK, PHASE_SCATTER, VERSION
 from coordinator_free.rounds import KIND_PERMIT, KIND_READY, KIND_SEED, RoundConfig, RoundEngine
 from coordinator_free.rounds.ckks import KIND_CKKS_PARTIAL, CkksAggregator
-from coordinator_free.rounds.inbox import ENTRY_OVERHEAD, InboxLimits
+from coordinator_free.rounds.inbox import ENTRY_OVERHEAD, Inbox, InboxLimits
 from coordinator_free.rounds.state import Admission
 from coordinator_free.transport import SEQUENCE_SLACK_US
 from coordinator_free.wire import Envelope
@@ -144,6 +144,23 @@ def test_finding_4_seeds_memory_is_bounded_per_member() -> None:
         await _round(s, 1)
 
     asyncio.run(main())
+
+
+def test_a_round_keeps_at_most_its_limit_from_all_peers_together() -> None:
+    # each sender under its own limit, the round's total over its own: the message that
+    # would pass it is refused and nothing of it kept; this node's own are not counted
+    cost = 1000 + ENTRY_OVERHEAD
+    inbox = Inbox("me", InboxLimits(per_sender=10 * cost, per_round=3 * cost))
+    for i in range(3):
+        assert inbox.put(("seed",), f"p{i}", bytes(1000))
+    assert inbox.put(("seed",), "me", bytes(5000))
+    with pytest.raises(Refused) as refused:
+        inbox.put(("seed",), "p3", bytes(1000))
+    assert refused.value.reason is RefusalReason.OVERSIZED
+    assert inbox.item(("seed",), "p3") is None and inbox.held("p3") == 0
+    assert inbox.held() == 3 * cost == sum(inbox.held(f"p{i}") for i in range(3))
+    assert not inbox.put(("seed",), "p0", bytes(1))  # a second message is not filed
+    assert inbox.held() == 3 * cost
 
 
 def test_finding_4_ckks_partial_is_refused_at_a_masked_backend_node() -> None:
