@@ -133,18 +133,7 @@ class _Reader:
         return self.take(self.u32(what), what)
 
     def text(self, what: str) -> str:
-        # blob16 inline: every message's header reads three of these
-        data, pos = self._data, self._pos
-        if pos + 2 > len(data):
-            raise MalformedMessage(f"truncated message: {what} needs 2 bytes")
-        stop = pos + 2 + ((data[pos] << 8) | data[pos + 1])
-        if stop > len(data):
-            raise MalformedMessage(f"truncated message: {what} needs {stop - pos - 2} bytes")
-        raw, self._pos = data[pos + 2 : stop], stop
-        try:
-            s = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise MalformedMessage(f"{what} is not valid UTF-8") from None
+        (s,) = self.texts(1, what)
         _check_id(s, what)
         return s
 
