@@ -115,6 +115,7 @@ from bench.overlay_sim import (
     RING_KINDS,
     in_fresh_process,
     round_config,
+    stages_note,
 )
 
 __all__ = ["CountingTransport", "main"]
@@ -498,6 +499,7 @@ def _add_ratio_row(
         target="<= 1.3" if where == "sim" and n >= 16 else "<= 1.25",
         note="whole secure round ÷ plaintext ring all-reduce, same payload and transport"
         + spread
+        + stages_note(where, fig)
         + note,
     )
     _add_memory_row(report, tag, params, fig, n if where == "sim" else 1)

@@ -41,6 +41,8 @@ __all__ = [
     "round_config",
     "signed_of",
     "sim_figures",
+    "stage_medians",
+    "stages_note",
 ]
 
 MILLION = 1_000_000
@@ -109,7 +111,9 @@ async def sim_figures(
     ring and secure round (``plain_rss``, ``ring_rss``: bytes, all ``n`` peers of this
     process together, the inputs made before).
     ``signed`` gets the signed messages per node of the last secure ring round, by
-    kind (:meth:`RoundOutcome.signed_per_node`)."""
+    kind (:meth:`RoundOutcome.signed_per_node`). Where a secure round's time goes:
+    ``ring_stage_<stage>``, each stage's seconds (:func:`stage_medians`), the median
+    over the timed ring rounds."""
     out: dict[str, float] = {}
     rounds = itertools.count(1)
     memory = can_measure_memory()
@@ -147,7 +151,9 @@ async def sim_figures(
                     engine.ring.close("plain", rnd)
                 return seconds, busiest(sim.network.bytes_sent, before)
 
-            async def round_(kind: str = topology) -> tuple[float, float]:
+            async def round_(
+                kind: str = topology, stages: list[dict[str, float]] | None = None
+            ) -> tuple[float, float]:
                 rnd = next(rounds)
                 inputs = sim.inputs(rnd)
                 before = dict(sim.network.bytes_sent)
@@ -161,6 +167,8 @@ async def sim_figures(
                 if signed is not None and kind == "ring":
                     signed.clear()
                     signed.update(signed_of(outcome))
+                if stages is not None:
+                    stages.append(stage_medians(outcome))
                 return outcome.seconds, busiest(sim.network.bytes_sent, before)
 
             if topology == "ring":
@@ -172,12 +180,17 @@ async def sim_figures(
                     rss["plain"].clear()
                     rss["ring"].clear()
                 timed: dict[str, list[float]] = {"plain": [], "ring": []}
+                stages: list[dict[str, float]] = []
                 for _ in range(runs):
                     seconds, out["plain_busiest"] = await plain()
                     timed["plain"].append(seconds)
                     if secure:
-                        seconds, out["ring_busiest"] = await round_()
+                        seconds, out["ring_busiest"] = await round_(stages=stages)
                         timed["ring"].append(seconds)
+                for stage in sorted({s for times in stages for s in times}):
+                    out[f"ring_stage_{stage}"] = statistics.median(
+                        times.get(stage, 0.0) for times in stages
+                    )
                 if not warm:
                     out["cold"] = 1.0
                 for name, values in timed.items():
@@ -191,6 +204,49 @@ async def sim_figures(
         if peaks:
             out[f"{name}_rss"] = float(max(peaks))
     return out
+
+
+def stage_medians(outcome: RoundOutcome) -> dict[str, float]:
+    """Each stage's seconds in one secure round (``RoundResult.stage_times``), the
+    median over its peers: a stage a peer did not enter counts as 0."""
+    results = list(outcome.results.values())
+    stages = sorted({s for r in results for s in r.stage_times})
+    return {s: statistics.median(r.stage_times.get(s, 0.0) for r in results) for s in stages}
+
+
+#: A round's stages in the order it runs them (``RoundResult.stage_times``).
+STAGE_ORDER = (
+    "ready",
+    "share",
+    "agree-ready",
+    "mask",
+    "reduce",
+    "agree-reduce",
+    "unmask",
+    "gather",
+)
+
+
+def stages_note(where: str, fig: dict[str, float]) -> str:
+    """Where the secure round's time went, stage by stage (``ring_stage_*`` figures):
+    over TLS the slowest node's seconds in the last timed round, simulated the median
+    over the peers and the timed rounds; empty when the figures have none."""
+    stages = {
+        k.removeprefix("ring_stage_"): v for k, v in fig.items() if k.startswith("ring_stage_")
+    }
+    if not stages:
+        return ""
+
+    def rank(stage: str) -> tuple[int, str]:
+        return (STAGE_ORDER.index(stage) if stage in STAGE_ORDER else len(STAGE_ORDER), stage)
+
+    which = (
+        "the slowest node, last timed round"
+        if where == "tls"
+        else "median over peers and timed rounds"
+    )
+    parts = ", ".join(f"{stage} {stages[stage]:.3f}" for stage in sorted(stages, key=rank))
+    return f"; its stages in s ({which}): {parts}"
 
 
 def busiest(after: dict[str, int] | Any, before: dict[str, int]) -> float:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.overlay_sim import RING_KINDS, in_fresh_process
+from bench.overlay_sim import RING_KINDS, in_fresh_process, stages_note
 
 
 def test_a_row_in_a_fresh_process_answers_with_its_figures_and_signed_messages() -> None:
@@ -19,6 +19,21 @@ def test_a_row_in_a_fresh_process_answers_with_its_figures_and_signed_messages()
     # the ring's chunks, and the messages beyond them
     assert signed["agg.chunk"] > 0 and "agg.chunk" in RING_KINDS
     assert signed["max_beyond_ring"] > 0
+    # where the secure round's time went: every stage a round of four peers runs
+    stages = {k.removeprefix("ring_stage_"): v for k, v in figures.items() if "_stage_" in k}
+    assert {"ready", "share", "agree-ready", "mask", "reduce", "unmask"} <= stages.keys()
+    assert all(v >= 0 for v in stages.values())
+
+
+def test_the_stages_note_lists_a_round_s_stages_in_the_order_it_runs_them() -> None:
+    fig = {"ring_s": 2.0, "ring_stage_unmask": 0.25, "ring_stage_ready": 0.5, "ring_stage_x": 1}
+    note = stages_note("sim", fig)
+    assert note == (
+        "; its stages in s (median over peers and timed rounds): "
+        "ready 0.500, unmask 0.250, x 1.000"
+    )
+    assert "slowest node" in stages_note("tls", fig)
+    assert stages_note("sim", {"ring_s": 2.0}) == ""
 
 
 def test_the_signed_messages_of_a_row_come_back_from_its_process() -> None:
