@@ -29,8 +29,7 @@ def test_the_stages_note_lists_a_round_s_stages_in_the_order_it_runs_them() -> N
     fig = {"ring_s": 2.0, "ring_stage_unmask": 0.25, "ring_stage_ready": 0.5, "ring_stage_x": 1}
     note = stages_note("sim", fig)
     assert note == (
-        "; its stages in s (median over peers and timed rounds): "
-        "ready 0.500, unmask 0.250, x 1.000"
+        "; its stages in s (median over peers and timed rounds): ready 0.500, unmask 0.250, x 1.000"
     )
     assert "slowest node" in stages_note("tls", fig)
     assert stages_note("sim", {"ring_s": 2.0}) == ""
