@@ -167,16 +167,19 @@ class AheadKeys:
         return pair.public, held
 
     def learn(self, org: str, public: bytes) -> bool:
-        """Keep ``org``'s newest advertised key; ``False`` (kept nothing) when it is not a
-        usable X25519 key."""
-        if len(public) != PUBLIC_BYTES or not usable_public_key(public):
+        """Keep ``org``'s newest advertised key; ``False`` (kept nothing) when it is not
+        32 bytes. Whether it is a usable X25519 key is checked when it is used
+        (:meth:`known`): a node learns every member's key and seals to its holders' only."""
+        if len(public) != PUBLIC_BYTES:
             return False
         self._peers[org] = public
         return True
 
     def known(self, orgs: Iterable[str]) -> dict[str, bytes]:
-        """The last key each of ``orgs`` advertised, for those that did."""
-        return {o: self._peers[o] for o in orgs if o in self._peers}
+        """The last key each of ``orgs`` advertised, for those that did and whose key is
+        a usable X25519 key (not of low order): no share is sealed to any other."""
+        found = ((o, self._peers.get(o)) for o in orgs)
+        return {o: k for o, k in found if k is not None and usable_public_key(k)}
 
     def held_ids(self) -> frozenset[bytes]:
         """The ids of the keys this node holds (tests and the docs' claims)."""

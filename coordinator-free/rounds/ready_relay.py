@@ -11,9 +11,12 @@ holds every record, for ``ceil(log2 n)`` requests (and as many replies) per node
 reply carries the receiver's own record.
 
 A relay can withhold a record, never forge or change one: each record is checked
-against its author's key before it is filed (one Ed25519 verification per author; a
-record whose author is the envelope's sender is authenticated by the envelope), and
-one relayed for another federation, run or round fails that check. Two valid records
+against its author's key before it is filed (a record whose author is the envelope's
+sender is authenticated by the envelope), and one relayed for another federation, run
+or round fails that check. The check is the author's Ed25519 signature, or, once the
+receiver learned the author's record key from a record whose signature it verified,
+the author's MAC tag for this receiver (:mod:`~coordinator_free.rounds.record_keys`):
+a hash and a MAC instead of a verification, for every record after the first. Two valid records
 of one author with different bytes are an equivocation, as two different direct
 readies are (:meth:`~coordinator_free.rounds.exchange.PairwiseExchange.file`). A
 member whose record did not arrive by the last step (a relay died, or a member is
@@ -25,6 +28,7 @@ node saw by the deadline.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -34,6 +38,7 @@ from coordinator_free.ring import ring_order
 from coordinator_free.rounds.config import patience
 from coordinator_free.rounds.context import StageContext
 from coordinator_free.rounds.messenger import Messenger
+from coordinator_free.rounds.record_keys import RecordKeys
 from coordinator_free.rounds.state import RoundState, RoundTable
 from coordinator_free.rounds.unmask import await_from
 from coordinator_free.rounds.wire import KIND_READIES
@@ -43,6 +48,7 @@ __all__ = [
     "RECORDS",
     "ReadyRecord",
     "ReadyRelay",
+    "Verify",
     "decode_batch",
     "encode_batch",
     "record_signing_bytes",
@@ -54,7 +60,7 @@ RECORDS = ("ready", "record")
 OWED = ("ready", "owed")
 """The inbox key of the members whose direct ready this node answered empty."""
 
-SIGNING_DOMAIN = b"fedweave/ready-record/v1\x00"
+SIGNING_DOMAIN = b"fedweave/ready-record/v2\x00"
 _HEAD = struct.Struct(">BH")  # step, count
 _MAX_STEP = 64
 
@@ -67,9 +73,11 @@ def _text(value: str) -> bytes:
     return struct.pack(">H", len(raw)) + raw
 
 
-def record_signing_bytes(federation: str, run: str, round: int, author: str, ready: bytes) -> bytes:
+def record_signing_bytes(
+    federation: str, run: str, round: int, author: str, ready: bytes, key: bytes = b""
+) -> bytes:
     """What an author signs for its ready record: domain-separated, bound to the
-    federation, run and round."""
+    federation, run and round, with the author's record key (none: empty)."""
     return b"".join(
         (
             SIGNING_DOMAIN,
@@ -79,25 +87,39 @@ def record_signing_bytes(federation: str, run: str, round: int, author: str, rea
             _text(author),
             struct.pack(">I", len(ready)),
             ready,
+            _text_bytes(key),
         )
     )
 
 
 @dataclass(frozen=True)
 class ReadyRecord:
-    """One author's signed ready: ``raw`` is its encoding, as relayed."""
+    """One author's signed ready, its record key (none: empty) and its tags for the
+    receivers whose record keys it knows: ``raw`` is its encoding, as relayed."""
 
     author: str
     ready: bytes
     signature: bytes
     raw: bytes
+    key: bytes = b""
+    tags: bytes = b""
 
     @classmethod
-    def make(cls, author: str, ready: bytes, signature: bytes) -> ReadyRecord:
+    def make(
+        cls, author: str, ready: bytes, signature: bytes, key: bytes = b"", tags: bytes = b""
+    ) -> ReadyRecord:
         raw = b"".join(
-            [_text(author), struct.pack(">I", len(ready)), ready, _text_bytes(signature)]
+            [
+                _text(author),
+                struct.pack(">I", len(ready)),
+                ready,
+                _text_bytes(signature),
+                _text_bytes(key),
+                struct.pack(">I", len(tags)),
+                tags,
+            ]
         )
-        return cls(author, ready, signature, raw)
+        return cls(author, ready, signature, raw, key, tags)
 
 
 def _text_bytes(data: bytes) -> bytes:
@@ -127,9 +149,15 @@ def decode_batch(data: bytes) -> tuple[int, list[ReadyRecord]]:
             (s,) = struct.unpack_from(">H", data, pos)
             signature = data[pos + 2 : pos + 2 + s]
             pos += 2 + s
-            if len(ready) != m or len(signature) != s or pos > len(data):
+            (k,) = struct.unpack_from(">H", data, pos)
+            key = data[pos + 2 : pos + 2 + k]
+            pos += 2 + k
+            (g,) = struct.unpack_from(">I", data, pos)
+            tags = data[pos + 4 : pos + 4 + g]
+            pos += 4 + g
+            if (len(ready), len(signature), len(key), len(tags)) != (m, s, k, g) or pos > len(data):
                 raise ValueError("truncated record")
-            records.append(ReadyRecord(author, ready, signature, data[start:pos]))
+            records.append(ReadyRecord(author, ready, signature, data[start:pos], key, tags))
     except (struct.error, UnicodeDecodeError) as exc:
         raise ValueError(f"malformed ready records: {exc}") from None
     if pos != len(data):
@@ -157,6 +185,8 @@ class ReadyRelay:
         self.federation = federation
         self.sign = sign
         self.verify = verify
+        # this node's record key and those it learned: in its memory only
+        self.keys = RecordKeys(federation, net.org_id)
 
     async def on_readies(self, env: Envelope) -> bytes:
         """A member's records at one step: each checked and filed; answered with this
@@ -183,13 +213,7 @@ class ReadyRelay:
             held = state.inbox.item(RECORDS, rec.author)
             if held == rec.raw:
                 continue
-            if rec.author != relayer and not self.verify(
-                rec.author,
-                record_signing_bytes(
-                    self.federation, state.run, state.round, rec.author, rec.ready
-                ),
-                rec.signature,
-            ):
+            if not self._authentic(state, relayer, rec):
                 refused += 1
                 self.net.observe(
                     "refused",
@@ -205,12 +229,33 @@ class ReadyRelay:
             exchange.file(rec.author, rec.ready)
         return refused
 
-    def own_record(self, ctx: StageContext, ready: bytes) -> bytes:
-        """Sign this node's ready as a record and file it (it travels in every batch)."""
-        signature = self.sign(
-            record_signing_bytes(self.federation, ctx.run, ctx.round, ctx.me, ready)
+    def _authentic(self, state: RoundState, relayer: str, rec: ReadyRecord) -> bool:
+        """Whether ``rec`` is its author's: relayed by the author itself (the envelope
+        authenticated it), or shown by the author's tag for this node, or by its
+        signature. The record key of a record so authenticated is learned for its
+        author, except from a tag (it is the one learned already)."""
+        if rec.author == relayer:
+            self.keys.learn(rec.author, rec.key)
+            return True
+        signing = record_signing_bytes(
+            self.federation, state.run, state.round, rec.author, rec.ready, rec.key
         )
-        raw = ReadyRecord.make(ctx.me, ready, signature).raw
+        if rec.tags and self.keys.check(
+            rec.author, rec.key, hashlib.sha256(signing).digest(), rec.tags
+        ):
+            return True
+        if not self.verify(rec.author, signing, rec.signature):
+            return False
+        self.keys.learn(rec.author, rec.key)
+        return True
+
+    def own_record(self, ctx: StageContext, ready: bytes) -> bytes:
+        """Sign this node's ready as a record, with its record key and a tag for every
+        member whose record key it knows, and file it (it travels in every batch)."""
+        key = self.keys.public
+        signing = record_signing_bytes(self.federation, ctx.run, ctx.round, ctx.me, ready, key)
+        tags = self.keys.tags(hashlib.sha256(signing).digest(), ctx.u0)
+        raw = ReadyRecord.make(ctx.me, ready, self.sign(signing), key, tags).raw
         ctx.state.inbox.put(RECORDS, ctx.me, raw)
         return raw
 

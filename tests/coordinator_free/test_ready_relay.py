@@ -6,6 +6,7 @@ consistent rounds."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import math
 from collections.abc import Sequence
 
@@ -14,6 +15,7 @@ from coordinator_free.rounds import RoundConfig
 from coordinator_free.rounds.ready_relay import (
     RECORDS,
     ReadyRecord,
+    Verify,
     decode_batch,
     encode_batch,
     record_signing_bytes,
@@ -231,3 +233,117 @@ def test_the_relay_switch_is_validated() -> None:
     assert RoundConfig(ready_relay_from=None).relays_readies(1000) is False
     assert RoundConfig(ready_relay_from=32).relays_readies(32) is True
     assert RoundConfig(ready_relay_from=32).relays_readies(31) is False
+
+
+# -- records authenticated by tags ----------------------------------------------------------
+
+
+def _count_verifications(sim: Simulation) -> list[int]:
+    """Wrap every node's record-signature check with a counter (one shared cell)."""
+    calls = [0]
+    for engine in sim.engines.values():
+        relay = engine._ready.relay
+        assert relay is not None
+        inner = relay.verify
+
+        def counted(org: str, data: bytes, sig: bytes, inner: Verify = inner) -> bool:
+            calls[0] += 1
+            return inner(org, data, sig)
+
+        relay.verify = counted
+    return calls
+
+
+def test_from_the_second_round_relayed_records_are_checked_by_tags_not_signatures() -> None:
+    n = 12
+    config = SimConfig(peers=n, length=64, seed=7, round_config=_config(8))
+
+    async def scenario() -> tuple[list[int], list[RoundOutcome]]:
+        async with Simulation(config) as sim:
+            calls = _count_verifications(sim)
+            per_round, outs = [], []
+            for r in (1, 2, 3):
+                before = calls[0]
+                outs.append(await sim.round(r))
+                per_round.append(calls[0] - before)
+            return per_round, outs
+
+    per_round, outs = asyncio.run(scenario())
+    for out in outs:
+        assert out.problems() == [] and len(out.results) == n
+        res = out.results["org-00"]
+        assert (res.sum == out.expected(res.survivors)).all()
+    # the first round learns the record keys from signatures (every record not
+    # relayed by its author); later ones check each record by its tag
+    assert per_round[0] > n
+    assert per_round[1] == per_round[2] == 0
+
+
+def _tagged(sim: Simulation, author: str, round: int, ready: bytes, to: str) -> ReadyRecord:
+    """``author``'s record with its real record key and a tag for ``to`` (the two
+    having learned each other's record keys), under a signature that never verifies."""
+    mine, theirs = sim.engines[author]._ready.relay, sim.engines[to]._ready.relay
+    assert mine is not None and theirs is not None
+    mine.keys.learn(to, theirs.keys.public)
+    theirs.keys.learn(author, mine.keys.public)
+    signing = record_signing_bytes("sim", RUN, round, author, ready, mine.keys.public)
+    tags = mine.keys.tags(hashlib.sha256(signing).digest(), [to])
+    return ReadyRecord.make(author, ready, b"\x00" * 64, mine.keys.public, tags)
+
+
+def test_a_tag_shows_a_record_and_a_tampered_replayed_or_relay_made_one_is_refused() -> None:
+    async def act(sim: Simulation) -> None:
+        a, b, c = sim.orgs[:3]
+        ready = b"\x01" * 80
+        state = sim.engines[c]._table.state(RUN, 2, a)
+
+        async def relay(rec: ReadyRecord, step: int) -> None:
+            await sim.endpoints[a].send(
+                c, KIND_READIES, encode_batch(step, [rec.raw]), run=RUN, round=2, stage="ready"
+            )
+
+        # b's tag for c, round 1, replayed in round 2; b's round-2 record with its ready
+        # changed under the tag; a tag the relay made with its own record key
+        replayed = _tagged(sim, b, 1, ready, c)
+        good = _tagged(sim, b, 2, ready, c)
+        tampered = ReadyRecord.make(b, b"\x02" * 80, good.signature, good.key, good.tags)
+        relay_keys = sim.engines[a]._ready.relay.keys  # type: ignore[union-attr]
+        relay_keys.learn(c, sim.engines[c]._ready.relay.keys.public)  # type: ignore[union-attr]
+        signing = record_signing_bytes("sim", RUN, 2, b, ready, good.key)
+        made = ReadyRecord.make(
+            b,
+            ready,
+            good.signature,
+            good.key,
+            relay_keys.tags(hashlib.sha256(signing).digest(), [c]),
+        )
+        for step, rec in enumerate((replayed, tampered, made)):
+            await relay(rec, step)
+            assert state.inbox.item(READY, b) is None and state.inbox.item(RECORDS, b) is None
+        # the genuine tagged record is taken though its signature is void: the tag shows it
+        await relay(good, 3)
+        assert state.inbox.item(READY, b) == ready
+        assert b not in state.equivocal
+
+    _relay_scene(act)
+
+
+def test_a_record_under_a_new_record_key_is_taken_by_its_signature_and_the_key_learned() -> None:
+    async def act(sim: Simulation) -> None:
+        a, b, c = sim.orgs[:3]
+        ready = b"\x03" * 80
+        old = _tagged(sim, b, 2, ready, c)
+        keys_c = sim.engines[c]._ready.relay.keys  # type: ignore[union-attr]
+        assert keys_c.known(b) == old.key
+        # b restarted: a new record key, announced under its signature
+        new_key = bytes(range(32))
+        signing = record_signing_bytes("sim", RUN, 3, b, ready, new_key)
+        rec = ReadyRecord.make(b, ready, sim.identities[b].sign(signing), new_key)
+        await sim.endpoints[a].send(
+            c, KIND_READIES, encode_batch(0, [rec.raw]), run=RUN, round=3, stage="ready"
+        )
+        state = sim.engines[c]._table.get(RUN, 3)
+        assert state is not None and state.inbox.item(READY, b) == ready
+        assert keys_c.known(b) == new_key
+
+    _relay_scene(act)

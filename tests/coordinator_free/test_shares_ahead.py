@@ -173,10 +173,11 @@ def test_a_node_keeps_its_last_keys_only_and_opens_with_those_it_held_before() -
     assert all(len(k) == KEY_ID_BYTES for k in keys.held_ids())
 
 
-def test_a_peer_key_that_is_not_usable_is_not_kept() -> None:
+def test_a_peer_key_that_is_not_usable_is_never_sealed_to() -> None:
     keys = AheadKeys()
-    assert not keys.learn("b", bytes(32))  # the all-zero point: low order
     assert not keys.learn("b", b"\x09" * 31)
+    assert keys.learn("b", bytes(32))  # the all-zero point: low order, kept but not used
+    assert keys.known(["a", "b"]) == {}
     good = generate_keypair(b"\x05" * 32).public
     assert keys.learn("b", good)
     assert keys.known(["a", "b"]) == {"b": good}
