@@ -54,5 +54,12 @@ def test_quick_mode_writes_one_row_per_payload_size(
         "envelope_vs_signature[payload=4KB]",
         "ready_record_parse_vs_verification[blobs=24, parse=own]",
         "ready_record_parse_vs_verification[blobs=24, parse=all]",
+        "ready_record_tag_vs_verification[blobs=24, members=256]",
     }
     assert all(r["value"] > 0 and r["baseline"] > 0 and r["ratio"] > 0 for r in rows.values())
+
+
+def test_the_timed_tag_check_checks_a_real_tag_and_its_baseline_a_real_signature() -> None:
+    tag, verification = bench_envelope.record_tag(blobs=4, members=8)
+    tag()  # raises when the receiver's tag does not check
+    verification()
