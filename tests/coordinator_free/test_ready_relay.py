@@ -328,22 +328,30 @@ def test_a_tag_shows_a_record_and_a_tampered_replayed_or_relay_made_one_is_refus
     _relay_scene(act)
 
 
-def test_a_record_under_a_new_record_key_is_taken_by_its_signature_and_the_key_learned() -> None:
+def test_a_record_key_is_learned_from_its_author_s_signature_only() -> None:
     async def act(sim: Simulation) -> None:
         a, b, c = sim.orgs[:3]
         ready = b"\x03" * 80
         old = _tagged(sim, b, 2, ready, c)
         keys_c = sim.engines[c]._ready.relay.keys  # type: ignore[union-attr]
         assert keys_c.known(b) == old.key
-        # b restarted: a new record key, announced under its signature
+        # a relay announces a new record key for b under its own signature: refused,
+        # and nothing learned
         new_key = bytes(range(32))
         signing = record_signing_bytes("sim", RUN, 3, b, ready, new_key)
-        rec = ReadyRecord.make(b, ready, sim.identities[b].sign(signing), new_key)
+        forged = ReadyRecord.make(b, ready, sim.identities[a].sign(signing), new_key)
         await sim.endpoints[a].send(
-            c, KIND_READIES, encode_batch(0, [rec.raw]), run=RUN, round=3, stage="ready"
+            c, KIND_READIES, encode_batch(0, [forged.raw]), run=RUN, round=3, stage="ready"
         )
         state = sim.engines[c]._table.get(RUN, 3)
-        assert state is not None and state.inbox.item(READY, b) == ready
+        assert state is not None and state.inbox.item(READY, b) is None
+        assert keys_c.known(b) == old.key
+        # b restarted: a new record key, announced under its signature
+        rec = ReadyRecord.make(b, ready, sim.identities[b].sign(signing), new_key)
+        await sim.endpoints[a].send(
+            c, KIND_READIES, encode_batch(1, [rec.raw]), run=RUN, round=3, stage="ready"
+        )
+        assert state.inbox.item(READY, b) == ready
         assert keys_c.known(b) == new_key
 
     _relay_scene(act)

@@ -113,3 +113,8 @@ def test_the_tag_construction_matches_a_fixed_vector() -> None:
     assert tags == key_id(b.public) + tag
     assert tags.hex() == "16dc445722f52dff1b2d2a1a6a39dfcfef1563eb"
     assert b.check("org-a", a.public, digest, tags)
+
+
+def test_each_start_makes_a_new_record_key() -> None:
+    # made at random, never derived from the org's identity nor written anywhere
+    assert RecordKeys(FED, "a").public != RecordKeys(FED, "a").public
