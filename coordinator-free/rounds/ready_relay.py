@@ -16,9 +16,9 @@ sender is authenticated by the envelope), and one relayed for another federation
 or round fails that check. The check is the author's Ed25519 signature, or, once the
 receiver learned the author's record key from a record whose signature it verified,
 the author's MAC tag for this receiver (:mod:`~coordinator_free.rounds.record_keys`):
-a hash and a MAC instead of a verification, for every record after the first. Two valid records
-of one author with different bytes are an equivocation, as two different direct
-readies are (:meth:`~coordinator_free.rounds.exchange.PairwiseExchange.file`). A
+a hash and a MAC instead of a verification, for every record after the first. Two
+valid records of one author with different bytes are an equivocation, as two
+different direct readies are (:meth:`~coordinator_free.rounds.exchange.PairwiseExchange.file`). A
 member whose record did not arrive by the last step (a relay died, or a member is
 late) is asked directly by the pairwise ``round.ready`` of
 :mod:`~coordinator_free.rounds.ready`, so ``U0`` stays what it was: the readies this
