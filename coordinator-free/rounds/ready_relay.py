@@ -131,6 +131,19 @@ def encode_batch(step: int, records: list[bytes]) -> bytes:
     return _HEAD.pack(step, len(records)) + b"".join(records)
 
 
+def _field(data: bytes, pos: int, size: struct.Struct) -> tuple[bytes, int]:
+    """The length-prefixed field at ``pos`` (its length packed as ``size``) and the
+    position after it; ``ValueError`` when the data ends inside it."""
+    (n,) = size.unpack_from(data, pos)
+    start = pos + size.size
+    if start + n > len(data):
+        raise ValueError("truncated record")
+    return data[start : start + n], start + n
+
+
+_U16, _U32 = struct.Struct(">H"), struct.Struct(">I")
+
+
 def decode_batch(data: bytes) -> tuple[int, list[ReadyRecord]]:
     """The step and records of a ``round.readies`` payload; ``ValueError`` on anything
     malformed (a truncated record, trailing bytes, a step past any federation's)."""
@@ -140,24 +153,14 @@ def decode_batch(data: bytes) -> tuple[int, list[ReadyRecord]]:
         records: list[ReadyRecord] = []
         for _ in range(count):
             start = pos
-            (n,) = struct.unpack_from(">H", data, pos)
-            author = data[pos + 2 : pos + 2 + n].decode("utf-8")
-            pos += 2 + n
-            (m,) = struct.unpack_from(">I", data, pos)
-            ready = data[pos + 4 : pos + 4 + m]
-            pos += 4 + m
-            (s,) = struct.unpack_from(">H", data, pos)
-            signature = data[pos + 2 : pos + 2 + s]
-            pos += 2 + s
-            (k,) = struct.unpack_from(">H", data, pos)
-            key = data[pos + 2 : pos + 2 + k]
-            pos += 2 + k
-            (g,) = struct.unpack_from(">I", data, pos)
-            tags = data[pos + 4 : pos + 4 + g]
-            pos += 4 + g
-            if (len(ready), len(signature), len(key), len(tags)) != (m, s, k, g) or pos > len(data):
-                raise ValueError("truncated record")
-            records.append(ReadyRecord(author, ready, signature, data[start:pos], key, tags))
+            author, pos = _field(data, pos, _U16)
+            ready, pos = _field(data, pos, _U32)
+            signature, pos = _field(data, pos, _U16)
+            key, pos = _field(data, pos, _U16)
+            tags, pos = _field(data, pos, _U32)
+            records.append(
+                ReadyRecord(author.decode("utf-8"), ready, signature, data[start:pos], key, tags)
+            )
     except (struct.error, UnicodeDecodeError) as exc:
         raise ValueError(f"malformed ready records: {exc}") from None
     if pos != len(data):
