@@ -13,9 +13,14 @@ Arithmetic is modulo ``2^b`` on ``np.uint16`` / ``np.uint32`` / ``np.uint64`` ar
 :mod:`secure_agg.ring`), so partial sums of masked vectors wrap exactly like the
 secure-aggregation masks expect. A missing, late or malformed chunk, an unreachable
 successor or an abort from any ring member ends the call with :class:`RingBroken`,
-naming the suspect when one is known; the node then sends every member an abort that
-names whom it blames, so all stop at once and learn the suspects. The caller (the
-round engine) decides who dropped and runs the ring again over the survivors.
+naming the suspect when one is known; the node then sends an abort that names whom it
+blames to every member that must stop, so those stop at once and learn the suspects
+(a node stopped by an abort sends none). In the reduce-scatter and at the
+all-gather's first step that is every member. Later in the all-gather it is only the
+members the failure cuts off (:func:`.steps.all_gather`): a node whose send fails
+there keeps receiving and completes. The caller (the round engine) decides who
+dropped, and takes the sum from a member whose ring completed or runs the ring again
+over the survivors.
 
 Two variants share the message format (``agg.chunk``: a header with the phase, step,
 chunk, frame, element count and a 16-byte ring id binding the ordered members and the

@@ -10,6 +10,7 @@ at once rather than at the end of the wait, and ends when any member aborts the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +36,15 @@ from coordinator_free.ring.wire import (
     unpack_narrow,
 )
 
-__all__ = ["LIVENESS_POLL_S", "ChunkKey", "Link", "RingBroken", "RingStats", "RoundBox"]
+__all__ = [
+    "LIVENESS_POLL_S",
+    "ChunkKey",
+    "Link",
+    "RingAborted",
+    "RingBroken",
+    "RingStats",
+    "RoundBox",
+]
 
 LIVENESS_POLL_S = 0.25
 """How often a wait for a chunk asks the ``alive`` callable about the sender (no message)."""
@@ -46,7 +55,10 @@ class RingBroken(Exception):
 
     ``suspect`` is the member this node blames, when it blames one (an unreachable
     successor, a silent or malformed predecessor); ``suspects`` adds the members
-    blamed by the aborts of other members received so far.
+    blamed by the aborts of other members received so far. ``cut_at`` is the
+    all-gather step at which this member stopped receiving, when it stopped there: it
+    passed on every chunk it held, so only the members its missing chunks would have
+    reached must stop (see :func:`~.steps.all_gather`).
     """
 
     def __init__(
@@ -56,6 +68,13 @@ class RingBroken(Exception):
         self.reason = reason
         self.suspect = suspect
         self.suspects = suspects | ({suspect} if suspect is not None else set())
+        self.cut_at: int | None = None
+
+
+class RingAborted(RingBroken):
+    """The ring broke here because another member aborted it, blaming someone other
+    than this member's predecessor: that member told every member that had to stop,
+    so this one tells no one."""
 
 
 @dataclass
@@ -251,7 +270,9 @@ class Link:
             if fut in done:
                 return
             if self.abort.is_set():
-                raise RingBroken("a ring member aborted")
+                if src in self.box.suspects.get(self.rid, ()):
+                    raise RingBroken(f"{src} is gone, a member's abort says", src)
+                raise RingAborted("a ring member aborted")
             now = loop.time()
             if now >= end:
                 raise RingBroken(f"no chunk from {src} within {wait:g}s", src)
@@ -287,3 +308,25 @@ class Link:
         finally:
             sender.cancel()
             receiver.cancel()
+
+    async def exchange_keeping(
+        self, sending: Awaitable[None], receiving: Awaitable[np.ndarray]
+    ) -> tuple[np.ndarray, RingBroken | None]:
+        """Send and receive at once, where neither failure cuts the other short: a
+        failed send does not end the receive (the chunk and the send's failure are
+        returned), and a failed receive is raised once the send has finished."""
+        sender = asyncio.ensure_future(sending)
+        try:
+            chunk = await receiving
+        except RingBroken:
+            with contextlib.suppress(RingBroken):
+                await sender
+            raise
+        except BaseException:
+            sender.cancel()
+            raise
+        try:
+            await sender
+        except RingBroken as exc:
+            return chunk, exc
+        return chunk, None

@@ -21,7 +21,14 @@ import numpy as np
 from coordinator_free.endpoint import Endpoint
 from coordinator_free.errors import RefusalReason, Refused, TransportError
 from coordinator_free.ring import steps
-from coordinator_free.ring.link import ChunkKey, Link, RingBroken, RingStats, RoundBox
+from coordinator_free.ring.link import (
+    ChunkKey,
+    Link,
+    RingAborted,
+    RingBroken,
+    RingStats,
+    RoundBox,
+)
 from coordinator_free.ring.steps import Place, StepHook
 from coordinator_free.ring.wire import (
     ACK,
@@ -317,16 +324,37 @@ class RingReducer:
                 order, link, steps.chain(link, acc, place, call.on_step, call.start_grace)
             )
         else:
-            await self._run(order, link, self._scatter_gather(link, acc, place, call, n - 1))
+            gather = self._scatter_gather(link, acc, place, call, n - 1, self._lost(link, place))
+            await self._run(order, link, gather)
         return _reduced(link, acc)
 
     @staticmethod
     async def _scatter_gather(
-        link: Link, acc: np.ndarray, place: Place, call: RingCall, gather_steps: int
+        link: Link,
+        acc: np.ndarray,
+        place: Place,
+        call: RingCall,
+        gather_steps: int,
+        on_lost: steps.LostHook | None = None,
     ) -> None:
         """The reduce-scatter, then the first ``gather_steps`` steps of the all-gather."""
         await steps.reduce_scatter(link, acc, place, call.on_step, call.start_grace)
-        await steps.all_gather(link, acc, place, call.on_step, range(gather_steps))
+        await steps.all_gather(link, acc, place, call.on_step, range(gather_steps), on_lost=on_lost)
+
+    def _lost(self, link: Link, place: Place) -> steps.LostHook:
+        """What a member does when its all-gather send fails at step ``s >= 1`` (see
+        :func:`~.steps.all_gather`): it tells the member after its successor that
+        the successor is gone, so that one stops at once instead of at the end of
+        its wait, and passes the abort on to the members it cuts off."""
+
+        async def on_lost(_step: int, _failure: RingBroken) -> None:
+            n, succ = place.n, place.ends[0]
+            after = place.order[(place.pos + 2) % n]
+            await self._broadcast_abort(
+                [after], link.rid, succ, run=link.run, round=link.round, timeout=link.timeout
+            )
+
+        return on_lost
 
     async def reduce_scatter(
         self,
@@ -408,10 +436,18 @@ class RingReducer:
         return _reduced(link, acc)
 
     async def _broken(self, order: Sequence[str], link: Link, exc: RingBroken) -> RingBroken:
-        """Tell the members to abort; the error to raise, with every suspect known."""
-        await self._broadcast_abort(
-            order, link.rid, exc.suspect, run=link.run, round=link.round, timeout=link.timeout
-        )
+        """Tell the members to abort (unless this node stopped on an abort: its sender
+        told every member that had to stop); the error to raise, with every suspect
+        known."""
+        if not isinstance(exc, RingAborted):
+            await self._broadcast_abort(
+                _cut_off(order, link.endpoint.org_id, exc.cut_at),
+                link.rid,
+                exc.suspect,
+                run=link.run,
+                round=link.round,
+                timeout=link.timeout,
+            )
         known = frozenset(link.box.suspects.get(link.rid, set()) & set(order))
         return RingBroken(exc.reason, exc.suspect, known)
 
@@ -436,6 +472,16 @@ class RingReducer:
                 )
 
         await asyncio.gather(*(one(p) for p in order if p not in (me, suspect)))
+
+
+def _cut_off(order: Sequence[str], me: str, cut_at: int | None) -> Sequence[str]:
+    """The members a break of ``me``'s ring must stop: all, or when it stopped
+    receiving at all-gather step ``cut_at`` (having sent what it held), the
+    ``n - 2 - cut_at`` after it, which its missing chunks would have reached."""
+    if cut_at is None:
+        return order
+    n, pos = len(order), order.index(me)
+    return [order[(pos + d) % n] for d in range(1, n - 1 - cut_at)]
 
 
 def _reduced(link: Link, acc: np.ndarray) -> np.ndarray:

@@ -28,6 +28,7 @@ from coordinator_free.ring.wire import (
 )
 
 __all__ = [
+    "LostHook",
     "Place",
     "RingBroken",
     "StepHook",
@@ -40,6 +41,9 @@ __all__ = [
 
 StepHook = Callable[[str, int], Awaitable[None]]
 """``on_step(phase, step)``, awaited before each step (``"scatter"`` or ``"gather"``)."""
+
+LostHook = Callable[[int, RingBroken], Awaitable[None]]
+"""``on_lost(step, failure)``: the all-gather's send to the successor failed at ``step``."""
 
 _STEP_NAMES = {PHASE_SCATTER: "scatter", PHASE_GATHER: "gather", PHASE_SUM: "gather"}
 
@@ -76,24 +80,37 @@ async def ring_step(
     indices: tuple[int, int],
     on_step: StepHook | None,
     wait: float,
-) -> None:
+    *,
+    send: bool = True,
+    keeping: bool = False,
+) -> RingBroken | None:
     """One ring step: send chunk ``indices[0]`` of ``acc`` to the successor while
     receiving chunk ``indices[1]`` from the predecessor, which is added in the
-    reduce-scatter and copied in the all-gathers."""
+    reduce-scatter and copied in the all-gathers. Without ``send`` it only receives.
+    With ``keeping`` neither failure cuts the other short
+    (:meth:`~.link.Link.exchange_keeping`): a failed send is returned once the chunk
+    is in (else ``None``), and a failed receive raised once the send has finished."""
     if on_step is not None:
         await on_step(_STEP_NAMES[phase], step)
     succ, pred = place.ends
     send_index, recv_index = indices
     slo, shi = place.bounds[send_index]
     rlo, rhi = place.bounds[recv_index]
-    chunk = await link.exchange(
-        link.send(succ, phase, step, send_index, acc[slo:shi]),
-        link.receive(pred, phase, step, recv_index, rhi - rlo, wait),
-    )
+    receiving = link.receive(pred, phase, step, recv_index, rhi - rlo, wait)
+    failure: RingBroken | None = None
+    if not send:
+        chunk = await receiving
+    elif keeping:
+        sending = link.send(succ, phase, step, send_index, acc[slo:shi])
+        chunk, failure = await link.exchange_keeping(sending, receiving)
+    else:
+        sending = link.send(succ, phase, step, send_index, acc[slo:shi])
+        chunk = await link.exchange(sending, receiving)
     if phase == PHASE_SCATTER:
         np.add(acc[rlo:rhi], chunk, out=acc[rlo:rhi])
     else:
         acc[rlo:rhi] = chunk
+    return failure
 
 
 async def reduce_scatter(
@@ -117,15 +134,50 @@ async def all_gather(
     *,
     phase: int = PHASE_GATHER,
     filled: set[int] | None = None,
+    on_lost: LostHook | None = None,
 ) -> None:
     """All-gather ``steps`` (of ``0 .. n - 2``): each passes a complete chunk on and
-    copies the predecessor's into ``acc``, noted in ``filled``."""
+    copies the predecessor's into ``acc``, noted in ``filled``.
+
+    With ``on_lost`` a failure stops only the members it cuts off. The chunk a member
+    receives at step ``k`` is the one it sends at step ``k + 1``, and no chunk it
+    receives passed through its successor. So a send that fails at step ``s >= 1``
+    does not break this member: it sends nothing more to its successor, keeps
+    receiving, and completes, while ``on_lost(s, failure)`` tells the member after the
+    successor. A receive that fails at step ``k`` is raised once this step's send has
+    finished, with ``cut_at = k``: the members its missing chunks would have reached
+    must stop, and only they. At step 0 no member can complete, this one included: a
+    failed send there breaks the ring at once."""
     n, pos = place.n, place.pos
-    for s in steps:
-        indices = ((pos + 1 - s) % n, (pos - s) % n)
-        await ring_step(link, acc, place, phase, s, indices, on_step, link.timeout)
-        if filled is not None:
-            filled.add((pos - s) % n)
+    lost: asyncio.Future[None] | None = None
+    try:
+        for s in steps:
+            indices = ((pos + 1 - s) % n, (pos - s) % n)
+            keeping = on_lost is not None and s >= 1
+            try:
+                failure = await ring_step(
+                    link,
+                    acc,
+                    place,
+                    phase,
+                    s,
+                    indices,
+                    on_step,
+                    link.timeout,
+                    send=lost is None,
+                    keeping=keeping,
+                )
+            except RingBroken as exc:
+                if keeping or lost is not None:
+                    exc.cut_at = s
+                raise
+            if failure is not None and on_lost is not None:
+                lost = asyncio.ensure_future(on_lost(s, failure))
+            if filled is not None:
+                filled.add((pos - s) % n)
+    finally:
+        if lost is not None:
+            await lost
 
 
 async def chain(

@@ -29,15 +29,26 @@ RUN = "sim-run"
 READY = ("ready",)
 
 
-def _config(relay_from: int | None, **kw: object) -> RoundConfig:
+PATIENT = {"ready_timeout": 30.0, "stage_timeout": 40.0, "send_timeout": 40.0}
+"""Timeouts no stall of a loaded machine outlasts, for the tests that count messages
+or verifications. A relay step that waits past its patience (an eighth of the send
+and stage timeouts: 5 s here, 0.5 s otherwise) ends the node's waiting, and its later
+batches leave without the records still on their way, so the count would be the
+fallback's. A healthy round never waits these out."""
+
+
+def _config(relay_from: int | None, patient: bool = False, **kw: object) -> RoundConfig:
+    timeouts: dict[str, object] = {
+        "ready_timeout": 3.0,
+        "stage_timeout": 8.0,
+        "step_timeout": 2.0,
+        "send_timeout": 4.0,
+        **(PATIENT if patient else {}),
+    }
     return RoundConfig(
-        ready_timeout=3.0,
-        stage_timeout=8.0,
-        step_timeout=2.0,
-        send_timeout=4.0,
         ring_min_chunk=1,
         ready_relay_from=relay_from,
-        **kw,  # type: ignore[arg-type]
+        **{**timeouts, **kw},  # type: ignore[arg-type]
     )
 
 
@@ -46,9 +57,10 @@ def _rounds(
     relay_from: int | None,
     faults: Sequence[FaultSpec] = (),
     rounds: int = 1,
+    patient: bool = False,
     **kw: object,
 ) -> list[RoundOutcome]:
-    config = SimConfig(peers=n, length=64, seed=7, round_config=_config(relay_from, **kw))
+    config = SimConfig(peers=n, length=64, seed=7, round_config=_config(relay_from, patient, **kw))
 
     async def scenario() -> list[RoundOutcome]:
         async with Simulation(config, list(faults)) as sim:
@@ -81,8 +93,8 @@ def test_a_batch_decodes_to_what_was_encoded_and_malformed_ones_are_refused() ->
 
 def test_the_relay_sums_exactly_with_log_n_ready_messages_per_node_below_the_pairwise() -> None:
     n = 16
-    (relayed,) = _rounds(n, relay_from=8)
-    (pairwise,) = _rounds(n, relay_from=None)
+    (relayed,) = _rounds(n, relay_from=8, patient=True)
+    (pairwise,) = _rounds(n, relay_from=None, patient=True)
     for out in (relayed, pairwise):
         assert out.problems() == [] and len(out.results) == n
     new = relayed.signed_per_node()
@@ -256,7 +268,7 @@ def _count_verifications(sim: Simulation) -> list[int]:
 
 def test_from_the_second_round_relayed_records_are_checked_by_tags_not_signatures() -> None:
     n = 12
-    config = SimConfig(peers=n, length=64, seed=7, round_config=_config(8))
+    config = SimConfig(peers=n, length=64, seed=7, round_config=_config(8, patient=True))
 
     async def scenario() -> tuple[list[int], list[RoundOutcome]]:
         async with Simulation(config) as sim:
