@@ -345,9 +345,9 @@ class RingReducer:
         """What a member does when its all-gather send fails at step ``s >= 1`` (see
         :func:`~.steps.all_gather`): it tells the member after its successor that
         the successor is gone, so that one stops at once instead of at the end of
-        its wait, and passes the abort on to the members it cuts off."""
+        its wait (and aborts the members its own stop cuts off)."""
 
-        async def on_lost(_step: int, _failure: RingBroken) -> None:
+        async def on_lost() -> None:
             n, succ = place.n, place.ends[0]
             after = place.order[(place.pos + 2) % n]
             await self._broadcast_abort(

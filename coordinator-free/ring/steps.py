@@ -42,8 +42,8 @@ __all__ = [
 StepHook = Callable[[str, int], Awaitable[None]]
 """``on_step(phase, step)``, awaited before each step (``"scatter"`` or ``"gather"``)."""
 
-LostHook = Callable[[int, RingBroken], Awaitable[None]]
-"""``on_lost(step, failure)``: the all-gather's send to the successor failed at ``step``."""
+LostHook = Callable[[], Awaitable[None]]
+"""``on_lost()``: the all-gather's send to the successor failed (at step 1 or later)."""
 
 _STEP_NAMES = {PHASE_SCATTER: "scatter", PHASE_GATHER: "gather", PHASE_SUM: "gather"}
 
@@ -100,12 +100,12 @@ async def ring_step(
     failure: RingBroken | None = None
     if not send:
         chunk = await receiving
-    elif keeping:
-        sending = link.send(succ, phase, step, send_index, acc[slo:shi])
-        chunk, failure = await link.exchange_keeping(sending, receiving)
     else:
         sending = link.send(succ, phase, step, send_index, acc[slo:shi])
-        chunk = await link.exchange(sending, receiving)
+        if keeping:
+            chunk, failure = await link.exchange_keeping(sending, receiving)
+        else:
+            chunk = await link.exchange(sending, receiving)
     if phase == PHASE_SCATTER:
         np.add(acc[rlo:rhi], chunk, out=acc[rlo:rhi])
     else:
@@ -143,7 +143,7 @@ async def all_gather(
     receives at step ``k`` is the one it sends at step ``k + 1``, and no chunk it
     receives passed through its successor. So a send that fails at step ``s >= 1``
     does not break this member: it sends nothing more to its successor, keeps
-    receiving, and completes, while ``on_lost(s, failure)`` tells the member after the
+    receiving, and completes, while ``on_lost()`` tells the member after the
     successor. A receive that fails at step ``k`` is raised once this step's send has
     finished, with ``cut_at = k``: the members its missing chunks would have reached
     must stop, and only they. At step 0 no member can complete, this one included: a
@@ -168,11 +168,11 @@ async def all_gather(
                     keeping=keeping,
                 )
             except RingBroken as exc:
-                if keeping or lost is not None:
+                if keeping:
                     exc.cut_at = s
                 raise
             if failure is not None and on_lost is not None:
-                lost = asyncio.ensure_future(on_lost(s, failure))
+                lost = asyncio.ensure_future(on_lost())
             if filled is not None:
                 filled.add((pos - s) % n)
     finally:
