@@ -200,6 +200,7 @@ class Header:
     ctx: RoundContext
     stage: Stage
     sender: str
+    _bytes_cache: bytes | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.ctx, RoundContext):
@@ -211,6 +212,15 @@ class Header:
         _check_id(self.ctx.run, "run")
         if not isinstance(self.ctx.round, int) or not 0 <= self.ctx.round < 2**64:
             raise MalformedMessage("round must be an integer in [0, 2**64)")
+
+    def encoded(self) -> bytes:
+        """The header's bytes, as every message under it starts (made once)."""
+        if self._bytes_cache is None:
+            w = _Writer()
+            self._write(w)
+            object.__setattr__(self, "_bytes_cache", w.getvalue())
+        assert self._bytes_cache is not None
+        return self._bytes_cache
 
     def _write(self, w: _Writer) -> None:
         w.u8(VERSION)
@@ -341,6 +351,30 @@ class AdvertiseKeys(Message):
         w.raw(self.c_pk)
         w.raw(self.s_pk)
         w.raw(self.b_commitment)
+
+    @classmethod
+    def from_bytes_under(cls, data: bytes, header: Header) -> AdvertiseKeys:
+        """:meth:`from_bytes` of an advertisement expected under ``header``, as every
+        honest member's is: when ``data`` starts with that header's bytes and has the
+        length of a body and a signature, the body is read and the header is not
+        parsed again (a receiver reads every member's advertisement each round);
+        anything else is read by :meth:`from_bytes`. Same message, same errors."""
+        head = header.encoded()
+        body = len(head) + 3 * _KEY_LEN
+        if isinstance(data, bytes) and data[: len(head)] == head and len(data) >= body + 2:
+            size = (data[body] << 8) | data[body + 1]
+            if body + 2 + size == len(data):
+                keys = [data[i : i + _KEY_LEN] for i in range(len(head), body, _KEY_LEN)]
+                msg = cls(
+                    header,
+                    c_pk=keys[0],
+                    s_pk=keys[1],
+                    b_commitment=keys[2],
+                    signature=data[body + 2 :],
+                )
+                object.__setattr__(msg, "_unsigned_cache", data[:body])
+                return msg
+        return cls.from_bytes(data)
 
     @classmethod
     def _read_body(cls, r: _Reader) -> dict[str, Any]:

@@ -16,7 +16,12 @@ sender is authenticated by the envelope), and one relayed for another federation
 or round fails that check. The check is the author's Ed25519 signature, or, once the
 receiver learned the author's record key from a record whose signature it verified,
 the author's MAC tag for this receiver (:mod:`~coordinator_free.rounds.record_keys`):
-a hash and a MAC instead of a verification, for every record after the first. Two
+a hash and a MAC instead of a verification, for every record after the first. A copy
+carries only the tags of the members it reaches from the step it is sent at (the
+receiver and those ``2 * 2**i``, ``4 * 2**i``, ... places after it), about ``n / 2``
+entries a step per node instead of ``n - 1`` per record, and a record goes at the
+steps after the one whose sender put it on schedule (:func:`_on_schedule`), so that
+each member's first copy carries its tag. Two
 valid records of one author with different bytes are an equivocation, as two
 different direct readies are (:meth:`~coordinator_free.rounds.exchange.PairwiseExchange.file`). A
 member whose record did not arrive by the last step (a relay died, or a member is
@@ -38,7 +43,7 @@ from coordinator_free.ring import ring_order
 from coordinator_free.rounds.config import patience
 from coordinator_free.rounds.context import StageContext
 from coordinator_free.rounds.messenger import Messenger
-from coordinator_free.rounds.record_keys import RecordKeys
+from coordinator_free.rounds.record_keys import RecordKeys, kept_entries
 from coordinator_free.rounds.state import RoundState, RoundTable
 from coordinator_free.rounds.unmask import await_from
 from coordinator_free.rounds.wire import KIND_READIES
@@ -56,7 +61,15 @@ __all__ = [
 
 READY = ("ready",)
 RECORDS = ("ready", "record")
-"""The inbox key of the signed ready records, by author."""
+"""The inbox key of the signed ready records (their heads), by author."""
+
+
+def _tags(author: str) -> tuple[str, ...]:
+    """The inbox key of the tag entries the copies of ``author``'s record came with,
+    by the member that relayed each (and charged to it)."""
+    return ("ready", "tags", author)
+
+
 OWED = ("ready", "owed")
 """The inbox key of the members whose direct ready this node answered empty."""
 
@@ -95,12 +108,14 @@ def record_signing_bytes(
 @dataclass(frozen=True)
 class ReadyRecord:
     """One author's signed ready, its record key (none: empty) and its tags for the
-    receivers whose record keys it knows: ``raw`` is its encoding, as relayed."""
+    receivers whose record keys it knows. ``head`` is its encoding up to the tags:
+    what every copy of the record shares, as relays pass on only the tags of the
+    members after them (:func:`with_tags`)."""
 
     author: str
     ready: bytes
     signature: bytes
-    raw: bytes
+    head: bytes
     key: bytes = b""
     tags: bytes = b""
 
@@ -108,18 +123,26 @@ class ReadyRecord:
     def make(
         cls, author: str, ready: bytes, signature: bytes, key: bytes = b"", tags: bytes = b""
     ) -> ReadyRecord:
-        raw = b"".join(
+        head = b"".join(
             [
                 _text(author),
                 struct.pack(">I", len(ready)),
                 ready,
                 _text_bytes(signature),
                 _text_bytes(key),
-                struct.pack(">I", len(tags)),
-                tags,
             ]
         )
-        return cls(author, ready, signature, raw, key, tags)
+        return cls(author, ready, signature, head, key, tags)
+
+    @property
+    def raw(self) -> bytes:
+        """The record's encoding, as relayed, with all its tags."""
+        return with_tags(self.head, self.tags)
+
+
+def with_tags(head: bytes, tags: bytes) -> bytes:
+    """A record's encoding from its ``head`` and the tag entries it carries."""
+    return head + _U32.pack(len(tags)) + tags
 
 
 def _text_bytes(data: bytes) -> bytes:
@@ -157,10 +180,9 @@ def decode_batch(data: bytes) -> tuple[int, list[ReadyRecord]]:
             ready, pos = _field(data, pos, _U32)
             signature, pos = _field(data, pos, _U16)
             key, pos = _field(data, pos, _U16)
+            head = data[start:pos]
             tags, pos = _field(data, pos, _U32)
-            records.append(
-                ReadyRecord(author.decode("utf-8"), ready, signature, data[start:pos], key, tags)
-            )
+            records.append(ReadyRecord(author.decode("utf-8"), ready, signature, head, key, tags))
     except (struct.error, UnicodeDecodeError) as exc:
         raise ValueError(f"malformed ready records: {exc}") from None
     if pos != len(data):
@@ -168,6 +190,36 @@ def decode_batch(data: bytes) -> tuple[int, list[ReadyRecord]]:
     if step >= _MAX_STEP:
         raise ValueError(f"step {step} out of range")
     return step, records
+
+
+def _on_schedule(
+    state: RoundState,
+    partners: set[str] | None,
+    keep: frozenset[bytes],
+    known: frozenset[bytes],
+) -> list[bytes]:
+    """The records a step sends, each with the tag entries of the members it reaches
+    from there (``keep``, and those of ids not in ``known``). Only the records on
+    schedule go, those a copy of which came from one of ``partners``; ``None``: every
+    record held. A record that reached this node early, by a later step than the one
+    sent now, goes at its own step: passed on before it, it would carry no tag for
+    the members it reached first, and cost each a signature check."""
+    inbox, out = state.inbox, []
+    for author, head in inbox.get(RECORDS).items():
+        copies = inbox.get(_tags(author))
+        if partners is None or not partners.isdisjoint(copies):
+            out.append(with_tags(head, kept_entries(copies.values(), keep, known)))
+    return out
+
+
+def _after(order: tuple[str, ...] | list[str], at: int, distance: int) -> list[str]:
+    """The members a record sent at the step of ``distance`` to position ``at`` of
+    ``order`` reaches: ``at`` itself and those the later steps (twice the distance
+    and more) pass it on to, ``at + m * 2 * distance`` for every ``m`` below
+    ``2**ceil(log2 n) / (2 * distance)``. Only their tags travel with it."""
+    n = len(order)
+    span = 1 << (n - 1).bit_length()
+    return [order[(at + m * 2 * distance) % n] for m in range(span // (2 * distance))]
 
 
 def _steps(n: int) -> Iterator[tuple[int, int]]:
@@ -202,7 +254,10 @@ class ReadyRelay:
         self.take(state, env.sender, records)
         state.inbox.put(("ready", "step", str(step)), env.sender, b"")
         own = state.inbox.item(RECORDS, state.me)
-        return encode_batch(step, [own]) if own is not None else b""
+        if own is None:
+            return b""
+        tags = state.inbox.item(_tags(state.me), state.me) or b""
+        return encode_batch(step, [with_tags(own, tags)])
 
     def take(self, state: RoundState, relayer: str, records: list[ReadyRecord]) -> int:
         """File the records of members not filed yet whose signature holds (a record
@@ -214,7 +269,10 @@ class ReadyRelay:
             if rec.author == state.me:
                 continue
             held = state.inbox.item(RECORDS, rec.author)
-            if held == rec.raw:
+            if held == rec.head:  # another copy of a record filed: its tags are kept
+                # for the members after this one (a wrong one only costs its receiver
+                # a signature check), and who relayed it puts it on schedule
+                state.inbox.put(_tags(rec.author), relayer, rec.tags)
                 continue
             if not self._authentic(state, relayer, rec):
                 refused += 1
@@ -228,7 +286,8 @@ class ReadyRelay:
                 )
                 continue
             if held is None:
-                state.inbox.put(RECORDS, rec.author, rec.raw)
+                state.inbox.put(RECORDS, rec.author, rec.head)
+                state.inbox.put(_tags(rec.author), relayer, rec.tags)
             exchange.file(rec.author, rec.ready)
         return refused
 
@@ -258,17 +317,19 @@ class ReadyRelay:
         key = self.keys.public
         signing = record_signing_bytes(self.federation, ctx.run, ctx.round, ctx.me, ready, key)
         tags = self.keys.tags(hashlib.sha256(signing).digest(), ctx.u0)
-        raw = ReadyRecord.make(ctx.me, ready, self.sign(signing), key, tags).raw
-        ctx.state.inbox.put(RECORDS, ctx.me, raw)
-        return raw
+        record = ReadyRecord.make(ctx.me, ready, self.sign(signing), key, tags)
+        ctx.state.inbox.put(RECORDS, ctx.me, record.head)
+        ctx.state.inbox.put(_tags(ctx.me), ctx.me, record.tags)
+        return record.raw
 
     async def spread(self, ctx: StageContext, ready: bytes, until: float) -> None:
         """Recursive doubling of the records over the ring order of ``U0``: at each step
-        send every record held to the member ``2**i`` places on, then wait (up to
-        :func:`patience`, and never past ``until``, loop time) for the step's records
-        from the member ``2**i`` places back. Once every member's ready is held, or a
-        sender stays silent, the remaining steps go out at once: the members after
-        this one still need them."""
+        send the records on schedule to the member ``2**i`` places on, then wait (up
+        to :func:`patience`, and never past ``until``, loop time) for the step's
+        records from the member ``2**i`` places back. Once every member's ready is
+        held, or a sender stays silent, the remaining steps go out at once: the
+        members after this one still need them; after a silent sender, with every
+        record held, on schedule or not."""
         self.own_record(ctx, ready)
         state = ctx.state
         order = ring_order(ctx.u0, ctx.round)
@@ -278,17 +339,24 @@ class ReadyRelay:
         u0 = set(ctx.u0)
         sends: list[asyncio.Future[set[str]]] = []
         waiting = True
+        # the members whose copies of a record put it on schedule: the author itself,
+        # and those this node met at an earlier step; None once a sender was silent
+        partners: set[str] | None = {ctx.me}
+        known = self.keys.ids(ctx.u0) | {self.keys.id}
         for step, distance in _steps(n):
-            batch = encode_batch(step, list(state.inbox.get(RECORDS).values()))
             dest, src = order[(here + distance) % n], order[(here - distance) % n]
+            keep = self.keys.ids(_after(order, here + distance, distance))
+            batch = encode_batch(step, _on_schedule(state, partners, keep, known))
             sends.append(asyncio.ensure_future(self._send(ctx, dest, batch)))
+            if partners is not None:
+                partners |= {dest, src}
             if waiting and u0 <= state.inbox.senders(READY):
                 waiting = False
             if waiting:
                 key = ("ready", "step", str(step))
                 deadline = min(until, loop.time() + patience(ctx.config))
                 if await await_from(state, key, src, deadline, alive) is None:
-                    waiting = False
+                    waiting, partners = False, None
                     ctx.observe("missing", "ready", peer=src, detail=f"no records at step {step}")
         await asyncio.gather(*sends)
 

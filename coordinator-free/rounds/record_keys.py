@@ -33,7 +33,15 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-__all__ = ["ENTRY_BYTES", "KEY_ID_BYTES", "PUBLIC_BYTES", "TAG_BYTES", "RecordKeys", "key_id"]
+__all__ = [
+    "ENTRY_BYTES",
+    "KEY_ID_BYTES",
+    "PUBLIC_BYTES",
+    "TAG_BYTES",
+    "RecordKeys",
+    "kept_entries",
+    "key_id",
+]
 
 PUBLIC_BYTES = 32
 KEY_ID_BYTES = 4
@@ -57,6 +65,20 @@ def _text(value: str) -> bytes:
 
 def _tag(mac_key: bytes, receiver: str, digest: bytes) -> bytes:
     return hmac.digest(mac_key, _text(receiver) + digest, "sha256")[:TAG_BYTES]
+
+
+def kept_entries(copies: Iterable[bytes], keep: frozenset[bytes], known: frozenset[bytes]) -> bytes:
+    """The tag entries of ``copies`` (the tags of one record's copies), each once, that
+    name a key id in ``keep`` or one not in ``known`` (a receiver the caller cannot
+    place: its entry is kept)."""
+    size = ENTRY_BYTES
+    kept = [
+        tags[i : i + size]
+        for tags in copies
+        for i in range(0, len(tags) - len(tags) % size, size)
+        if tags[i : i + KEY_ID_BYTES] in keep or tags[i : i + KEY_ID_BYTES] not in known
+    ]
+    return b"".join(dict.fromkeys(kept))
 
 
 class RecordKeys:
@@ -117,6 +139,10 @@ class RecordKeys:
             if key is not None:
                 parts += [key_id(self._peers[org]), _tag(key, org, digest)]
         return b"".join(parts)
+
+    def ids(self, orgs: Iterable[str]) -> frozenset[bytes]:
+        """The ids that tag entries name the record keys learned for ``orgs`` by."""
+        return frozenset(key_id(k) for k in map(self._peers.get, orgs) if k is not None)
 
     def check(self, author: str, public: bytes, digest: bytes, tags: bytes) -> bool:
         """Whether ``tags`` hold a valid tag for this node of ``author``'s record (of

@@ -23,7 +23,15 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from secure_agg import prg
 from secure_agg.codec import FixedPointCodec
 from secure_agg.keys import RoundContext
-from secure_agg.messages import AdvertiseKeys, Message, ShareKeys, UnmaskShares
+from secure_agg.messages import (
+    AdvertiseKeys,
+    Header,
+    MalformedMessage,
+    Message,
+    ShareKeys,
+    Stage,
+    UnmaskShares,
+)
 from secure_agg.protocol import ProtocolConfig, SecAggPeer
 
 __all__ = [
@@ -260,7 +268,16 @@ class SecAggSession:
         return self.peer.advertise_keys().to_bytes()
 
     def receive_advert(self, sender: str, data: bytes) -> None:
-        msg = self._decode(AdvertiseKeys, sender, data)
+        try:
+            header = Header(self.peer.config.ctx, Stage.ADVERTISE_KEYS, sender)
+        except MalformedMessage:  # no advertisement of that sender reads
+            header = None
+        if header is None:
+            msg = self._decode(AdvertiseKeys, sender, data)
+        else:  # the header an honest sender's advertisement has: compared, not parsed
+            msg = AdvertiseKeys.from_bytes_under(data, header)
+        if msg.sender != sender:
+            raise ValueError(f"an AdvertiseKeys signed as {msg.sender!r} came from {sender!r}")
         assert isinstance(msg, AdvertiseKeys)
         self.peer.receive_advertise(msg, authenticated=True)
 

@@ -16,6 +16,8 @@ from coordinator_free.rounds.ready_relay import (
     RECORDS,
     ReadyRecord,
     Verify,
+    _after,
+    _steps,
     decode_batch,
     encode_batch,
     record_signing_bytes,
@@ -86,6 +88,38 @@ def test_a_batch_decodes_to_what_was_encoded_and_malformed_ones_are_refused() ->
     for bad in (data[:-1], data + b"\x00", b"\x00", encode_batch(200, [])):
         with pytest.raises(ValueError):
             decode_batch(bad)
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 12, 16, 33, 100])
+def test_on_schedule_every_member_gets_every_record_with_its_own_tag(n: int) -> None:
+    # recursive doubling as the relay runs it when no member is late: at each step a
+    # node sends the records it has from the author or an earlier step, each with the
+    # tags of the members the copy reaches from there (_after); copies of one record
+    # pool their tags. Every member gets every record, and one copy with its tag.
+    order = [f"m{i:03d}" for i in range(n)]
+    pos = {o: i for i, o in enumerate(order)}
+    # node -> author -> (receivers whose tags its copies carry, the first step one came)
+    held = {x: {x: (set(range(n)) - {x}, -1)} for x in range(n)}
+    tagged: dict[int, set[int]] = {x: set() for x in range(n)}
+    for step, distance in _steps(n):
+        sends = []
+        for x in range(n):
+            dest = (x + distance) % n
+            after = {pos[o] for o in _after(order, dest, distance)}
+            sends += [(dest, a, tags & after) for a, (tags, at) in held[x].items() if at < step]
+        for dest, a, tags in sends:
+            if a == dest:
+                continue
+            if dest in tags:
+                tagged[dest].add(a)
+            old, at = held[dest].get(a, (set(), step))
+            held[dest][a] = (old | tags, min(at, step))
+    for x in range(n):
+        assert set(held[x]) == set(range(n))
+        assert tagged[x] == set(range(n)) - {x}
+    # and a copy carries only the tags of those members: about n / 2 a step per node,
+    # not the n - 1 of each record
+    assert len(_after(order, 0, 1)) == (1 << (n - 1).bit_length()) // 2
 
 
 # -- rounds ---------------------------------------------------------------------------------
@@ -266,8 +300,8 @@ def _count_verifications(sim: Simulation) -> list[int]:
     return calls
 
 
-def test_from_the_second_round_relayed_records_are_checked_by_tags_not_signatures() -> None:
-    n = 12
+@pytest.mark.parametrize("n", [12, 40])
+def test_from_the_second_round_relayed_records_are_checked_by_tags_not_signatures(n: int) -> None:
     config = SimConfig(peers=n, length=64, seed=7, round_config=_config(8, patient=True))
 
     async def scenario() -> tuple[list[int], list[RoundOutcome]]:
@@ -365,5 +399,26 @@ def test_a_record_key_is_learned_from_its_author_s_signature_only() -> None:
         )
         assert state.inbox.item(READY, b) == ready
         assert keys_c.known(b) == new_key
+
+    _relay_scene(act)
+
+
+def test_a_record_whose_tags_a_relay_spoiled_is_taken_by_its_signature() -> None:
+    async def act(sim: Simulation) -> None:
+        a, b, c = sim.orgs[:3]
+        ready = b"\x04" * 80
+        good = _tagged(sim, b, 2, ready, c)
+        spoiled = bytes(x ^ 0xFF for x in good.tags)
+        calls = _count_verifications(sim)
+        for step, tags in enumerate((b"", spoiled)):
+            state = sim.engines[c]._table.state(RUN, 2 + step, a)
+            signing = record_signing_bytes("sim", RUN, 2 + step, b, ready, good.key)
+            rec = ReadyRecord.make(b, ready, sim.identities[b].sign(signing), good.key, tags)
+            await sim.endpoints[a].send(
+                c, KIND_READIES, encode_batch(0, [rec.raw]), run=RUN, round=2 + step, stage="ready"
+            )
+            assert state.inbox.item(READY, b) == ready
+        # each was checked by its signature: one verification apiece
+        assert calls[0] == 2
 
     _relay_scene(act)

@@ -8,7 +8,13 @@ import hashlib
 import hmac
 import struct
 
-from coordinator_free.rounds.record_keys import ENTRY_BYTES, TAG_BYTES, RecordKeys, key_id
+from coordinator_free.rounds.record_keys import (
+    ENTRY_BYTES,
+    TAG_BYTES,
+    RecordKeys,
+    kept_entries,
+    key_id,
+)
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
@@ -118,3 +124,23 @@ def test_the_tag_construction_matches_a_fixed_vector() -> None:
 def test_each_start_makes_a_new_record_key() -> None:
     # made at random, never derived from the org's identity nor written anywhere
     assert RecordKeys(FED, "a").public != RecordKeys(FED, "a").public
+
+
+def test_a_relay_keeps_the_entries_of_the_members_after_it_and_those_it_cannot_place() -> None:
+    keys = _keys("a", "b", "c", "d")
+    digest = hashlib.sha256(b"a's record").digest()
+    tags = keys["a"].tags(digest, ["b", "c", "d"])
+    stranger = b"\xff" * ENTRY_BYTES  # an id no member's key has
+    relay = keys["d"]
+    known = relay.ids(["a", "b", "c"]) | {relay.id}
+    kept = kept_entries([tags + stranger], relay.ids(["c"]), known)
+    # c's entry and the stranger's stay; b's and d's (the relay's own) go
+    assert kept == keys["a"].tags(digest, ["c"]) + stranger
+    assert keys["c"].check("a", keys["a"].public, digest, kept)
+    assert not keys["b"].check("a", keys["a"].public, digest, kept)
+    # the copies of one record pool their entries, each once
+    assert kept_entries([tags, tags], relay.ids(["b", "c"]), known) == keys["a"].tags(
+        digest, ["b", "c"]
+    )
+    # a cut entry at the end is dropped, not passed on
+    assert kept_entries([tags[:-1]], relay.ids(["b", "c", "d"]), known) == tags[:-ENTRY_BYTES]

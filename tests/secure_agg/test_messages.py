@@ -251,3 +251,48 @@ def test_unmask_round_trip_property(survivors: list[str], ys: list[int], rnd: in
         signature=b"sig",
     )
     assert decode(msg.to_bytes()) == msg
+
+
+def _read(read: Callable[[], AdvertiseKeys]) -> AdvertiseKeys | str:
+    """The message ``read`` returns, or the text of the MalformedMessage it raises."""
+    try:
+        return read()
+    except MalformedMessage as exc:
+        return str(exc)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.sampled_from(["flip", "cut", "insert", "none"]),
+    st.integers(min_value=0, max_value=10_000),
+    st.integers(min_value=0, max_value=255),
+    st.sampled_from(["org-a", "org-b", "org-a\x00"]),
+)
+def test_an_advertisement_read_under_its_expected_header_is_what_from_bytes_reads(
+    how: str, pos: int, byte: int, expected: str
+) -> None:
+    # the receiver's shortcut (the header's bytes compared, not parsed) gives the
+    # same message or the same refusal as the full parse, for any bytes
+    wire = _advertise().to_bytes()
+    i = pos % len(wire)
+    if how == "flip":
+        wire = wire[:i] + bytes([wire[i] ^ (byte or 1)]) + wire[i + 1 :]
+    elif how == "cut":
+        wire = wire[:i]
+    elif how == "insert":
+        wire = wire[:i] + bytes([byte]) + wire[i:]
+    header = Header(CTX, Stage.ADVERTISE_KEYS, expected)
+    under = _read(lambda: AdvertiseKeys.from_bytes_under(wire, header))
+    assert under == _read(lambda: AdvertiseKeys.from_bytes(wire))
+    if isinstance(under, AdvertiseKeys):
+        assert under.to_bytes() == wire
+        assert under.signed_payload() == AdvertiseKeys.from_bytes(wire).signed_payload()
+
+
+def test_an_advertisement_with_equal_keys_is_refused_under_its_header_too() -> None:
+    good = _advertise()
+    wire = good.to_bytes()
+    head = good.header.encoded()
+    same = wire[: len(head)] + good.c_pk + good.c_pk + wire[len(head) + 64 :]
+    with pytest.raises(MalformedMessage, match="distinct"):
+        AdvertiseKeys.from_bytes_under(same, good.header)
