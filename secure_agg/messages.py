@@ -200,7 +200,6 @@ class Header:
     ctx: RoundContext
     stage: Stage
     sender: str
-    _bytes_cache: bytes | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.ctx, RoundContext):
@@ -214,13 +213,10 @@ class Header:
             raise MalformedMessage("round must be an integer in [0, 2**64)")
 
     def encoded(self) -> bytes:
-        """The header's bytes, as every message under it starts (made once)."""
-        if self._bytes_cache is None:
-            w = _Writer()
-            self._write(w)
-            object.__setattr__(self, "_bytes_cache", w.getvalue())
-        assert self._bytes_cache is not None
-        return self._bytes_cache
+        """The header's bytes, as every message under it starts."""
+        w = _Writer()
+        self._write(w)
+        return w.getvalue()
 
     def _write(self, w: _Writer) -> None:
         w.u8(VERSION)

@@ -259,25 +259,27 @@ class SecAggSession:
 
     @staticmethod
     def _decode(kind: type[Message], sender: str, data: bytes) -> Message:
-        msg = kind.from_bytes(data)
+        return SecAggSession._from(sender, kind.from_bytes(data))
+
+    @staticmethod
+    def _from(sender: str, msg: Message) -> Message:
+        """``msg``, refused unless ``sender`` (the envelope's) signed it."""
         if msg.sender != sender:
-            raise ValueError(f"a {kind.__name__} signed as {msg.sender!r} came from {sender!r}")
+            raise ValueError(
+                f"a {type(msg).__name__} signed as {msg.sender!r} came from {sender!r}"
+            )
         return msg
 
     def advertise(self) -> bytes:
         return self.peer.advertise_keys().to_bytes()
 
     def receive_advert(self, sender: str, data: bytes) -> None:
-        try:
+        try:  # the header an honest sender's advertisement has: compared, not parsed
             header = Header(self.peer.config.ctx, Stage.ADVERTISE_KEYS, sender)
         except MalformedMessage:  # no advertisement of that sender reads
-            header = None
-        if header is None:
             msg = self._decode(AdvertiseKeys, sender, data)
-        else:  # the header an honest sender's advertisement has: compared, not parsed
-            msg = AdvertiseKeys.from_bytes_under(data, header)
-        if msg.sender != sender:
-            raise ValueError(f"an AdvertiseKeys signed as {msg.sender!r} came from {sender!r}")
+        else:
+            msg = self._from(sender, AdvertiseKeys.from_bytes_under(data, header))
         assert isinstance(msg, AdvertiseKeys)
         self.peer.receive_advertise(msg, authenticated=True)
 
