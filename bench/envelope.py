@@ -17,11 +17,13 @@ checks add (no target: a report of where a message's CPU goes).
 Rows ``ready_record_parse_vs_verification[blobs=24, parse=own|all]``: from 32 members
 on every node takes every member's relayed ready record (``rounds/ready_relay.py``),
 and from 33 on each record carries its author's shares sealed to its ``k`` holders (24
-at 256 members). Besides checking the author's signature, a holder reads the record
-from the relayed batch, parses the ready and decodes the advertisement: that work is
-timed against the baseline in the same run, the Ed25519 verification of the record.
-``own`` parses the ahead part for this holder's blob alone, as the node does; ``all``
-parses every blob, as it did before, for comparison.
+at 256 members), signed by their digests in the ready's core and travelling beside it
+towards their holders. Besides checking the author's signature, a holder reads the
+record from the relayed batch, parses the ready's core, decodes the advertisement and
+takes its blob (matched against its digest): that work is timed against the baseline
+in the same run, the Ed25519 verification of the record. Here the copy carries every
+holder's blob; ``own`` reads this holder's alone, as the node does, ``all`` reads
+every one, for comparison.
 
 Row ``ready_record_tag_vs_verification[blobs=24, members=256]``: from its second
 relayed round on, a node checks each record by its author's MAC tag for it
@@ -39,7 +41,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from coordinator_free.identity import OrgIdentity, verify_signature
-from coordinator_free.rounds.ahead import Ahead, Blob, Ready
+from coordinator_free.rounds.ahead import Ahead, Blob, Ready, encode_blobs, read_blobs
 from coordinator_free.rounds.ready_relay import (
     ReadyRecord,
     decode_batch,
@@ -118,11 +120,12 @@ def ready_record(
         header, c_pk=os.urandom(32), s_pk=os.urandom(32), b_commitment=os.urandom(32)
     ).signed(author.sign)
     holders = {7 * i: Blob(os.urandom(8), os.urandom(_SEALED_BYTES)) for i in range(blobs)}
-    ahead = Ahead(os.urandom(32), frozenset(os.urandom(8) for _ in range(8)), holders)
-    ready = Ready(os.urandom(HASH_BYTES), advert.to_bytes(), ahead).to_bytes()
+    ahead = Ahead.sealing(os.urandom(32), frozenset(os.urandom(8) for _ in range(8)), holders)
+    ready = Ready(os.urandom(HASH_BYTES), advert.to_bytes(), ahead).core()
     signed = record_signing_bytes(fed, run, rnd, author.org_id, ready)
     signature = author.sign(signed)
-    batch = encode_batch(3, [ReadyRecord.make(author.org_id, ready, signature).raw])
+    record = ReadyRecord.make(author.org_id, ready, signature, blobs=encode_blobs(holders))
+    batch = encode_batch(3, [record.raw])
     public, mine = author.public_key, 7 * (blobs // 2)
     only = None if parse_all else mine
 
@@ -130,10 +133,11 @@ def ready_record(
         (rec,) = decode_batch(batch)[1]
         if record_signing_bytes(fed, run, rnd, rec.author, rec.ready) != signed:
             raise RuntimeError("the record's signed bytes did not come through")
-        parsed = Ready.from_bytes(rec.ready, HASH_BYTES, only=only)
+        parsed = Ready.from_bytes(rec.ready, HASH_BYTES)
         if AdvertiseKeys.from_bytes(parsed.advert) != advert or parsed.ahead is None:
             raise RuntimeError("the record's ready did not come through")
-        if parsed.ahead.blobs.get(mine) != holders[mine]:
+        blob = read_blobs(rec.blobs, only=only).get(mine)
+        if blob is None or blob.digest() != parsed.ahead.digest_for(mine):
             raise RuntimeError("the holder's blob did not come through")
 
     def verification() -> None:
@@ -151,8 +155,8 @@ def record_tag(
     author = OrgIdentity.generate("org-a")
     fed, run, rnd = "fed", "run-1", 7
     holders = {7 * i: Blob(os.urandom(8), os.urandom(_SEALED_BYTES)) for i in range(blobs)}
-    ahead = Ahead(os.urandom(32), frozenset(), holders)
-    ready = Ready(os.urandom(HASH_BYTES), os.urandom(200), ahead).to_bytes()
+    ahead = Ahead.sealing(os.urandom(32), frozenset(), holders)
+    ready = Ready(os.urandom(HASH_BYTES), os.urandom(200), ahead).core()
     mine = RecordKeys(fed, author.org_id)
     receivers = [RecordKeys(fed, f"org-{i:03d}") for i in range(1, members)]
     for other in receivers:

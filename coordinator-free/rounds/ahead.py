@@ -5,17 +5,22 @@ shares to a holder under the holder's ``c`` key of the round, so the shares wait
 the advertisements and travel in a second exchange (``round.share``). Here every
 ``round.ready`` also advertises a fresh X25519 key for a later round (``next_pk``);
 in its next round an org seals its shares to each holder under the key that holder
-advertised last, and they ride with its ready: no share exchange, and no round trip
-between the readies and the ring. A holder whose key the org does not know (a first
-round, a new member) or that no longer holds it (it restarted: the keys live in
-memory only) gets and sends its shares by the share exchange as before
+advertised last, and they ride beside its ready: no share exchange, and no round trip
+between the readies and the ring. The ready's core, which its org signs, lists a
+digest of each sealed blob; the blobs travel only towards their holders (a direct
+ready carries its receiver's, a relayed record those of the members its copy
+reaches: :func:`kept_blobs`), and a holder takes the one whose digest the core
+lists. A holder whose key the org does not know (a first round, a new member) or that
+no longer holds it (it restarted: the keys live in memory only) gets and sends its
+shares by the share exchange as before
 (:mod:`~coordinator_free.rounds.share`): each ready lists the keys its org still
 holds, so both ends of a pair know from the two readies whether the pair needs it.
 
 :class:`AheadKeys` holds this node's keys (the private halves, never written
 anywhere, each dropped once :data:`RETAINED` newer ones were advertised) and the last
 key each peer advertised. :class:`Ready` is a ready's bytes: the hash of ``U0``, the
-``AdvertiseKeys``, and the ahead part (:class:`Ahead`).
+``AdvertiseKeys``, and the ahead part (:class:`Ahead`), then the blobs that travel
+with it.
 """
 
 from __future__ import annotations
@@ -31,7 +36,19 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from secure_agg.keys import generate_keypair
 from secure_agg.protocol.config import usable_public_key
 
-__all__ = ["KEY_ID_BYTES", "RETAINED", "Ahead", "AheadKeys", "Ready", "key_id"]
+__all__ = [
+    "DIGEST_BYTES",
+    "KEY_ID_BYTES",
+    "RETAINED",
+    "Ahead",
+    "AheadKeys",
+    "Blob",
+    "Ready",
+    "encode_blobs",
+    "kept_blobs",
+    "key_id",
+    "read_blobs",
+]
 
 KEY_ID_BYTES = 8
 """A key is named by the first bytes of its public half's domain-tagged SHA-256."""
@@ -42,6 +59,11 @@ PUBLIC_BYTES = 32
 _MAX_BLOB = 1024
 _HEAD = struct.Struct(">I")  # the AdvertiseKeys' length
 _BLOB = struct.Struct(">H8sH")  # holder's index in U0, key id, ciphertext length
+DIGEST_BYTES = 8
+"""A blob is listed in its author's ready by the first bytes of its domain-tagged
+SHA-256: enough that no relay can find another blob with the same digest."""
+_SEALED = struct.Struct(">H8s")  # holder's index in U0, the blob's digest
+_BLOB_DOMAIN = b"fedweave/ahead-blob/v1\x00"
 
 
 def key_id(public: bytes) -> bytes:
@@ -56,46 +78,123 @@ class Blob:
     key: bytes
     ciphertext: bytes
 
+    def digest(self) -> bytes:
+        """What the author's ready lists for this blob (:attr:`Ahead.sealed`): the
+        holder takes a blob, from whoever brought it, only when it matches."""
+        return hashlib.sha256(_BLOB_DOMAIN + self.key + self.ciphertext).digest()[:DIGEST_BYTES]
+
 
 @dataclass(frozen=True)
 class Ahead:
     """The ahead part of a ready: this org's key for a later round, the ids of the keys
-    it still holds, and its shares sealed to holders' earlier keys (by index in U0)."""
+    it still holds, the digest of each blob it sealed (``sealed``: 2-byte holder
+    index in ``U0`` and :data:`DIGEST_BYTES`-byte digest per entry, in rising holder
+    order), and the blobs that travel with these bytes (``blobs``, by holder index).
+
+    The ready's **core** (:meth:`core`) is all of it but the blobs: what the author
+    signs, every member files, and two copies of one ready are compared by. The blobs
+    go only towards their holders (a direct ready carries its receiver's; a relayed
+    record those of the members its copy reaches), and a holder takes the one whose
+    digest the core lists.
+    """
 
     next_pk: bytes
     held: frozenset[bytes] = frozenset()
+    sealed: bytes = b""
     blobs: Mapping[int, Blob] = field(default_factory=dict)
 
-    def to_bytes(self) -> bytes:
+    @classmethod
+    def sealing(cls, next_pk: bytes, held: frozenset[bytes], blobs: Mapping[int, Blob]) -> Ahead:
+        """The ahead part of an author's own ready: the digests of all its ``blobs``."""
+        sealed = b"".join(_SEALED.pack(i, blobs[i].digest()) for i in sorted(blobs))
+        return cls(next_pk, held, sealed, dict(blobs))
+
+    def core(self) -> bytes:
         held = sorted(self.held)
-        parts = [self.next_pk, struct.pack(">B", len(held)), *held]
-        parts.append(struct.pack(">H", len(self.blobs)))
-        for index in sorted(self.blobs):
-            blob = self.blobs[index]
-            parts += [_BLOB.pack(index, blob.key, len(blob.ciphertext)), blob.ciphertext]
-        return b"".join(parts)
+        count = len(self.sealed) // _SEALED.size
+        return (
+            b"".join([self.next_pk, struct.pack(">B", len(held)), *held])
+            + struct.pack(">H", count)
+            + self.sealed
+        )
+
+    def to_bytes(self) -> bytes:
+        """The core, then the blobs that travel with it (none: nothing more)."""
+        return self.core() + encode_blobs(self.blobs)
+
+    def digest_for(self, index: int) -> bytes | None:
+        """The digest of the blob sealed for the holder of ``index`` (``None``: none)."""
+        sealed, size = self.sealed, _SEALED.size
+        lo, hi = 0, len(sealed) // size
+        while lo < hi:
+            mid = (lo + hi) // 2
+            at, digest = _SEALED.unpack_from(sealed, mid * size)
+            if at == index:
+                return bytes(digest)
+            lo, hi = (mid + 1, hi) if at < index else (lo, mid)
+        return None
+
+    def with_blobs(self, blobs: Mapping[int, Blob]) -> Ahead:
+        """The same core with ``blobs`` travelling with it."""
+        return Ahead(self.next_pk, self.held, self.sealed, blobs)
 
     @classmethod
     def from_bytes(cls, data: bytes, only: int | None = None) -> Ahead:
         """Parse; ``ValueError`` on anything malformed. ``only``: keep the blob of that
         holder alone (what one holder reads of a peer's ready): every blob's header is
         still checked, but no other ciphertext is copied."""
-        if len(data) < PUBLIC_BYTES + 3:
-            raise ValueError("ahead part too short")
+        end = _core_end(data, 0)
         count, pos = data[PUBLIC_BYTES], PUBLIC_BYTES + 1
-        end = pos + count * KEY_ID_BYTES
-        held = frozenset(data[i : i + KEY_ID_BYTES] for i in range(pos, end, KEY_ID_BYTES))
-        if count > RETAINED or end + 2 > len(data) or len(held) != count:
-            raise ValueError("ahead part: bad list of held keys")
-        blobs = _read_blobs(data, end, only)
-        return cls(bytes(data[:PUBLIC_BYTES]), held, blobs)
+        stop = pos + count * KEY_ID_BYTES
+        held = frozenset(data[i : i + KEY_ID_BYTES] for i in range(pos, stop, KEY_ID_BYTES))
+        sealed = bytes(data[stop + 2 : end])
+        blobs = read_blobs(data[end:], only) if end < len(data) else {}
+        return cls(bytes(data[:PUBLIC_BYTES]), held, sealed, blobs)
 
 
-def _read_blobs(data: bytes, pos: int, only: int | None) -> dict[int, Blob]:
-    """The blobs from ``pos`` (their count first) to the end of ``data``, in strictly
-    rising holder order as :meth:`Ahead.to_bytes` writes them; with ``only``, that
-    holder's blob alone."""
-    (n_blobs,), pos = struct.unpack_from(">H", data, pos), pos + 2
+def _core_end(data: bytes, pos: int) -> int:
+    """Where the ahead part's core that starts at ``pos`` ends; ``ValueError`` when it
+    is malformed (too short, a bad list of held keys, sealed digests out of order)."""
+    if len(data) < pos + PUBLIC_BYTES + 3:
+        raise ValueError("ahead part too short")
+    count = data[pos + PUBLIC_BYTES]
+    at = pos + PUBLIC_BYTES + 1
+    end = at + count * KEY_ID_BYTES
+    held = {data[i : i + KEY_ID_BYTES] for i in range(at, end, KEY_ID_BYTES)}
+    if count > RETAINED or end + 2 > len(data) or len(held) != count:
+        raise ValueError("ahead part: bad list of held keys")
+    (n_sealed,) = struct.unpack_from(">H", data, end)
+    stop = end + 2 + int(n_sealed) * _SEALED.size
+    if stop > len(data):
+        raise ValueError("ahead part: truncated digests")
+    # the holder indices in one unpack; strictly rising is the same as sorted and distinct
+    indices = list(struct.unpack_from(">" + "H8x" * int(n_sealed), data, end + 2))
+    if indices != sorted(set(indices)):
+        raise ValueError("ahead part: digests out of holder order")
+    return stop
+
+
+def encode_blobs(blobs: Mapping[int, Blob]) -> bytes:
+    """Blobs as they travel (their count, then each in rising holder order); none:
+    no bytes at all."""
+    if not blobs:
+        return b""
+    parts = [struct.pack(">H", len(blobs))]
+    for index in sorted(blobs):
+        blob = blobs[index]
+        parts += [_BLOB.pack(index, blob.key, len(blob.ciphertext)), blob.ciphertext]
+    return b"".join(parts)
+
+
+def read_blobs(data: bytes, only: int | None = None) -> dict[int, Blob]:
+    """The blobs of :func:`encode_blobs`' bytes (none: no bytes), in strictly rising
+    holder order; with ``only``, that holder's blob alone. ``ValueError`` when
+    malformed."""
+    if not data:
+        return {}
+    if len(data) < 2:
+        raise ValueError("ahead part: truncated blobs")
+    (n_blobs,), pos = struct.unpack_from(">H", data, 0), 2
     unpack, header, total = _BLOB.unpack_from, _BLOB.size, len(data)
     blobs: dict[int, Blob] = {}
     last = -1
@@ -114,31 +213,68 @@ def _read_blobs(data: bytes, pos: int, only: int | None) -> dict[int, Blob]:
     return blobs
 
 
+def kept_blobs(sections: Iterable[bytes], keep: frozenset[int]) -> bytes:
+    """The blobs a relay passes on: of those its copies of a record came with, one per
+    holder in ``keep`` (the members the copy it sends reaches), the first copy's when
+    two differ (the holder checks the digest). A malformed section counts as none."""
+    out: dict[int, Blob] = {}
+    for section in sections:
+        try:
+            blobs = read_blobs(section)
+        except ValueError:
+            continue
+        for index, blob in blobs.items():
+            if index in keep:
+                out.setdefault(index, blob)
+    return encode_blobs(out)
+
+
 @dataclass(frozen=True)
 class Ready:
-    """A ``round.ready``'s bytes (the same for every receiver, relayed or direct)."""
+    """A ``round.ready``'s bytes: its core (the same for every receiver, relayed or
+    direct), then the blobs that travel with it."""
 
     h0: bytes
     advert: bytes
     ahead: Ahead | None = None
 
+    def core(self) -> bytes:
+        """What the author signs and every member files (:meth:`Ahead.core`)."""
+        tail = b"" if self.ahead is None else self.ahead.core()
+        return self.h0 + _HEAD.pack(len(self.advert)) + self.advert + tail
+
     def to_bytes(self) -> bytes:
         tail = b"" if self.ahead is None else self.ahead.to_bytes()
         return self.h0 + _HEAD.pack(len(self.advert)) + self.advert + tail
+
+    @staticmethod
+    def split(data: bytes, hash_bytes: int) -> tuple[bytes, bytes]:
+        """A ready's bytes as its core and the blobs after it; ``ValueError`` when the
+        core is malformed (the blobs are read, and checked, by their holder)."""
+        start = _advert_end(data, hash_bytes)
+        if start == len(data):
+            return data, b""
+        end = _core_end(data, start)
+        return data[:end], data[end:]
 
     @classmethod
     def from_bytes(cls, data: bytes, hash_bytes: int, only: int | None = None) -> Ready:
         """Parse; ``ValueError`` on anything malformed. ``only``: as for
         :meth:`Ahead.from_bytes`, the blob of that holder alone."""
-        if len(data) < hash_bytes + _HEAD.size:
-            raise ValueError("ready too short")
-        (size,) = _HEAD.unpack_from(data, hash_bytes)
-        start = hash_bytes + _HEAD.size
-        if start + size > len(data):
-            raise ValueError("ready: truncated advertisement")
-        rest = data[start + size :]
+        start = _advert_end(data, hash_bytes)
+        rest = data[start:]
         ahead = Ahead.from_bytes(rest, only) if rest else None
-        return cls(data[:hash_bytes], data[start : start + size], ahead)
+        return cls(data[:hash_bytes], data[hash_bytes + _HEAD.size : start], ahead)
+
+
+def _advert_end(data: bytes, hash_bytes: int) -> int:
+    if len(data) < hash_bytes + _HEAD.size:
+        raise ValueError("ready too short")
+    (size,) = _HEAD.unpack_from(data, hash_bytes)
+    end = hash_bytes + _HEAD.size + int(size)
+    if end > len(data):
+        raise ValueError("ready: truncated advertisement")
+    return end
 
 
 class AheadKeys:

@@ -40,8 +40,8 @@ class RoundView(Protocol):
 
 __all__ = ["PairwiseExchange", "Unwrap", "initiator"]
 
-Unwrap = Callable[[bytes], bytes | None]
-"""What of a reply is the peer's message of the exchange (``None``: nothing to file)."""
+Unwrap = Callable[[str, bytes], bytes | None]
+"""What of a peer's reply is its message of the exchange (``None``: nothing to file)."""
 
 
 def initiator(run: str, round: int, a: str, b: str) -> str:
@@ -55,7 +55,7 @@ def initiator(run: str, round: int, a: str, b: str) -> str:
     return lo if digest[0] & 1 else hi
 
 
-def whole(data: bytes) -> bytes | None:
+def whole(peer: str, data: bytes) -> bytes | None:
     """A reply that is the peer's message as it is."""
     return data
 
@@ -171,7 +171,7 @@ class PairwiseExchange:
         assert message is not None, "offer the message before sending it"
 
         def take(peer: str, data: bytes) -> None:
-            filed = unwrap(data) if unwrap is not None else None
+            filed = unwrap(peer, data) if unwrap is not None else None
             if filed is not None and self.file(peer, filed):
                 net.arrival(state.run, state.round, stage, peer, len(data), started=state.started)
 

@@ -20,10 +20,13 @@ deadline.
 
 From ``RoundConfig.shares_ahead_from`` members on, each ready also carries the ahead part
 (:mod:`~coordinator_free.rounds.ahead`): a key for a later round, the keys this org
-still holds, and its shares sealed to the keys its holders advertised before. The
-node opens the shares sealed for it as it takes the readies, and notes the holders
-with which both directions travelled ahead (``StageContext.ahead_done``): the share
-stage leaves them out.
+still holds, and the digests of its shares sealed to the keys its holders advertised
+before; the sealed shares themselves go beside it, each towards its holder only (a
+direct ready carries its receiver's). The exchange files a ready's core, the blobs
+are kept apart (:func:`file_direct`). The node opens the shares sealed for it as it
+takes the readies, and notes the holders with which both directions travelled ahead
+(``StageContext.ahead_done``): the share stage leaves them out. A holder whose blob no
+relayed copy brought whole asks its author by a direct ready (:func:`_blobless`).
 """
 
 from __future__ import annotations
@@ -35,14 +38,22 @@ import os
 from collections.abc import Callable, Iterable
 
 from coordinator_free.errors import RefusalReason, Refused
-from coordinator_free.rounds.ahead import Ahead, AheadKeys, Blob, Ready, key_id
+from coordinator_free.rounds.ahead import (
+    Ahead,
+    AheadKeys,
+    Blob,
+    Ready,
+    encode_blobs,
+    key_id,
+    read_blobs,
+)
 from coordinator_free.rounds.config import patience
 from coordinator_free.rounds.context import StageContext
 from coordinator_free.rounds.exchange import PairwiseExchange
-from coordinator_free.rounds.ready_relay import OWED, ReadyRelay
+from coordinator_free.rounds.ready_relay import OWED, ReadyRelay, blobs_key
 from coordinator_free.rounds.results import RoundFailed
 from coordinator_free.rounds.session import SessionContext, SessionFactory
-from coordinator_free.rounds.state import RoundTable
+from coordinator_free.rounds.state import RoundState, RoundTable
 from coordinator_free.rounds.wire import HASH_BYTES, KIND_READY, view_hash
 from coordinator_free.wire import Envelope
 
@@ -66,6 +77,69 @@ def _silent(ctx: StageContext, exchange: PairwiseExchange) -> set[str]:
     return silent
 
 
+def _direct_blobs(author: str) -> tuple[str, ...]:
+    """The inbox key of the blobs of ``author``'s direct ready (kept apart from those of
+    the copies relays brought, under the same key by ``author``)."""
+    return (*blobs_key(author), "direct")
+
+
+def file_direct(state: RoundState, sender: str, payload: bytes) -> bytes:
+    """What of ``sender``'s direct ready the exchange files: its core (the same bytes
+    as its relayed record's, so two copies compare equal); the blob after it is kept
+    for :func:`blob_for`. A ready whose core does not parse is filed whole, and
+    reported as malformed when the readies are taken."""
+    try:
+        core, blobs = Ready.split(payload, HASH_BYTES)
+    except ValueError:
+        return payload
+    if blobs:
+        state.inbox.put(_direct_blobs(sender), sender, blobs)
+    return core
+
+
+def blob_for(state: RoundState, author: str, ahead: Ahead, mine: int) -> Blob | None:
+    """The blob ``author`` sealed for this node (index ``mine`` in ``U0``), from any
+    copy that brought one whose digest its core lists; ``None`` when it sealed none,
+    or no copy brought it whole."""
+    want = ahead.digest_for(mine)
+    if want is None:
+        return None
+    inbox = state.inbox
+    sections = [*inbox.get(_direct_blobs(author)).values(), *inbox.get(blobs_key(author)).values()]
+    for section in sections:
+        try:
+            blob = read_blobs(section, only=mine).get(mine)
+        except ValueError:
+            continue
+        if blob is not None and blob.digest() == want:
+            return blob
+    return None
+
+
+Parsed = dict[str, tuple[bytes, Ready, Blob | None]]
+"""The readies parsed so far, by org: the core they were parsed from, the ready, and
+the blob sealed for this node found with it."""
+
+
+def _blobless(ctx: StageContext, parsed: Parsed) -> set[str]:
+    """The members whose ready lists a blob sealed for this node that no copy brought
+    whole (a relay dropped or spoiled it): a direct ready takes it from its author.
+    The readies parsed on the way are kept in ``parsed``."""
+    mine, state, out = ctx.u0.index(ctx.me), ctx.state, set()
+    for org, core in state.inbox.get(READY).items():
+        if org == ctx.me:
+            continue
+        try:
+            ready = Ready.from_bytes(core, HASH_BYTES)
+        except ValueError:
+            continue
+        blob = None if ready.ahead is None else blob_for(state, org, ready.ahead, mine)
+        parsed[org] = (core, ready, blob)
+        if blob is None and ready.ahead is not None and ready.ahead.digest_for(mine):
+            out.add(org)
+    return out
+
+
 def wait_is_over(ctx: StageContext) -> bool:
     """Whether the ready stage may stop waiting before its deadline: every member of
     ``U0`` is ready, or at least ``t`` are and every missing one is confirmed dead by
@@ -78,6 +152,20 @@ def wait_is_over(ctx: StageContext) -> bool:
     if ctx.live is None or len(ready) < ctx.t:
         return False
     return not (u0 - ready) & set(ctx.live())
+
+
+def _direct(ctx: StageContext, ready: Ready, core: bytes) -> bytes | dict[str, bytes]:
+    """This node's direct ready for each member: the core, and the blob it sealed for
+    that member, if any (the others' blobs are not that member's business)."""
+    blobs = {} if ready.ahead is None else ready.ahead.blobs
+    if not blobs:
+        return core
+    out: dict[str, bytes] = {}
+    for i, org in enumerate(ctx.u0):
+        blob = blobs.get(i)
+        if org != ctx.me:
+            out[org] = core if blob is None else core + encode_blobs({i: blob})
+    return out
 
 
 class ReadyStage:
@@ -103,7 +191,8 @@ class ReadyStage:
         """A peer's ready: filed, and answered with this node's own when it has one
         (else this node owes it its own, and sends it once it has one)."""
         state = self.table.state(env.run, env.round, env.sender)
-        reply = await state.exchange(READY).serve(env.sender, env.payload, "ready")
+        core = file_direct(state, env.sender, env.payload)
+        reply = await state.exchange(READY).serve(env.sender, core, "ready")
         if not reply:
             state.inbox.put(OWED, env.sender, b"")
         return reply
@@ -112,26 +201,31 @@ class ReadyStage:
         await ctx.enter("ready")
         self._open_session(ctx)
         h0 = view_hash("members", ctx.u0)
-        own = self._own_ready(ctx, h0)
+        ready = self._own_ready(ctx, h0)
+        own = ready.core()
+        parsed: Parsed = {}
         ctx.state.inbox.put(READY, ctx.me, own)
         exchange = ctx.state.exchange(READY)
-        exchange.offer(own)
+        exchange.offer(_direct(ctx, ready, own))
         now, wait_s = asyncio.get_running_loop().time(), max(0.0, self._wait_s(ctx))
         ready_end = now + wait_s
         if self.relay is not None and ctx.config.relays_readies(len(ctx.u0)):
             # the relay waits at most half the window: the rest is left to ask the
             # members whose records it did not bring directly
-            await self.relay.spread(ctx, own, now + wait_s / 2)
-            # the pairwise ready goes to the members still missing and to those owed
+            blobs = b"" if ready.ahead is None else encode_blobs(ready.ahead.blobs)
+            await self.relay.spread(ctx, own, now + wait_s / 2, blobs)
+            # the pairwise ready goes to the members still missing, to those owed, and
+            # to those whose blob for this node no copy brought
             inbox = ctx.state.inbox
             pending = set(ctx.u0) - set(inbox.senders(READY)) - {ctx.me}
             pending |= set(inbox.senders(OWED)) - exchange.served
+            pending |= _blobless(ctx, parsed)
             if ctx.live is not None:
                 pending &= set(ctx.live()) | set(inbox.senders(OWED))
         else:
             pending = set(exchange.targets(ctx.u0))
         await self._exchange(ctx, exchange, pending, ready_end)
-        ctx.ready_set = self._take_readies(ctx, h0)
+        ctx.ready_set = self._take_readies(ctx, h0, parsed)
         ctx.lap("ready")
 
     def _open_session(self, ctx: StageContext) -> None:
@@ -155,13 +249,13 @@ class ReadyStage:
             )
         )
 
-    def _own_ready(self, ctx: StageContext, h0: bytes) -> bytes:
+    def _own_ready(self, ctx: StageContext, h0: bytes) -> Ready:
         """This node's ready: its advertisement and, with shares sealed ahead, a new key
         for a later round, the keys it holds, and its shares for each holder whose key
         it knows, sealed to that key."""
         advert = ctx.session.advertise()
         if self.ahead is None or not ctx.config.seals_ahead(len(ctx.u0)):
-            return Ready(h0, advert).to_bytes()
+            return Ready(h0, advert)
         next_pk, ctx.ahead_keys = self.ahead.rotate(os.urandom(32))
         known = self.ahead.known(ctx.session.holders(frozenset(ctx.u0)))
         index = {org: i for i, org in enumerate(ctx.u0)}
@@ -169,7 +263,7 @@ class ReadyStage:
         for org, sealed in ctx.session.seal_ahead(known).items():
             ctx.ahead_sent[org] = key_id(known[org])
             blobs[index[org]] = Blob(ctx.ahead_sent[org], bytes(sealed))
-        return Ready(h0, advert, Ahead(next_pk, frozenset(ctx.ahead_keys), blobs)).to_bytes()
+        return Ready(h0, advert, Ahead.sealing(next_pk, frozenset(ctx.ahead_keys), blobs))
 
     @staticmethod
     def _wait_s(ctx: StageContext) -> float:
@@ -220,7 +314,13 @@ class ReadyStage:
                         ctx.observe("retry", "ready", peer=org, detail="ready re-sent")
                 tries += 1
                 pending = await exchange.send(
-                    ctx.net, ctx.counters, pending, KIND_READY, "ready", on_refused=closed
+                    ctx.net,
+                    ctx.counters,
+                    pending,
+                    KIND_READY,
+                    "ready",
+                    unwrap=functools.partial(file_direct, ctx.state),
+                    on_refused=closed,
                 )
                 next_send = loop.time() + retry_s
             self._check_superseded(ctx)
@@ -239,9 +339,11 @@ class ReadyStage:
                 "ready", f"superseded: peers already run protocol round {later} of this round"
             )
 
-    def _take_readies(self, ctx: StageContext, h0: bytes) -> frozenset[str]:
+    def _take_readies(self, ctx: StageContext, h0: bytes, parsed: Parsed) -> frozenset[str]:
         """The orgs ready with this node's member list whose advertisement the session
-        takes, this node included; the others are reported."""
+        takes, this node included; the others are reported. ``parsed``: the readies
+        parsed already, each used while its core is still the one filed (a blob that
+        came since, by a direct ready, is looked for again)."""
         readies = {o: p for o, p in ctx.state.inbox.get(READY).items() if o in ctx.u0}
         ready_set = {ctx.me}
         mine = ctx.u0.index(ctx.me)  # the index the blobs sealed for this node carry
@@ -251,8 +353,13 @@ class ReadyStage:
             if org in ctx.closed_without_me:
                 ctx.observe("missing", "ready", peer=org, detail="it closed the round without us")
                 continue
+            known = parsed.get(org)
             try:
-                ready = Ready.from_bytes(payload, HASH_BYTES, only=mine)
+                ready = (
+                    known[1]
+                    if known and known[0] == payload
+                    else Ready.from_bytes(payload, HASH_BYTES)
+                )
             except ValueError as exc:
                 ctx.observe("mismatch", "ready", peer=org, detail=f"malformed ready: {exc}")
                 continue
@@ -265,18 +372,21 @@ class ReadyStage:
             ):
                 ready_set.add(org)
                 if ready.ahead is not None:
-                    self._take_ahead(ctx, org, ready.ahead, mine)
+                    blob = known[2] if known and known[0] == payload else None
+                    if blob is None:
+                        blob = blob_for(ctx.state, org, ready.ahead, mine)
+                    self._take_ahead(ctx, org, ready.ahead, blob)
         for org in sorted(set(ctx.u0) - readies.keys() - {ctx.me}):
             ctx.observe("missing", "ready", peer=org, detail="no ready by the deadline")
         return frozenset(ready_set)
 
-    def _take_ahead(self, ctx: StageContext, org: str, ahead: Ahead, mine: int) -> None:
+    def _take_ahead(self, ctx: StageContext, org: str, ahead: Ahead, blob: Blob | None) -> None:
         """Keep ``org``'s key for a later round; open the shares it sealed ahead for this
-        node, with a key this node held when it made its ready. The pair needs no share
-        exchange when they open and ``org`` holds the key this node sealed its own to."""
+        node (``blob``), with a key this node held when it made its ready. The pair
+        needs no share exchange when they open and ``org`` holds the key this node
+        sealed its own to."""
         if self.ahead is not None:
             self.ahead.learn(org, ahead.next_pk)
-        blob = ahead.blobs.get(mine)
         key = None if blob is None else ctx.ahead_keys.get(blob.key)
         if blob is None or key is None:
             return

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 from coordinator_free.errors import RefusalReason, Refused
 from coordinator_free.ring import ring_order
+from coordinator_free.rounds.ahead import kept_blobs
 from coordinator_free.rounds.config import patience
 from coordinator_free.rounds.context import StageContext
 from coordinator_free.rounds.messenger import Messenger
@@ -54,6 +55,7 @@ __all__ = [
     "ReadyRecord",
     "ReadyRelay",
     "Verify",
+    "blobs_key",
     "decode_batch",
     "encode_batch",
     "record_signing_bytes",
@@ -68,6 +70,12 @@ def _tags(author: str) -> tuple[str, ...]:
     """The inbox key of the tag entries the copies of ``author``'s record came with,
     by the member that relayed each (and charged to it)."""
     return ("ready", "tags", author)
+
+
+def blobs_key(author: str) -> tuple[str, ...]:
+    """The inbox key of the blobs that came with ``author``'s ready, by the member that
+    brought each copy (a relay, or the author itself in a direct ready)."""
+    return ("ready", "blobs", author)
 
 
 OWED = ("ready", "owed")
@@ -107,10 +115,11 @@ def record_signing_bytes(
 
 @dataclass(frozen=True)
 class ReadyRecord:
-    """One author's signed ready, its record key (none: empty) and its tags for the
-    receivers whose record keys it knows. ``head`` is its encoding up to the tags:
-    what every copy of the record shares, as relays pass on only the tags of the
-    members after them (:func:`with_tags`)."""
+    """One author's signed ready (its core, :meth:`~coordinator_free.rounds.ahead.Ready.core`),
+    its record key (none: empty), its tags for the receivers whose record keys it
+    knows, and the blobs of its shares sealed ahead. ``head`` is its encoding up to
+    the tags: what every copy of the record shares, as relays pass on only the tags
+    and blobs of the members after them (:func:`with_tags`)."""
 
     author: str
     ready: bytes
@@ -118,10 +127,17 @@ class ReadyRecord:
     head: bytes
     key: bytes = b""
     tags: bytes = b""
+    blobs: bytes = b""
 
     @classmethod
     def make(
-        cls, author: str, ready: bytes, signature: bytes, key: bytes = b"", tags: bytes = b""
+        cls,
+        author: str,
+        ready: bytes,
+        signature: bytes,
+        key: bytes = b"",
+        tags: bytes = b"",
+        blobs: bytes = b"",
     ) -> ReadyRecord:
         head = b"".join(
             [
@@ -132,17 +148,17 @@ class ReadyRecord:
                 _text_bytes(key),
             ]
         )
-        return cls(author, ready, signature, head, key, tags)
+        return cls(author, ready, signature, head, key, tags, blobs)
 
     @property
     def raw(self) -> bytes:
-        """The record's encoding, as relayed, with all its tags."""
-        return with_tags(self.head, self.tags)
+        """The record's encoding, as relayed, with all its tags and blobs."""
+        return with_tags(self.head, self.tags, self.blobs)
 
 
-def with_tags(head: bytes, tags: bytes) -> bytes:
-    """A record's encoding from its ``head`` and the tag entries it carries."""
-    return head + _U32.pack(len(tags)) + tags
+def with_tags(head: bytes, tags: bytes, blobs: bytes = b"") -> bytes:
+    """A record's encoding from its ``head`` and the tag entries and blobs it carries."""
+    return head + _U32.pack(len(tags)) + tags + _U32.pack(len(blobs)) + blobs
 
 
 def _text_bytes(data: bytes) -> bytes:
@@ -182,7 +198,10 @@ def decode_batch(data: bytes) -> tuple[int, list[ReadyRecord]]:
             key, pos = _field(data, pos, _U16)
             head = data[start:pos]
             tags, pos = _field(data, pos, _U32)
-            records.append(ReadyRecord(author.decode("utf-8"), ready, signature, head, key, tags))
+            blobs, pos = _field(data, pos, _U32)
+            records.append(
+                ReadyRecord(author.decode("utf-8"), ready, signature, head, key, tags, blobs)
+            )
     except (struct.error, UnicodeDecodeError) as exc:
         raise ValueError(f"malformed ready records: {exc}") from None
     if pos != len(data):
@@ -197,9 +216,11 @@ def _on_schedule(
     partners: set[str] | None,
     keep: frozenset[bytes],
     known: frozenset[bytes],
+    holders: frozenset[int] = frozenset(),
 ) -> list[bytes]:
     """The records a step sends, each with the tag entries of the members it reaches
-    from there (``keep``, and those of ids not in ``known``). Only the records on
+    from there (``keep``, and those of ids not in ``known``) and the blobs sealed for
+    them (``holders``, their indices in ``U0``). Only the records on
     schedule go, those a copy of which came from one of ``partners``; ``None``: every
     record held. A record that reached this node early, by a later step than the one
     sent now, goes at its own step: passed on before it, it would carry no tag for
@@ -208,7 +229,9 @@ def _on_schedule(
     for author, head in inbox.get(RECORDS).items():
         copies = inbox.get(_tags(author))
         if partners is None or not partners.isdisjoint(copies):
-            out.append(with_tags(head, kept_entries(copies.values(), keep, known)))
+            tags = kept_entries(copies.values(), keep, known)
+            blobs = kept_blobs(inbox.get(blobs_key(author)).values(), holders)
+            out.append(with_tags(head, tags, blobs))
     return out
 
 
@@ -257,7 +280,8 @@ class ReadyRelay:
         if own is None:
             return b""
         tags = state.inbox.item(_tags(state.me), state.me) or b""
-        return encode_batch(step, [with_tags(own, tags)])
+        blobs = state.inbox.item(blobs_key(state.me), state.me) or b""
+        return encode_batch(step, [with_tags(own, tags, blobs)])
 
     def take(self, state: RoundState, relayer: str, records: list[ReadyRecord]) -> int:
         """File the records of members not filed yet whose signature holds (a record
@@ -269,10 +293,12 @@ class ReadyRelay:
             if rec.author == state.me:
                 continue
             held = state.inbox.item(RECORDS, rec.author)
-            if held == rec.head:  # another copy of a record filed: its tags are kept
-                # for the members after this one (a wrong one only costs its receiver
-                # a signature check), and who relayed it puts it on schedule
+            if held == rec.head:  # another copy of a record filed: its tags and blobs
+                # are kept for the members after this one (a wrong tag only costs its
+                # receiver a signature check, a wrong blob a direct ready), and who
+                # relayed it puts it on schedule
                 state.inbox.put(_tags(rec.author), relayer, rec.tags)
+                state.inbox.put(blobs_key(rec.author), relayer, rec.blobs)
                 continue
             if not self._authentic(state, relayer, rec):
                 refused += 1
@@ -288,6 +314,7 @@ class ReadyRelay:
             if held is None:
                 state.inbox.put(RECORDS, rec.author, rec.head)
                 state.inbox.put(_tags(rec.author), relayer, rec.tags)
+                state.inbox.put(blobs_key(rec.author), relayer, rec.blobs)
             exchange.file(rec.author, rec.ready)
         return refused
 
@@ -311,18 +338,22 @@ class ReadyRelay:
         self.keys.learn(rec.author, rec.key)
         return True
 
-    def own_record(self, ctx: StageContext, ready: bytes) -> bytes:
-        """Sign this node's ready as a record, with its record key and a tag for every
-        member whose record key it knows, and file it (it travels in every batch)."""
+    def own_record(self, ctx: StageContext, ready: bytes, blobs: bytes = b"") -> bytes:
+        """Sign this node's ready (its core) as a record, with its record key, a tag for
+        every member whose record key it knows and its ``blobs`` (unsigned: their
+        digests are in the core), and file it (it travels in every batch)."""
         key = self.keys.public
         signing = record_signing_bytes(self.federation, ctx.run, ctx.round, ctx.me, ready, key)
         tags = self.keys.tags(hashlib.sha256(signing).digest(), ctx.u0)
-        record = ReadyRecord.make(ctx.me, ready, self.sign(signing), key, tags)
+        record = ReadyRecord.make(ctx.me, ready, self.sign(signing), key, tags, blobs)
         ctx.state.inbox.put(RECORDS, ctx.me, record.head)
         ctx.state.inbox.put(_tags(ctx.me), ctx.me, record.tags)
+        ctx.state.inbox.put(blobs_key(ctx.me), ctx.me, blobs)
         return record.raw
 
-    async def spread(self, ctx: StageContext, ready: bytes, until: float) -> None:
+    async def spread(
+        self, ctx: StageContext, ready: bytes, until: float, blobs: bytes = b""
+    ) -> None:
         """Recursive doubling of the records over the ring order of ``U0``: at each step
         send the records on schedule to the member ``2**i`` places on, then wait (up
         to :func:`patience`, and never past ``until``, loop time) for the step's
@@ -330,7 +361,7 @@ class ReadyRelay:
         held, or a sender stays silent, the remaining steps go out at once: the
         members after this one still need them; after a silent sender, with every
         record held, on schedule or not."""
-        self.own_record(ctx, ready)
+        self.own_record(ctx, ready, blobs)
         state = ctx.state
         order = ring_order(ctx.u0, ctx.round)
         n, here = len(order), order.index(ctx.me)
@@ -343,10 +374,13 @@ class ReadyRelay:
         # and those this node met at an earlier step; None once a sender was silent
         partners: set[str] | None = {ctx.me}
         known = self.keys.ids(ctx.u0) | {self.keys.id}
+        index = {org: i for i, org in enumerate(ctx.u0)}
         for step, distance in _steps(n):
             dest, src = order[(here + distance) % n], order[(here - distance) % n]
-            keep = self.keys.ids(_after(order, here + distance, distance))
-            batch = encode_batch(step, _on_schedule(state, partners, keep, known))
+            reached = _after(order, here + distance, distance)
+            keep = self.keys.ids(reached)
+            holders = frozenset(index[o] for o in reached)
+            batch = encode_batch(step, _on_schedule(state, partners, keep, known, holders))
             sends.append(asyncio.ensure_future(self._send(ctx, dest, batch)))
             if partners is not None:
                 partners |= {dest, src}

@@ -61,7 +61,7 @@ def _awaited(ctx: StageContext) -> frozenset[str]:
     return ctx.expected_shares - ctx.ahead_in
 
 
-def _hashed(data: bytes) -> bytes | None:
+def _hashed(peer: str, data: bytes) -> bytes | None:
     """A share message carries the sender's view hash first: shorter, nothing to file."""
     return data if len(data) >= HASH_BYTES else None
 

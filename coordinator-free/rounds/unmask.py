@@ -63,7 +63,7 @@ logger = logging.getLogger(__name__)
 _GONE = ("gone",)
 
 
-def _for_survivors(h3: bytes, data: bytes) -> bytes | None:
+def _for_survivors(h3: bytes, peer: str, data: bytes) -> bytes | None:
     """A release in a reply counts only for the survivor set of this node's (``h3``)."""
     return data[HASH_BYTES:] if data[:HASH_BYTES] == h3 else None
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 
 import numpy as np
 import pytest
@@ -15,8 +16,13 @@ from coordinator_free.rounds.ahead import (
     AheadKeys,
     Blob,
     Ready,
+    encode_blobs,
+    kept_blobs,
     key_id,
+    read_blobs,
 )
+from coordinator_free.rounds.context import StageContext
+from coordinator_free.rounds.ready_relay import ReadyRelay, decode_batch, encode_batch
 from coordinator_free.rounds.wire import Token, mutual_set
 from coordinator_free.sim import Fault, FaultSpec, RoundOutcome, SimConfig, Simulation
 from hypothesis import given, settings
@@ -42,32 +48,38 @@ FAST = RoundConfig(
 
 
 def test_a_ready_has_fixed_bytes() -> None:
-    ahead = Ahead(
-        next_pk=bytes(range(32)),
-        held=frozenset({b"\x01" * 8}),
-        blobs={3: Blob(b"\x02" * 8, b"ct")},
-    )
-    data = Ready(b"\xaa" * 32, b"advert", ahead).to_bytes()
-    assert data.hex() == (
+    blob = Blob(b"\x02" * 8, b"ct")
+    ahead = Ahead.sealing(bytes(range(32)), frozenset({b"\x01" * 8}), {3: blob})
+    digest = hashlib.sha256(b"fedweave/ahead-blob/v1\x00" + b"\x02" * 8 + b"ct").digest()[:8]
+    assert blob.digest() == digest
+    core = (
         "aa" * 32
         + "00000006"
         + b"advert".hex()
         + bytes(range(32)).hex()
         + "01"
         + "01" * 8
-        + "0001"
+        + "0001"  # one blob sealed: its holder and digest
         + "0003"
-        + "02" * 8
-        + "0002"
-        + b"ct".hex()
+        + digest.hex()
     )
-    assert Ready.from_bytes(data, 32) == Ready(b"\xaa" * 32, b"advert", ahead)
+    ready = Ready(b"\xaa" * 32, b"advert", ahead)
+    assert ready.core().hex() == core
+    data = ready.to_bytes()
+    assert data.hex() == core + "0001" + "0003" + "02" * 8 + "0002" + b"ct".hex()
+    assert Ready.from_bytes(data, 32) == ready
+    assert Ready.split(data, 32) == (bytes.fromhex(core), data[len(core) // 2 :])
+    # the core alone is a ready whose blobs travel elsewhere
+    assert Ready.from_bytes(ready.core(), 32) == Ready(
+        b"\xaa" * 32, b"advert", ahead.with_blobs({})
+    )
 
 
 def test_a_ready_without_ahead_part_is_the_hash_and_the_advertisement() -> None:
     data = Ready(b"\xbb" * 32, b"keys").to_bytes()
     assert data == b"\xbb" * 32 + b"\x00\x00\x00\x04keys"
     assert Ready.from_bytes(data, 32) == Ready(b"\xbb" * 32, b"keys", None)
+    assert Ready.split(data, 32) == (data, b"")
 
 
 _blobs = st.dictionaries(
@@ -83,26 +95,45 @@ _blobs = st.dictionaries(
     next_pk=st.binary(min_size=32, max_size=32),
     held=st.frozensets(st.binary(min_size=8, max_size=8), max_size=RETAINED),
     blobs=_blobs,
+    travelling=st.sets(st.integers(0, 65535)),
 )
-def test_a_ready_round_trips(
-    advert: bytes, next_pk: bytes, held: frozenset[bytes], blobs: dict[int, Blob]
+def test_a_ready_round_trips_with_any_of_its_blobs(
+    advert: bytes,
+    next_pk: bytes,
+    held: frozenset[bytes],
+    blobs: dict[int, Blob],
+    travelling: set[int],
 ) -> None:
-    ready = Ready(b"\x01" * 32, advert, Ahead(next_pk, held, blobs))
+    sealed = Ahead.sealing(next_pk, held, blobs)
+    ready = Ready(b"\x01" * 32, advert, sealed)
     assert Ready.from_bytes(ready.to_bytes(), 32) == ready
+    # whichever blobs travel with it, the core is the same bytes, and lists every digest
+    some = Ready(
+        b"\x01" * 32, advert, sealed.with_blobs({i: blobs[i] for i in travelling & blobs.keys()})
+    )
+    core, rest = Ready.split(some.to_bytes(), 32)
+    assert core == ready.core() and core + rest == some.to_bytes()
+    assert Ready.from_bytes(some.to_bytes(), 32) == some
+    for index, blob in blobs.items():
+        assert sealed.digest_for(index) == blob.digest()
+    assert all(sealed.digest_for(i) is None for i in travelling - blobs.keys())
 
 
 @settings(max_examples=80, deadline=None)
 @given(blobs=_blobs, cut=st.integers(1, 400))
 def test_a_cut_ready_is_refused_never_misread(blobs: dict[int, Blob], cut: int) -> None:
-    data = Ready(b"\x01" * 32, b"adv", Ahead(b"\x07" * 32, frozenset(), blobs)).to_bytes()
+    data = Ready(b"\x01" * 32, b"adv", Ahead.sealing(b"\x07" * 32, frozenset(), blobs)).to_bytes()
     cut = min(cut, len(data) - 33)  # keep the hash and part of the rest
     short = data[:-cut]
     try:
         parsed = Ready.from_bytes(short, 32)
     except ValueError:
         return
-    # a cut that leaves a well-formed ready can only have dropped the ahead part whole
-    assert parsed.ahead is None and short == data[: len(short)]
+    # a cut that leaves a well-formed ready can only have dropped the ahead part whole,
+    # or every blob after the core
+    core = Ready(b"\x01" * 32, b"adv", Ahead.sealing(b"\x07" * 32, frozenset(), blobs)).core()
+    assert short == data[: len(short)]
+    assert parsed.ahead is None or (short == core and parsed.ahead.blobs == {})
 
 
 @settings(max_examples=80, deadline=None)
@@ -110,15 +141,15 @@ def test_a_cut_ready_is_refused_never_misread(blobs: dict[int, Blob], cut: int) 
 def test_a_holder_reads_its_own_blob_of_a_ready_and_refuses_what_the_full_parse_refuses(
     blobs: dict[int, Blob], holder: int, cut: int
 ) -> None:
-    # a node reads only its own blob of each peer's ready (``only``): the same fields,
-    # the other holders' blobs left out, and every malformed ready refused all the same
+    # a node reads only its own blob of what came with a ready (``only``): the same
+    # fields, the other holders' blobs left out, and every malformed ready refused all
+    # the same
     holder = next(iter(blobs), holder) if cut % 2 else holder
-    ahead = Ahead(b"\x07" * 32, frozenset({b"\x01" * 8}), blobs)
+    ahead = Ahead.sealing(b"\x07" * 32, frozenset({b"\x01" * 8}), blobs)
     data = Ready(b"\x01" * 32, b"adv", ahead).to_bytes()
     mine = Ready.from_bytes(data, 32, only=holder)
-    assert mine.ahead == Ahead(
-        ahead.next_pk, ahead.held, {holder: blobs[holder]} if holder in blobs else {}
-    )
+    assert mine.ahead == ahead.with_blobs({holder: blobs[holder]} if holder in blobs else {})
+    assert read_blobs(Ready.split(data, 32)[1], only=holder) == mine.ahead.blobs
     short = data[: max(33, len(data) - cut)]
     for only in (None, holder):
         try:
@@ -136,24 +167,44 @@ def test_a_holder_reads_its_own_blob_of_a_ready_and_refuses_what_the_full_parse_
 def test_blobs_out_of_holder_order_are_refused() -> None:
     one = b"\x00\x05" + b"\x02" * 8 + b"\x00\x01x"
     two = b"\x00\x03" + b"\x02" * 8 + b"\x00\x01y"
-    head = b"\x07" * 32 + b"\x00" + b"\x00\x02"
+    head = b"\x07" * 32 + b"\x00" + b"\x00\x00" + b"\x00\x02"
     assert Ahead.from_bytes(head + two + one).blobs.keys() == {3, 5}
     for only in (None, 3, 5):
         with pytest.raises(ValueError, match="out of order"):
             Ahead.from_bytes(head + one + two, only)
+    digests = b"\x07" * 32 + b"\x00" + b"\x00\x02"
+    with pytest.raises(ValueError, match="out of holder order"):
+        Ahead.from_bytes(digests + b"\x00\x05" + b"\x01" * 8 + b"\x00\x03" + b"\x01" * 8)
 
 
 def test_malformed_ahead_parts_are_refused() -> None:
-    good = Ahead(b"\x07" * 32, frozenset({b"\x01" * 8}), {1: Blob(b"\x02" * 8, b"x")}).to_bytes()
+    good = Ahead.sealing(
+        b"\x07" * 32, frozenset({b"\x01" * 8}), {1: Blob(b"\x02" * 8, b"x")}
+    ).to_bytes()
     for bad in (
         good + b"\x00",  # trailing bytes
         good[:40],  # cut in the held list
+        good[:60],  # cut in the digests
         b"\x07" * 32 + bytes([RETAINED + 1]) + b"\x01" * 8 * (RETAINED + 1) + b"\x00\x00",
         b"\x07" * 32 + b"\x02" + b"\x01" * 16 + b"\x00\x00",  # one key listed twice
-        b"\x07" * 32 + b"\x00" + b"\x00\x02" + (b"\x00\x01" + b"\x02" * 8 + b"\x00\x00") * 2,
+        b"\x07" * 32
+        + b"\x00"
+        + b"\x00\x00"
+        + b"\x00\x02"
+        + (b"\x00\x01" + b"\x02" * 8 + b"\x00\x00") * 2,
     ):
         with pytest.raises(ValueError):
             Ahead.from_bytes(bad)
+
+
+def test_a_relay_passes_on_one_blob_per_holder_it_reaches_and_skips_malformed_copies() -> None:
+    a, b = Blob(b"\x01" * 8, b"aa"), Blob(b"\x02" * 8, b"bb")
+    spoiled = Blob(b"\x01" * 8, b"zz")
+    first = encode_blobs({1: a, 4: b})
+    second = encode_blobs({1: spoiled, 7: b})
+    kept = read_blobs(kept_blobs([b"\x00", first, second], frozenset({1, 7})))
+    assert kept == {1: a, 7: b}  # the first copy's blob of a holder; others' left out
+    assert kept_blobs([first], frozenset({9})) == b""
 
 
 # -- the keys -------------------------------------------------------------------------------
@@ -287,6 +338,62 @@ def test_from_the_second_round_on_the_shares_ride_with_the_readies() -> None:
         assert out.results.keys() == first.results.keys()
     sent = [sum(r.messages_sent for r in out.results.values()) for out in (first, *later)]
     assert sent[1] <= sent[0] - n * (n - 1) // 2 + n
+
+
+def _spoiling(relay: ReadyRelay, me: str) -> None:
+    """Make ``me`` a relay that spoils the blobs of the records it passes on: one in
+    two holders' dropped, the others' ciphertext flipped (its own record untouched).
+    The records stay authentic: blobs are neither signed nor tagged, their digests are."""
+    send = relay._send
+
+    async def spoiled(ctx: StageContext, dest: str, batch: bytes) -> set[str]:
+        step, records = decode_batch(batch)
+        out = []
+        for rec in records:
+            if rec.author != me:
+                blobs = {
+                    i: Blob(b.key, bytes(x ^ 0xFF for x in b.ciphertext))
+                    for i, b in read_blobs(rec.blobs).items()
+                    if i % 2
+                }
+                rec = dataclasses.replace(rec, blobs=encode_blobs(blobs))
+            out.append(rec.raw)
+        return await send(ctx, dest, encode_batch(step, out))
+
+    relay._send = spoiled  # type: ignore[method-assign]
+
+
+def test_blobs_a_relay_drops_or_spoils_are_taken_by_a_direct_ready() -> None:
+    """The blobs travel beside the signed records, towards their holders only. A relay
+    that drops or spoils them costs each holder it cut off one direct ready to the
+    blob's author, nothing else: every pair's shares still ride ahead (no share
+    message), every member takes part, and the sum is exact."""
+    n = 8
+    config = dataclasses.replace(FAST, ready_relay_from=4)
+
+    async def scenario() -> list[RoundOutcome]:
+        async with Simulation(SimConfig(peers=n, length=64, seed=9, round_config=config)) as sim:
+            outs = [await sim.round(r) for r in (1, 2)]
+            relay = sim.engines["org-3"]._ready.relay
+            assert relay is not None
+            _spoiling(relay, "org-3")
+            outs.append(await sim.round(3))
+            return outs
+
+    first, steady, spoiled = asyncio.run(scenario())
+    for out in (first, steady, spoiled):
+        _check(out)
+        assert len(out.results) == n
+
+    def direct(out: RoundOutcome) -> dict[str, int]:
+        return {o: c["round.ready"] for o, c in out.signed.items() if c["round.ready"]}
+
+    # relayed whole, every blob reaches its holder: no direct ready, no share message
+    assert direct(steady) == {} and _share_messages(steady) == 0
+    # spoiled: the holders it cut off ask the authors directly, and the shares still
+    # all ride ahead
+    assert direct(spoiled) and "org-3" not in direct(spoiled)
+    assert _share_messages(spoiled) == 0
 
 
 def test_a_node_that_lost_its_keys_gets_and_sends_its_shares_by_the_exchange() -> None:
