@@ -4,7 +4,8 @@ A chunk goes out in frames of at most :data:`~coordinator_free.ring.wire.MAX_FRA
 and is counted in :class:`RingStats`; a chunk comes in through the :class:`RoundBox` of
 its round, where the handler of ``agg.chunk`` left it (early chunks wait there). A
 wait for a chunk pings a silent sender, so a dead one is blamed as :class:`RingBroken`
-at once rather than at the end of the wait, and ends when any member aborts the ring.
+at once rather than at the end of the wait, and ends when a member aborts the ring
+(an abort that cuts the all-gather from a step on ends only the waits from that step).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from coordinator_free.ring.wire import (
     KIND_PING,
     KIND_SUM,
     PHASE_CHAIN_REDUCE,
+    PHASE_GATHER,
     PHASE_SCATTER,
     PHASE_STAR_UP,
     PHASE_SUM,
@@ -87,6 +89,9 @@ class RingStats:
     gather_bytes: int = 0
 
 
+GATHER_PHASES = (PHASE_GATHER, PHASE_SUM)
+"""The all-gathers, whose receives an abort may cut from a step on (:meth:`RoundBox.cut`)."""
+
 ChunkKey = tuple[str, int, bytes, int, int, int, str]
 """run, round, ring id, phase, step, frame, sender"""
 
@@ -94,15 +99,24 @@ ChunkKey = tuple[str, int, bytes, int, int, int, str]
 @dataclass
 class RoundBox:
     """What one open round holds: chunks by key (received, or awaited), the abort
-    event and the suspects of each ring id, and the bytes buffered."""
+    event and the suspects of each ring id, the all-gather step from which each ring
+    id's chunks stop coming (``cuts``, with its event), and the bytes buffered."""
 
     chunks: dict[ChunkKey, asyncio.Future[bytes]] = field(default_factory=dict)
     aborts: dict[bytes, asyncio.Event] = field(default_factory=dict)
     suspects: dict[bytes, set[str]] = field(default_factory=dict)
+    cuts: dict[bytes, int] = field(default_factory=dict)
+    cut_events: dict[bytes, asyncio.Event] = field(default_factory=dict)
     buffered: int = 0
     # bytes buffered per sender, and the most one sender may have buffered here
     held: dict[str, int] = field(default_factory=dict)
     member_cap: int = 64 << 20
+
+    def cut(self, rid: bytes, step: int) -> None:
+        """A member's abort says this node's all-gather receives no chunk from ``step``
+        on: the receives before it go on (their chunks never passed the dead member)."""
+        self.cuts[rid] = min(step, self.cuts.get(rid, step))
+        self.cut_events.setdefault(rid, asyncio.Event()).set()
 
     def slot(self, key: ChunkKey) -> asyncio.Future[bytes]:
         """The future of the chunk ``key``, made on first use by either side."""
@@ -216,7 +230,10 @@ class Link:
         :data:`LIVENESS_POLL_S` whether ``src`` is still believed alive and pings it as
         soon as it is not, so a sender that died silently (having sent everything its
         own predecessor waited for, so no send failed and nobody aborted) is blamed
-        after the failure detector's delay rather than a whole ``timeout``.
+        after the failure detector's delay rather than a whole ``timeout``. A member's
+        abort that blames ``src`` makes the wait ping it at once. An abort ends the
+        wait; one that cuts this node's all-gather from a step on ends only the waits
+        of that step and later ones.
         """
         frames = self.frames(count)
         if len(frames) == 1:
@@ -231,7 +248,7 @@ class Link:
     ) -> np.ndarray:
         key: ChunkKey = (self.run, self.round, self.rid, phase, step, frame, src)
         fut = self.box.slot(key)
-        await self._wait_for(fut, src, wait)
+        await self._wait_for(fut, src, wait, step if phase in GATHER_PHASES else None)
         payload = fut.result()
         self.box.chunks.pop(key, None)
         self.box.buffered -= len(payload)
@@ -246,33 +263,51 @@ class Link:
             raise RingBroken(f"malformed chunk {index} from {src}", src)
         return elements
 
-    async def _wait_for(self, fut: asyncio.Future[bytes], src: str, wait: float) -> None:
+    async def _wait_for(
+        self, fut: asyncio.Future[bytes], src: str, wait: float, step: int | None = None
+    ) -> None:
         """Until ``fut`` is done, up to ``wait`` s; pings ``src`` each ``timeout``, and
-        once as soon as ``alive`` says it is gone (see :meth:`receive`)."""
+        once as soon as ``alive`` says it is gone (see :meth:`receive`). An abort ends
+        the wait; one that cuts this node's all-gather from a step on
+        (:meth:`RoundBox.cut`) ends it only at that ``step`` or later."""
         loop = asyncio.get_running_loop()
         end = loop.time() + wait
         next_ping = loop.time() + self.timeout
         # membership says src is gone: ping it once at once (not on every poll)
         doubted = False
         poll = self.timeout if self.alive is None else min(self.timeout, LIVENESS_POLL_S)
+        box, rid = self.box, self.rid
+        cut_event = box.cut_events.setdefault(rid, asyncio.Event())
+
+        def stopped() -> bool:
+            return self.abort.is_set() or (step is not None and step >= box.cuts.get(rid, step + 1))
+
         while True:
-            waiter: asyncio.Future[Any] = asyncio.ensure_future(self.abort.wait())
-            waited: set[asyncio.Future[Any]] = {fut, waiter}
+            if stopped() and not fut.done():
+                self._stop(src)
+            if not doubted and not fut.done() and src in box.suspects.get(rid, ()):
+                # a member's abort blames src: ping it now (gone: this node stops at
+                # this very step, and knows which members its stop cuts off)
+                doubted = True
+                await self._ping(src)
+                continue
+            waiters: list[asyncio.Future[Any]] = [asyncio.ensure_future(self.abort.wait())]
+            if step is not None and not cut_event.is_set():
+                waiters.append(asyncio.ensure_future(cut_event.wait()))
             now = loop.time()
             try:
                 done, _ = await asyncio.wait(
-                    waited,
+                    {fut, *waiters},
                     timeout=max(0.0, min(poll, next_ping - now, end - now)),
                     return_when=asyncio.FIRST_COMPLETED,
                 )
             finally:
-                waiter.cancel()
+                for waiter in waiters:
+                    waiter.cancel()
             if fut in done:
                 return
-            if self.abort.is_set():
-                if src in self.box.suspects.get(self.rid, ()):
-                    raise RingBroken(f"{src} is gone, a member's abort says", src)
-                raise RingAborted("a ring member aborted")
+            if stopped():
+                self._stop(src)
             now = loop.time()
             if now >= end:
                 raise RingBroken(f"no chunk from {src} within {wait:g}s", src)
@@ -283,6 +318,14 @@ class Link:
             else:
                 continue
             await self._ping(src)
+
+    def _stop(self, src: str) -> None:
+        """A member's abort stopped this wait: ``src`` is gone when the abort blames it
+        (this node then tells the members its stop cuts off), else this node stops
+        quietly (the abort's sender told every member that has to stop)."""
+        if src in self.box.suspects.get(self.rid, ()):
+            raise RingBroken(f"{src} is gone, a member's abort says", src)
+        raise RingAborted("a ring member aborted")
 
     async def _ping(self, src: str) -> None:
         try:

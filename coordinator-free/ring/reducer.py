@@ -6,14 +6,17 @@ for them. Each variant (:meth:`~RingReducer.allreduce`, its halves
 :meth:`~RingReducer.reduce_scatter` and :meth:`~RingReducer.all_gather_sum`, and
 :meth:`~RingReducer.star_allreduce`) is told about its attempt by the same keyword
 options (:class:`RingCall`), runs its steps (:mod:`.steps`) over a :class:`~.link.Link`
-and, when the ring breaks, tells every member to abort, naming whom it blames.
+and, when the ring breaks, tells the members that must stop to abort (every member,
+or in the all-gathers those the break cuts off, each from the step its chunks stop
+at: ``agg.abort`` carries the ring id, that step and whom it blames).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, Sequence
+import struct
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Required, TypedDict, TypeVar, Unpack
 
@@ -239,16 +242,22 @@ class RingReducer:
 
     async def _on_abort(self, env: Envelope) -> bytes:
         box = self._box_of(env)
-        rid, blamed = env.payload[:16], env.payload[16:]
-        if len(rid) != 16 or len(blamed) > 1024:
-            raise Refused(RefusalReason.MALFORMED, "abort is a 16-byte ring id and a suspect")
+        rid, blamed = env.payload[:16], env.payload[_ABORT_HEAD.size :]
+        if len(env.payload) < _ABORT_HEAD.size or len(blamed) > 1024:
+            raise Refused(
+                RefusalReason.MALFORMED, "abort is a 16-byte ring id, a step and a suspect"
+            )
+        (_, step) = _ABORT_HEAD.unpack_from(env.payload)
         try:
             suspect = blamed.decode("utf-8")
         except UnicodeDecodeError:
             raise Refused(RefusalReason.MALFORMED, "abort suspect is not UTF-8") from None
         if suspect:
             box.suspects.setdefault(rid, set()).add(suspect)
-        box.aborts.setdefault(rid, asyncio.Event()).set()
+        if step == _AT_ONCE:
+            box.aborts.setdefault(rid, asyncio.Event()).set()
+        else:
+            box.cut(rid, step)
         return ACK
 
     # -- the algorithms ----------------------------------------------------------------
@@ -344,14 +353,22 @@ class RingReducer:
     def _lost(self, link: Link, place: Place) -> steps.LostHook:
         """What a member does when its all-gather send fails at step ``s >= 1`` (see
         :func:`~.steps.all_gather`): it tells the member after its successor that
-        the successor is gone, so that one stops at once instead of at the end of
-        its wait (and aborts the members its own stop cuts off)."""
+        the successor is gone. The successor never got this member's chunk of step
+        ``s``, so it sends nothing from step ``s + 1`` on: the member after it stops
+        there at the latest, or earlier where a ping finds the successor gone (see
+        :meth:`~.link.Link.receive`), instead of at the end of its wait, and aborts the
+        members its own stop cuts off."""
 
-        async def on_lost() -> None:
+        async def on_lost(step: int) -> None:
             n, succ = place.n, place.ends[0]
             after = place.order[(place.pos + 2) % n]
             await self._broadcast_abort(
-                [after], link.rid, succ, run=link.run, round=link.round, timeout=link.timeout
+                {after: step + 1},
+                link.rid,
+                succ,
+                run=link.run,
+                round=link.round,
+                timeout=link.timeout,
             )
 
         return on_lost
@@ -397,9 +414,10 @@ class RingReducer:
         (each member unmasked the two it holds); steps ``1 .. n - 2`` pass the chunks
         on (kind ``agg.sum``: what travels is the federation's sum, no one org's
         input) and fill ``scattered.acc`` in place, which is returned complete. A
-        member that died since its chunk was copied breaks it: :class:`RingBroken`
-        after the abort, as in :meth:`allreduce`; the engine then fetches the
-        chunks it lacks from members that hold them.
+        member that died since its chunk was copied stops only the members it cuts
+        off, as in :meth:`allreduce`'s all-gather (:func:`~.steps.all_gather`): they
+        raise :class:`RingBroken` after the abort, and the engine fetches the chunks
+        they lack from members that hold them; the others complete.
         """
         call = RingCall(**options)
         acc = scattered.acc
@@ -413,6 +431,7 @@ class RingReducer:
             range(1, place.n - 1),
             phase=PHASE_SUM,
             filled=scattered.filled,
+            on_lost=self._lost(link, place),
         )
         await self._run(order, link, gather)
         return _reduced(link, acc)
@@ -453,7 +472,7 @@ class RingReducer:
 
     async def _broadcast_abort(
         self,
-        order: Sequence[str],
+        stops: Mapping[str, int | None],
         rid: bytes,
         suspect: str | None,
         *,
@@ -461,27 +480,35 @@ class RingReducer:
         round: int,
         timeout: float,
     ) -> None:
-        """Tell every other member to stop waiting on this ring, and whom it blames."""
+        """Tell other members to stop waiting on this ring, and whom it blames: each at
+        once (``None``), or from the all-gather step given for it on."""
         me = self.endpoint.org_id
-        payload = rid + (suspect or "").encode("utf-8")
+        blamed = (suspect or "").encode("utf-8")
 
-        async def one(peer: str) -> None:
+        async def one(peer: str, step: int | None) -> None:
+            payload = _ABORT_HEAD.pack(rid, _AT_ONCE if step is None else step) + blamed
             with contextlib.suppress(TransportError):
                 await self.endpoint.send(
                     peer, KIND_ABORT, payload, run=run, round=round, stage="reduce", timeout=timeout
                 )
 
-        await asyncio.gather(*(one(p) for p in order if p not in (me, suspect)))
+        await asyncio.gather(*(one(p, s) for p, s in stops.items() if p not in (me, suspect)))
 
 
-def _cut_off(order: Sequence[str], me: str, cut_at: int | None) -> Sequence[str]:
-    """The members a break of ``me``'s ring must stop: all, or when it stopped
-    receiving at all-gather step ``cut_at`` (having sent what it held), the
-    ``n - 2 - cut_at`` after it, which its missing chunks would have reached."""
+_ABORT_HEAD = struct.Struct(">16sH")  # the ring id, and the step the stop applies from
+_AT_ONCE = 0xFFFF
+"""The step of an abort that stops every wait of the ring at once."""
+
+
+def _cut_off(order: Sequence[str], me: str, cut_at: int | None) -> dict[str, int | None]:
+    """The members a break of ``me``'s ring must stop, and from which all-gather step:
+    all at once, or when it stopped receiving at step ``cut_at`` (having sent what it
+    held) the ``n - 2 - cut_at`` after it, which its missing chunks would have
+    reached, the one ``e`` places on from step ``cut_at + e``."""
     if cut_at is None:
-        return order
+        return dict.fromkeys(order)
     n, pos = len(order), order.index(me)
-    return [order[(pos + d) % n] for d in range(1, n - 1 - cut_at)]
+    return {order[(pos + e) % n]: cut_at + e for e in range(1, n - 1 - cut_at)}
 
 
 def _reduced(link: Link, acc: np.ndarray) -> np.ndarray:

@@ -42,8 +42,8 @@ __all__ = [
 StepHook = Callable[[str, int], Awaitable[None]]
 """``on_step(phase, step)``, awaited before each step (``"scatter"`` or ``"gather"``)."""
 
-LostHook = Callable[[], Awaitable[None]]
-"""``on_lost()``: the all-gather's send to the successor failed (at step 1 or later)."""
+LostHook = Callable[[int], Awaitable[None]]
+"""``on_lost(step)``: the all-gather's send to the successor failed at ``step`` (1 or later)."""
 
 _STEP_NAMES = {PHASE_SCATTER: "scatter", PHASE_GATHER: "gather", PHASE_SUM: "gather"}
 
@@ -143,11 +143,14 @@ async def all_gather(
     receives at step ``k`` is the one it sends at step ``k + 1``, and no chunk it
     receives passed through its successor. So a send that fails at step ``s >= 1``
     does not break this member: it sends nothing more to its successor, keeps
-    receiving, and completes, while ``on_lost()`` tells the member after the
-    successor. A receive that fails at step ``k`` is raised once this step's send has
-    finished, with ``cut_at = k``: the members its missing chunks would have reached
-    must stop, and only they. At step 0 no member can complete, this one included: a
-    failed send there breaks the ring at once."""
+    receiving, and completes, while ``on_lost(s)`` tells the member after the
+    successor that its chunks stop at step ``s``. A receive that fails at step ``k``
+    is raised once this step's send has finished, with ``cut_at = k``: the member
+    ``e`` places after this one misses its chunk from step ``k + e`` on (for ``e``
+    up to ``n - 2 - k``), and it must stop there, not before: until then it passes
+    on chunks that the members after it need, and that never came through this one.
+    At step 0 no member can complete, this one included: a failed send there breaks
+    the ring at once."""
     n, pos = place.n, place.pos
     lost: asyncio.Future[None] | None = None
     try:
@@ -172,7 +175,7 @@ async def all_gather(
                     exc.cut_at = s
                 raise
             if failure is not None and on_lost is not None:
-                lost = asyncio.ensure_future(on_lost())
+                lost = asyncio.ensure_future(on_lost(s))
             if filled is not None:
                 filled.add((pos - s) % n)
     finally:

@@ -283,9 +283,13 @@ def test_dead_member_breaks_the_ring_for_everyone(min_chunk: int, phase: str, st
         assert r.suspects == {victim}, r
 
 
-async def _gather_kill(orgs: list[str], victim: str, step: int) -> tuple[dict[str, object], int]:
+async def _gather_kill(
+    orgs: list[str], victim: str, step: int, owner: bool = False
+) -> tuple[dict[str, object], int]:
     """A ring all-reduce of ``orgs`` in which ``victim`` dies as the all-gather's step
-    ``step`` begins: each survivor's result (or error), and the aborts sent."""
+    ``step`` begins: each survivor's result (or error), and the aborts sent. With
+    ``owner``, the owner path's: the reduce-scatter, then the all-gather of the sum
+    (``agg.sum``, steps 1 to ``n - 2``)."""
     network = InMemoryNetwork()
     endpoints, reducers = await make_ring(orgs, network)
     order = ring_order(orgs, 2)
@@ -309,9 +313,17 @@ async def _gather_kill(orgs: list[str], victim: str, step: int) -> tuple[dict[st
         return on_step
 
     vec = np.arange(600, dtype=np.uint32)
+
+    async def owner_path(o: str) -> np.ndarray:
+        options: Any = {"run": "r", "round": 2, "timeout": 1.0, "on_step": hook(o)}
+        scattered = await reducers[o].reduce_scatter(order, vec, **options)
+        return await reducers[o].all_gather_sum(order, scattered, **options)
+
     got = await asyncio.gather(
         *(
-            reducers[o].allreduce(
+            owner_path(o)
+            if owner
+            else reducers[o].allreduce(
                 order, vec, run="r", round=2, timeout=1.0, on_step=hook(o), min_chunk=1
             )
             for o in orgs
@@ -323,18 +335,22 @@ async def _gather_kill(orgs: list[str], victim: str, step: int) -> tuple[dict[st
     return {o: r for o, r in zip(orgs, got, strict=True) if o != victim}, aborts
 
 
+@pytest.mark.parametrize("owner", [False, True], ids=["all-reduce", "owner-path"])
 @pytest.mark.parametrize("step", [1, 2, 3, 4])
-def test_a_death_in_the_all_gather_stops_only_the_members_it_cuts_off(step: int) -> None:
-    """The victim dies as the all-gather's step ``s`` begins (``n = 6``). The chunks of
-    the ``n - 1 - s`` members after it had to pass through it: they, and only they,
-    stop, each blaming the victim; the rest (its predecessor, whose send failed,
-    included) complete with the whole sum. At most one abort reaches each member
-    stopped, none any other: no member that stopped on an abort sends one."""
+def test_a_death_in_the_all_gather_stops_only_the_members_it_cuts_off(
+    step: int, owner: bool
+) -> None:
+    """The victim dies as the all-gather's step ``s`` begins (``n = 6``), in the
+    all-reduce or in the owner path's all-gather of the sum. The chunks of the
+    ``n - 1 - s`` members after it had to pass through it: they, and only they, stop,
+    each blaming the victim; the rest (its predecessor, whose send failed, included)
+    complete with the whole sum. At most one abort reaches each member stopped, none
+    any other: no member that stopped on an abort sends one."""
     orgs = [f"o{i}" for i in range(6)]
     n, order = len(orgs), ring_order(orgs, 2)
     at = 2
     victim = order[at]
-    results, aborts = asyncio.run(_gather_kill(orgs, victim, step))
+    results, aborts = asyncio.run(_gather_kill(orgs, victim, step, owner))
     cut_off = {order[(at + d) % n] for d in range(1, n - step)}
     full = np.arange(600, dtype=np.uint32) * n
     for org, r in results.items():

@@ -368,6 +368,36 @@ def test_a_holder_that_sends_a_bad_part_is_noted_and_passed_over() -> None:
     assert noted and set(noted) == {liar}
 
 
+@pytest.mark.parametrize("step", [1, 3, 6])
+def test_a_death_in_the_all_gather_of_the_sum_costs_parts_only_to_those_it_cuts_off(
+    step: int,
+) -> None:
+    """Owner unmasking (8 members): a member dies as the all-gather of the unmasked sum
+    (``agg.sum``) reaches step ``s``. Only the ``n - 1 - s`` members after it, whose
+    chunks had to pass through it, stop and take the chunks they lack from their
+    holders (``round.part``); the others complete by the ring. Every survivor holds
+    the exact sum, the dead member's input included (it died after the unmask)."""
+    orgs = [f"org-{i}" for i in range(8)]
+    n, order = len(orgs), ring_order(orgs, 1)
+    at = 2
+    victim = order[at]
+
+    async def scenario() -> RoundOutcome:
+        faults = [FaultSpec(victim, Fault.KILL, f"reduce.gather.{step}", round=1)]
+        async with Simulation(sim_config(n), faults) as sim:
+            return await sim.round(1)
+
+    out = asyncio.run(scenario())
+    assert_consistent(out)
+    assert set(out.results) == set(orgs) - {victim}
+    for res in out.results.values():
+        assert victim in res.survivors
+        assert (res.sum == out.expected(res.survivors)).all()
+    cut_off = {order[(at + d) % n] for d in range(1, n - step)}
+    fetched = {o for o, c in out.signed.items() if c["round.part"]}
+    assert fetched == cut_off
+
+
 def test_a_member_asked_for_a_part_it_does_not_hold_refuses() -> None:
     async def scenario() -> list[RefusalReason]:
         async with Simulation(sim_config(8)) as sim:
