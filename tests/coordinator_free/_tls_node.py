@@ -8,7 +8,10 @@ The directory holds every org's identity (``D/ORG/``), the trust bundle
 waits for every other port, runs round 1 with its input and writes ``D/ORG.json`` and
 ``D/ORG.sum.npy``; it then keeps serving until ``D/done`` appears. With ``--die-at``
 it exits with status 17 (``os._exit``: no clean-up, like a crash) when its round engine
-enters that stage.
+enters that stage. With ``--relayed R`` it first runs rounds 1 to ``R`` with the readies
+relayed and the shares sealed ahead (the defaults from 32 and 33 members on), each
+round's sum written to ``D/ORG.sum.R.npy``, and the summary counts the kinds of the
+messages it sent in each round.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ import dataclasses
 import json
 import os
 import time
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from coordinator_free.endpoint import Endpoint
@@ -49,7 +54,12 @@ def node_input(org: str) -> np.ndarray:
 
 
 async def run_node(
-    workdir: Path, me: str, orgs: list[str], die_at: str | None, owners: bool = False
+    workdir: Path,
+    me: str,
+    orgs: list[str],
+    die_at: str | None,
+    owners: bool = False,
+    relayed: int = 0,
 ) -> None:
     identity = OrgIdentity.load(workdir / me)
     members = json.loads((workdir / "members.json").read_text())
@@ -66,6 +76,14 @@ async def run_node(
     # owners: every member unmasks only the chunks it holds (the owner path, which
     # the engine takes from 8 members on by default)
     config = dataclasses.replace(CONFIG, owner_unmask_from=3) if owners else CONFIG
+    if relayed:
+        config = dataclasses.replace(config, ready_relay_from=3, shares_ahead_from=3)
+    sent: dict[int, Counter[str]] = {}
+
+    def egress(env: Any, wire: bytes) -> None:
+        sent.setdefault(env.round, Counter())[env.kind] += 1
+
+    endpoint.on_egress = egress
     engine = RoundEngine(
         endpoint, lambda: orgs, secagg_sessions(*endpoint_signer(endpoint)), config, hook=hook
     )
@@ -102,8 +120,11 @@ async def run_node(
                 raise SystemExit(f"{me}: peers did not come up")
             await asyncio.sleep(0.05)
 
+        for round_ in range(1, relayed + 1):
+            result = await engine.run_round(RUN, round_, node_input(me))
+            np.save(workdir / f"{me}.sum.{round_}.npy", result.sum)
         started = time.monotonic()
-        result = await engine.run_round(RUN, 1, node_input(me))
+        result = await engine.run_round(RUN, relayed + 1, node_input(me))
         print(f"{me}: round took {time.monotonic() - started:.2f}s", flush=True)
         np.save(workdir / f"{me}.sum.npy", result.sum)
         summary = {
@@ -116,6 +137,7 @@ async def run_node(
             "took_chunks_from": took_chunks,
             "bytes_sent": result.bytes_sent,
             "stage_times": result.stage_times,
+            "sent": {str(r): dict(c) for r, c in sent.items()},
         }
         out = workdir / f"{me}.json"
         out.with_suffix(".tmp").write_text(json.dumps(summary))
@@ -135,8 +157,11 @@ def main() -> None:
     parser.add_argument("--orgs", required=True)
     parser.add_argument("--die-at", default=None)
     parser.add_argument("--owners", action="store_true")
+    parser.add_argument("--relayed", type=int, default=0)
     args = parser.parse_args()
-    asyncio.run(run_node(args.dir, args.org, args.orgs.split(","), args.die_at, args.owners))
+    asyncio.run(
+        run_node(args.dir, args.org, args.orgs.split(","), args.die_at, args.owners, args.relayed)
+    )
 
 
 if __name__ == "__main__":

@@ -93,10 +93,46 @@ def test_owner_unmasking_over_tls_survives_a_node_killed_after_the_agreement(
     assert fetched and VICTIM not in fetched
 
 
+def test_relayed_readies_carry_the_shares_sealed_ahead_over_tls(tmp_path: Path) -> None:
+    """Three rounds of four org processes over mutual TLS with the readies relayed and
+    the shares sealed ahead (as from 32 and 33 members on). The first round exchanges
+    the shares (no key is known yet); from the second on each org's shares go beside
+    its relayed ready record, each blob towards its holder only: no share message and
+    no direct ready is sent, and every round's sum is every input's."""
+    summaries = _run(tmp_path, ORGS, None, "", relayed=2)
+    everything = np.zeros_like(node_input(ORGS[0]))
+    for org in ORGS:
+        np.add(everything, node_input(org), out=everything)
+    for org in ORGS:
+        summary = summaries[org]
+        assert sorted(summary["survivors"]) == ORGS
+        for round_ in (1, 2):
+            total = np.load(tmp_path / f"{org}.sum.{round_}.npy")
+            np.testing.assert_array_equal(total, everything)
+        np.testing.assert_array_equal(np.load(tmp_path / f"{org}.sum.npy"), everything)
+        sent = summary["sent"]
+        assert _shares(sent["1"]) == len(ORGS) - 1  # one request or reply for each pair
+        for key in ("2", "3"):
+            assert sent[key].get("round.readies", 0) > 0, sent
+            assert _shares(sent[key]) == 0, sent
+            assert sent[key].get("round.ready", 0) == 0, sent
+
+
+def _shares(kinds: dict[str, int]) -> int:
+    """Share messages sent in a round: requests and replies."""
+    return kinds.get("round.share", 0) + kinds.get("round.share.reply", 0)
+
+
 def _run(
-    tmp_path: Path, orgs: list[str], victim: str, die_at: str, owners: bool = False
+    tmp_path: Path,
+    orgs: list[str],
+    victim: str | None,
+    die_at: str,
+    owners: bool = False,
+    relayed: int = 0,
 ) -> dict[str, Any]:
-    """Run the four org processes, ``victim`` dying at ``die_at``; the survivors' summaries."""
+    """Run the four org processes, ``victim`` (if any) dying at ``die_at``; the
+    survivors' summaries."""
     survivors = [o for o in orgs if o != victim]
     identities = {
         o: OrgIdentity.generate(o, hashlib.sha256(f"tls-rounds/{o}".encode()).digest())
@@ -129,6 +165,7 @@ def _run(
                 ",".join(orgs),
                 *(["--die-at", die_at] if o == victim else []),
                 *(["--owners"] if owners else []),
+                *(["--relayed", str(relayed)] if relayed else []),
             ],
             cwd=ROOT,
             stdout=logs[o],
@@ -164,7 +201,8 @@ def _run(
             f.close()
 
     # the victim died inside the reduce, as planned
-    assert procs[victim].returncode == DIE_STATUS, log(victim)
+    if victim is not None:
+        assert procs[victim].returncode == DIE_STATUS, log(victim)
     for org in survivors:
         assert procs[org].returncode == 0, log(org)
     return {o: json.loads((tmp_path / f"{o}.json").read_text()) for o in survivors}
