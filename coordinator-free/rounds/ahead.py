@@ -134,10 +134,6 @@ class Ahead:
             lo, hi = (mid + 1, hi) if at < index else (lo, mid)
         return None
 
-    def with_blobs(self, blobs: Mapping[int, Blob]) -> Ahead:
-        """The same core with ``blobs`` travelling with it."""
-        return Ahead(self.next_pk, self.held, self.sealed, blobs)
-
     @classmethod
     def from_bytes(cls, data: bytes, only: int | None = None) -> Ahead:
         """Parse; ``ValueError`` on anything malformed. ``only``: keep the blob of that

@@ -71,7 +71,7 @@ def test_a_ready_has_fixed_bytes() -> None:
     assert Ready.split(data, 32) == (bytes.fromhex(core), data[len(core) // 2 :])
     # the core alone is a ready whose blobs travel elsewhere
     assert Ready.from_bytes(ready.core(), 32) == Ready(
-        b"\xaa" * 32, b"advert", ahead.with_blobs({})
+        b"\xaa" * 32, b"advert", dataclasses.replace(ahead, blobs={})
     )
 
 
@@ -109,7 +109,9 @@ def test_a_ready_round_trips_with_any_of_its_blobs(
     assert Ready.from_bytes(ready.to_bytes(), 32) == ready
     # whichever blobs travel with it, the core is the same bytes, and lists every digest
     some = Ready(
-        b"\x01" * 32, advert, sealed.with_blobs({i: blobs[i] for i in travelling & blobs.keys()})
+        b"\x01" * 32,
+        advert,
+        dataclasses.replace(sealed, blobs={i: blobs[i] for i in travelling & blobs.keys()}),
     )
     core, rest = Ready.split(some.to_bytes(), 32)
     assert core == ready.core() and core + rest == some.to_bytes()
@@ -148,7 +150,9 @@ def test_a_holder_reads_its_own_blob_of_a_ready_and_refuses_what_the_full_parse_
     ahead = Ahead.sealing(b"\x07" * 32, frozenset({b"\x01" * 8}), blobs)
     data = Ready(b"\x01" * 32, b"adv", ahead).to_bytes()
     mine = Ready.from_bytes(data, 32, only=holder)
-    assert mine.ahead == ahead.with_blobs({holder: blobs[holder]} if holder in blobs else {})
+    assert mine.ahead == dataclasses.replace(
+        ahead, blobs={holder: blobs[holder]} if holder in blobs else {}
+    )
     assert read_blobs(Ready.split(data, 32)[1], only=holder) == mine.ahead.blobs
     short = data[: max(33, len(data) - cut)]
     for only in (None, holder):
