@@ -64,9 +64,14 @@ class ReduceStage:
         try:
             if ctx.premasking is not None:
                 await ctx.premasking
-            # off the loop too: a neighbour outside U2 costs one more mask expansion (no
-            # message touches the session while this node masks)
-            ctx.masked = await asyncio.to_thread(ctx.session.masked_input)
+            # the usual case leaves nothing to add: settled here, with no hop to a worker
+            # thread (which waits for the interpreter lock while this loop takes the
+            # ring's first chunks); a neighbour outside U2 costs one more mask
+            # expansion, off the loop (no message touches the session while it masks)
+            masked = ctx.session.premasked_input()
+            if masked is None:
+                masked = await asyncio.to_thread(ctx.session.masked_input)
+            ctx.masked = masked
         except (SecAggError, ValueError) as exc:
             raise RoundFailed("mask", f"cannot mask the input: {exc}") from exc
         ctx.lap("mask")

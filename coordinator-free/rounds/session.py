@@ -127,6 +127,14 @@ class MaskedSum(Protocol):
         the node before :meth:`masked_input`."""
         ...
 
+    def premasked_input(self) -> np.ndarray | None:
+        """Once :meth:`premask`'s work is done: this org's masked input when the masks
+        that work added are exactly those of the settled participants (the usual case),
+        which leaves only bookkeeping, so the engine calls it on its event loop; ``None``
+        when a mask remains to add or take off (:meth:`masked_input` does that off the
+        loop) or when nothing was premasked."""
+        ...
+
     def masked_input(self) -> np.ndarray:
         """This org's masked input (a ring array), which the engine may sum into in
         place; each later call makes it again, the same bit for bit, in the same
@@ -315,6 +323,13 @@ class SecAggSession:
         y, base = (x, None) if self.codec is not None else (np.empty_like(x), x)
         self._premasked = y
         return functools.partial(prg.add_masks, y, masks, base=base)
+
+    def premasked_input(self) -> np.ndarray | None:
+        if self._premasked is None or self._y is not None:
+            return None
+        if self.peer.u2 is None:
+            self.peer.close_shares()
+        return self.masked_input() if self.peer.premask_exact() else None
 
     def masked_input(self) -> np.ndarray:
         if self._premasked is not None and self._y is None:  # premask's work is done

@@ -326,6 +326,16 @@ class SecAggPeer(PeerState):
         self._masked = True
         return self._pairwise(self._premasked - self._u2, -1)
 
+    def premask_exact(self) -> bool:
+        """After :meth:`close_shares`: whether the masks :meth:`premask` handed out are
+        exactly those of U2 (the usual case), so :meth:`settle_premask` has none to return."""
+        return (
+            self._premasked is not None
+            and self._u2 is not None
+            and not self._masked
+            and self._premasked == self._u2 - {self.me}
+        )
+
     def _input_masks(self) -> list[Mask]:
         """``(seed, sign)`` of this peer's self mask and of its pairwise mask with each
         neighbour in U2."""

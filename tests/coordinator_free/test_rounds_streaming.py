@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+from collections.abc import Collection
 
 import numpy as np
 import pytest
@@ -95,7 +96,13 @@ def test_a_10m_parameter_round_equals_the_unchunked_sum_bit_for_bit(owners: int 
         assert res.sum.tobytes() == reference.tobytes()
 
 
-def sessions(x: dict[str, np.ndarray], codec: FixedPointCodec | None) -> dict[str, SecAggSession]:
+def sessions(
+    x: dict[str, np.ndarray],
+    codec: FixedPointCodec | None,
+    lost: Collection[tuple[str, str]] = (),
+) -> dict[str, SecAggSession]:
+    """Sessions of ``x``'s orgs that advertised and shared their keys, but for the
+    ``(sender, receiver)`` pairs of ``lost``, whose shares never came."""
     orgs = tuple(sorted(x))
     signers, verify = _ed25519_identities(orgs, seed=3)
     out: dict[str, SecAggSession] = {}
@@ -112,8 +119,42 @@ def sessions(x: dict[str, np.ndarray], codec: FixedPointCodec | None) -> dict[st
     shares = {o: s.share_keys(frozenset(orgs)) for o, s in out.items()}
     for sender, msgs in shares.items():
         for o, data in msgs.items():
-            out[o].receive_share(sender, data)
+            if (sender, o) not in lost:
+                out[o].receive_share(sender, data)
     return out
+
+
+@pytest.mark.parametrize("float_input", [False, True], ids=["ring-input", "float-input"])
+@pytest.mark.parametrize("lost", [False, True], ids=["usual", "a-neighbour-outside-u2"])
+def test_a_premasked_input_is_settled_without_a_thread_only_when_no_mask_is_left(
+    float_input: bool, lost: bool
+) -> None:
+    """The mask stage takes :meth:`premasked_input` on its loop: the masked input
+    itself when the premask's masks are exactly U2's (the same vector as masking from
+    scratch), ``None`` when a premasked neighbour is outside U2 (its mask must come off
+    again, which :meth:`masked_input` does off the loop) or when nothing was premasked."""
+    rng = np.random.default_rng(6)
+    orgs = ("a", "b", "c", "d")
+    codec = FixedPointCodec(bits=32, clip=1.0, max_summands=4) if float_input else None
+    x: dict[str, np.ndarray]
+    if float_input:
+        x = {o: rng.uniform(-1, 1, 3000) for o in orgs}
+    else:
+        x = {o: rng.integers(0, 2**32, 3000, dtype=np.uint32) for o in orgs}
+    a = sessions(x, codec, lost={("d", "a")} if lost else ())["a"]
+    assert a.premasked_input() is None  # nothing premasked
+    a.premask()()
+    a.settle_participants(frozenset(orgs) - ({"d"} if lost else set()))
+    settled = a.premasked_input()
+    if lost:
+        assert settled is None
+        settled = a.masked_input()
+    assert settled is not None
+    kept = settled.copy()
+    assert a.premasked_input() is None  # settled once
+    # masking from scratch (what a later ring attempt does) gives the same vector
+    again = a.masked_input()
+    assert again.tobytes() == kept.tobytes()
 
 
 @pytest.mark.parametrize("float_input", [False, True], ids=["ring-input", "float-input"])

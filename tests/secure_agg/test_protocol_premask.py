@@ -20,8 +20,13 @@ def _premasked(peer: SecAggPeer, x: np.ndarray, participants: Iterable[str]) -> 
     first, then U2 fixed, then the settling masks."""
     y = x.copy()
     prg.add_masks(y, peer.premask())
+    assert not peer.premask_exact()  # U2 is not fixed yet
     peer.close_shares(participants)
-    prg.add_masks(y, peer.settle_premask())
+    exact = peer.premask_exact()
+    settling = peer.settle_premask()
+    assert exact == (settling == [])  # exact: nothing left to add or take off
+    assert not peer.premask_exact()  # settled once
+    prg.add_masks(y, settling)
     return y
 
 
@@ -61,6 +66,7 @@ def test_premask_comes_once_in_its_stage_and_instead_of_masked_input() -> None:
     a.close_shares(parts)
     with pytest.raises(OutOfStage):
         a.masked_input(np.zeros(8, dtype=np.uint32))
+    assert a.premask_exact()
     assert a.settle_premask() == []  # every neighbour shared: nothing to take off
     with pytest.raises(OutOfStage):
         a.settle_premask()
