@@ -124,6 +124,18 @@ def sessions(
     return out
 
 
+def _inputs(
+    orgs: tuple[str, ...], length: int, float_input: bool, *, seed: int
+) -> tuple[dict[str, np.ndarray], FixedPointCodec | None]:
+    """Each org's input of ``length``: floats in [-1, 1) with a 32-bit codec for them,
+    or ring elements with no codec."""
+    rng = np.random.default_rng(seed)
+    if not float_input:
+        return {o: rng.integers(0, 2**32, length, dtype=np.uint32) for o in orgs}, None
+    codec = FixedPointCodec(bits=32, clip=1.0, max_summands=len(orgs))
+    return {o: rng.uniform(-1, 1, length) for o in orgs}, codec
+
+
 @pytest.mark.parametrize("float_input", [False, True], ids=["ring-input", "float-input"])
 @pytest.mark.parametrize("lost", [False, True], ids=["usual", "a-neighbour-outside-u2"])
 def test_a_premasked_input_is_settled_without_a_thread_only_when_no_mask_is_left(
@@ -133,14 +145,8 @@ def test_a_premasked_input_is_settled_without_a_thread_only_when_no_mask_is_left
     itself when the premask's masks are exactly U2's (the same vector as masking from
     scratch), ``None`` when a premasked neighbour is outside U2 (its mask must come off
     again, which :meth:`masked_input` does off the loop) or when nothing was premasked."""
-    rng = np.random.default_rng(6)
     orgs = ("a", "b", "c", "d")
-    codec = FixedPointCodec(bits=32, clip=1.0, max_summands=4) if float_input else None
-    x: dict[str, np.ndarray]
-    if float_input:
-        x = {o: rng.uniform(-1, 1, 3000) for o in orgs}
-    else:
-        x = {o: rng.integers(0, 2**32, 3000, dtype=np.uint32) for o in orgs}
+    x, codec = _inputs(orgs, 3000, float_input, seed=6)
     a = sessions(x, codec, lost={("d", "a")} if lost else ())["a"]
     assert a.premasked_input() is None  # nothing premasked
     a.premask()()
@@ -159,14 +165,8 @@ def test_a_premasked_input_is_settled_without_a_thread_only_when_no_mask_is_left
 
 @pytest.mark.parametrize("float_input", [False, True], ids=["ring-input", "float-input"])
 def test_a_later_attempt_gets_the_same_masked_input_in_the_same_array(float_input: bool) -> None:
-    rng = np.random.default_rng(2)
     orgs = ("a", "b", "c")
-    codec = FixedPointCodec(bits=32, clip=1.0, max_summands=3) if float_input else None
-    x: dict[str, np.ndarray]
-    if float_input:
-        x = {o: rng.uniform(-1, 1, 5000) for o in orgs}
-    else:
-        x = {o: rng.integers(0, 2**32, 5000, dtype=np.uint32) for o in orgs}
+    x, codec = _inputs(orgs, 5000, float_input, seed=2)
     originals = {o: v.copy() for o, v in x.items()}
     session = sessions(x, codec)["a"]
     first = session.masked_input()
