@@ -56,10 +56,12 @@ take most of the machine's memory and an hour of its CPU per round; ``n *
 ring_min_chunk`` = 262 144 elements at n = 256 still gives owner unmasking its chunks."""
 
 
-def round_config(n: int, topology: str = "ring", params: int = MILLION) -> RoundConfig:
+def round_config(
+    n: int, topology: str = "ring", params: int = MILLION, mask_helper: str = "auto"
+) -> RoundConfig:
     """The benchmark's rounds of ``n`` members on a vector of ``params`` elements, in
     the simulator and over TLS: a step of a large vector on a loaded machine takes
-    seconds, so the timeouts grow with both."""
+    seconds, so the timeouts grow with both. ``mask_helper``: ``RoundConfig``'s."""
     slack = 60.0 + n + params / MILLION
     return RoundConfig(
         ready_timeout=30.0,
@@ -67,7 +69,15 @@ def round_config(n: int, topology: str = "ring", params: int = MILLION) -> Round
         step_timeout=slack,
         send_timeout=slack,
         topology=topology,
+        mask_helper=mask_helper,
     )
+
+
+SIM_MASK_HELPER = "process"
+"""Where the simulated peers expand their masks: in the helper process, streamed into
+the ring, as an org node does by default on a machine of four cores or more
+(``RoundConfig.mask_helper``). Each simulated org stands for a machine of its own,
+and the simulation's peers share one helper, as they share one interpreter."""
 
 
 @contextlib.contextmanager
@@ -120,7 +130,10 @@ async def sim_figures(
     rss: dict[str, list[int]] = {"plain": [], "ring": [], "star": []}
     for topology in ("ring", "star") if secure and star else ("ring",):
         config = SimConfig(
-            peers=n, length=params, seed=1, round_config=round_config(n, topology, params)
+            peers=n,
+            length=params,
+            seed=1,
+            round_config=round_config(n, topology, params, SIM_MASK_HELPER),
         )
         async with Simulation(config) as sim:
 

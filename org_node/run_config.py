@@ -76,6 +76,10 @@ class EngineConfig:
     owner_unmask_from: from this many participants on, each unmasks only the chunks
         of the sum it holds (``RoundConfig.owner_unmask_from``); 0 turns it off. Every
         participant must use the same.
+    mask_helper: where this node expands its masks (``RoundConfig.mask_helper``):
+        ``process`` (a helper process, streamed into the ring), ``thread`` (a worker
+        thread before the ring) or ``auto`` (the helper from four cores on). The sum is
+        the same either way: each participant chooses its own.
     model_hash_timeout_s: how long the model-hash check waits for the survivors.
     max_attempts: attempts of the secure sum of the pre-training statistics before the
         run fails (at most ``ATTEMPTS``); a training round instead waits for a quorum
@@ -102,6 +106,7 @@ class EngineConfig:
     checkpoint_every: int = 1
     ready_timeout_s: float = 30.0
     owner_unmask_from: int = 8
+    mask_helper: str = "auto"
     model_hash_timeout_s: float = 30.0
     max_attempts: int = 3
     quorum_backoff_s: float = 1.0
@@ -134,6 +139,8 @@ class EngineConfig:
         check_integer(f"{s}.owner_unmask_from", self.owner_unmask_from, EngineError)
         if 0 < self.owner_unmask_from < 3:
             raise EngineError(f"{s}.owner_unmask_from", "expected 0 (off) or at least 3")
+        if self.mask_helper not in ("auto", "process", "thread"):
+            raise EngineError(f"{s}.mask_helper", "expected 'auto', 'process' or 'thread'")
         check_number(f"{s}.model_hash_timeout_s", self.model_hash_timeout_s, EngineError)
         check_integer(f"{s}.max_attempts", self.max_attempts, EngineError, low=1)
         if self.max_attempts > ATTEMPTS:

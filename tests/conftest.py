@@ -20,3 +20,13 @@ def _order(item: pytest.Item) -> tuple[int, float]:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=_order)  # stable: each group keeps the collection's order
+
+
+@pytest.fixture(autouse=True)
+def _masks_in_threads_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``RoundConfig.mask_helper = "auto"`` picks the helper process from four cores on:
+    in this process the suite runs the same on any machine, with ``auto`` meaning worker
+    threads; the helper's own tests ask for ``"process"`` by name."""
+    from coordinator_free.rounds import mask_stream
+
+    monkeypatch.setattr(mask_stream, "AUTO_MIN_CORES", 1 << 30)

@@ -75,6 +75,9 @@ class RingCall:
         fault-injection seam.
     start_grace: added to the first wait: the members do not all start at the same
         moment (each leaves the previous stage when it has heard enough).
+    feed: a part of the input that arrives while the ring runs (:class:`~.steps.InputFeed`):
+        added to each chunk just before it first leaves, or all of it before a chain or
+        a star starts.
     alive: ``alive(org)``, the membership layer's view: a wait pings a sender as soon
         as it is no longer believed alive (see :meth:`~.link.Link.receive`).
     bits: the ring's width when it is narrower than a ``uint16`` vector's storage
@@ -93,6 +96,7 @@ class RingCall:
     start_grace: float = 0.0
     alive: Callable[[str], bool] | None = None
     bits: int = 0
+    feed: steps.InputFeed | None = None
 
 
 class _AttemptOptions(TypedDict, total=False):
@@ -103,6 +107,7 @@ class _AttemptOptions(TypedDict, total=False):
     timeout: float
     stats: RingStats | None
     bits: int
+    feed: steps.InputFeed | None
 
 
 class StarOptions(_AttemptOptions, total=False):
@@ -326,9 +331,13 @@ class RingReducer:
         acc = _accumulator(vector, in_place)
         n = len(order)
         if n == 1:
+            if call.feed is not None:
+                await call.feed.add_all(acc)
             return acc
         place = Place.of(order, self.endpoint.org_id, acc.shape[0])
         if acc.shape[0] < n * min_chunk:
+            if call.feed is not None:
+                await call.feed.add_all(acc)
             await self._run(
                 order, link, steps.chain(link, acc, place, call.on_step, call.start_grace)
             )
@@ -347,7 +356,7 @@ class RingReducer:
         on_lost: steps.LostHook | None = None,
     ) -> None:
         """The reduce-scatter, then the first ``gather_steps`` steps of the all-gather."""
-        await steps.reduce_scatter(link, acc, place, call.on_step, call.start_grace)
+        await steps.reduce_scatter(link, acc, place, call.on_step, call.start_grace, call.feed)
         await steps.all_gather(link, acc, place, call.on_step, range(gather_steps), on_lost=on_lost)
 
     def _lost(self, link: Link, place: Place) -> steps.LostHook:
@@ -448,6 +457,8 @@ class RingReducer:
         call = RingCall(**options)
         link = self._link(order, vector, call)
         acc = np.array(vector, copy=True)
+        if call.feed is not None:
+            await call.feed.add_all(acc)
         if len(order) == 1:
             return acc
         place = Place.of(order, self.endpoint.org_id, acc.shape[0])

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 from coordinator_free.ring.link import Link, RingBroken
@@ -28,6 +29,7 @@ from coordinator_free.ring.wire import (
 )
 
 __all__ = [
+    "InputFeed",
     "LostHook",
     "Place",
     "RingBroken",
@@ -44,6 +46,30 @@ StepHook = Callable[[str, int], Awaitable[None]]
 
 LostHook = Callable[[int], Awaitable[None]]
 """``on_lost(step)``: the all-gather's send to the successor failed at ``step`` (1 or later)."""
+
+
+class InputFeed(Protocol):
+    """A part of a member's input that arrives while its ring runs (the masks a helper
+    process expands, :mod:`coordinator_free.rounds.mask_helper`), chunk by chunk in the
+    order the reduce-scatter first sends them. The ring adds chunk ``c``'s part to the
+    vector it sums (``acc``) with :meth:`add` just before the chunk first leaves this
+    member (or, for the chunk it reduces last, before the reduce-scatter returns), so
+    every chunk carries it when it is sent and nothing is added twice. A ring whose
+    chunks are not the feed's (another member set, a chain, a star) takes the whole of
+    it with :meth:`add_all` before it starts."""
+
+    def fits(self, bounds: Sequence[tuple[int, int]]) -> bool:
+        """Whether the feed's chunks are ``bounds`` (the ring's)."""
+        ...
+
+    async def add(self, acc: np.ndarray, chunk: int) -> None:
+        """Add the feed's part of ``chunk`` to ``acc``, once it is there."""
+        ...
+
+    async def add_all(self, acc: np.ndarray) -> None:
+        """Add to ``acc`` every part not yet added."""
+        ...
+
 
 _STEP_NAMES = {PHASE_SCATTER: "scatter", PHASE_GATHER: "gather", PHASE_SUM: "gather"}
 
@@ -114,15 +140,29 @@ async def ring_step(
 
 
 async def reduce_scatter(
-    link: Link, acc: np.ndarray, place: Place, on_step: StepHook | None, start_grace: float
+    link: Link,
+    acc: np.ndarray,
+    place: Place,
+    on_step: StepHook | None,
+    start_grace: float,
+    feed: InputFeed | None = None,
 ) -> None:
     """The ``n - 1`` reduce-scatter steps: chunk ``pos + 1`` of ``acc`` ends complete.
-    The first wait is ``start_grace`` longer (the members do not all start at once)."""
+    The first wait is ``start_grace`` longer (the members do not all start at once).
+    With ``feed``, each chunk of ``acc`` takes the feed's part just before it first
+    leaves (step ``s`` sends chunk ``pos - s``), and chunk ``pos + 1`` at the end."""
     n, pos = place.n, place.pos
+    if feed is not None and not feed.fits(place.bounds):
+        await feed.add_all(acc)
+        feed = None
     for s in range(n - 1):
         wait = link.timeout + (start_grace if s == 0 else 0.0)
         indices = ((pos - s) % n, (pos - s - 1) % n)
+        if feed is not None:
+            await feed.add(acc, indices[0])
         await ring_step(link, acc, place, PHASE_SCATTER, s, indices, on_step, wait)
+    if feed is not None:
+        await feed.add(acc, (pos + 1) % n)
 
 
 async def all_gather(

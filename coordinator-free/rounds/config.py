@@ -69,6 +69,13 @@ class RoundConfig:
         hash and settle ``U1`` at no message, where the token would add ``n`` hops one
         after another. ``None``: never. Every member of a federation must use the
         same setting.
+    mask_helper: where this node expands the masks of the usual case
+        (:mod:`~coordinator_free.rounds.mask_stream`): ``"process"``, in the helper
+        process of its interpreter, streamed into the ring's first attempt;
+        ``"thread"``, in a worker thread before the ring; ``"auto"`` (the default),
+        the helper process on a machine with at least
+        :data:`~coordinator_free.rounds.mask_stream.AUTO_MIN_CORES` cores. The sum is
+        the same either way: each member may choose its own.
     """
 
     ready_timeout: float = 5.0
@@ -88,6 +95,7 @@ class RoundConfig:
     attempts_per_round: int | None = None
     max_open_rounds: int | None = None
     shares_ahead_from: int | None = 33
+    mask_helper: str = "auto"
 
     def __post_init__(self) -> None:
         for name in (
@@ -143,6 +151,11 @@ class RoundConfig:
                 isinstance(value, bool) or not isinstance(value, int) or value < 3
             ):
                 raise ValueError(f"RoundConfig.{name} must be None or an int >= 3, got {value!r}")
+        if self.mask_helper not in ("auto", "process", "thread"):
+            raise ValueError(
+                "RoundConfig.mask_helper must be 'auto', 'process' or 'thread', got "
+                f"{self.mask_helper!r}"
+            )
         if self.topology not in ("ring", "star"):
             raise ValueError(
                 f"RoundConfig.topology must be 'ring' or 'star', got {self.topology!r}"

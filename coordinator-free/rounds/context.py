@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from coordinator_free.ring import Scattered
 from coordinator_free.rounds.config import RoundConfig, StageHook
+from coordinator_free.rounds.mask_stream import MaskStream
 from coordinator_free.rounds.messenger import Messenger
 from coordinator_free.rounds.session import MaskedSum
 from coordinator_free.rounds.state import Counters, RoundState
@@ -77,6 +78,7 @@ class StageContext:
     # ring order and how many ring attempts ran
     masked: np.ndarray | None = None
     premasking: asyncio.Future[None] | None = None  # the session's premask work, off the loop
+    mask_stream: MaskStream | None = None  # or its masks, streamed into the first attempt
     total: np.ndarray | None = None
     scattered: Scattered | None = None
     agreed_by: str | None = None

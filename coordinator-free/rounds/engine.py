@@ -49,6 +49,8 @@ from coordinator_free.rounds.agreement import Agreement
 from coordinator_free.rounds.ahead import AheadKeys
 from coordinator_free.rounds.config import RoundConfig, StageHook
 from coordinator_free.rounds.context import StageContext
+from coordinator_free.rounds.mask_stream import helper as mask_helper
+from coordinator_free.rounds.mask_stream import uses_helper
 from coordinator_free.rounds.messenger import Messenger, refusal_kind
 from coordinator_free.rounds.model_hash import ModelHashes
 from coordinator_free.rounds.ready import ReadyStage
@@ -238,6 +240,8 @@ class RoundEngine:
         except Refused as exc:
             raise RoundFailed("ready", f"round {round} of {run!r} cannot start: {exc}") from None
         table.running.add((run, round))
+        if uses_helper(self.config.mask_helper):  # up by the share stage, off the loop
+            self._net.spawn(asyncio.to_thread(mask_helper().warm))
         # the masked vector travels as ring elements of at most 8 bytes
         wire_bytes = max(vector.nbytes, 8 * vector.size)
         self.ring.expect(run, round, wire_bytes, self.config.max_reduce_attempts)
@@ -277,12 +281,16 @@ class RoundEngine:
 
     async def _run(self, ctx: StageContext) -> RoundResult:
         """The stages, in order (``docs/ARCHITECTURE.md``, "A round")."""
-        await self._ready.run(ctx)
-        await self._share.run(ctx)
-        await self._share.agree(ctx)
-        await self._reduce.mask(ctx)
-        await self._reduce.run(ctx)
-        total = await self._unmask.run(ctx)
+        try:
+            await self._ready.run(ctx)
+            await self._share.run(ctx)
+            await self._share.agree(ctx)
+            await self._reduce.mask(ctx)
+            await self._reduce.run(ctx)
+            total = await self._unmask.run(ctx)
+        finally:
+            if ctx.mask_stream is not None:  # the round ended before its ring
+                ctx.mask_stream.close()
         return await self._done(ctx, total)
 
     async def _done(self, ctx: StageContext, total: np.ndarray) -> RoundResult:

@@ -89,7 +89,10 @@ class ReduceStage:
                 await _remask(ctx)
             ctx.order = ring_order(ctx.members, ctx.round)
             owners = owner_unmask(ctx.config, len(ctx.order), ctx.masked_input())
-            done, suspects = await self._ring(ctx, owners)
+            try:
+                done, suspects = await self._ring(ctx, owners)
+            finally:
+                _end_stream(ctx)
             ctx.lap("reduce")
             await ctx.enter("agree-reduce")
             if owners:
@@ -144,6 +147,7 @@ class ReduceStage:
             stats=ctx.counters.ring,
             start_grace=cfg.stage_timeout,
             bits=ctx.ring_bits,
+            feed=ctx.mask_stream,
         )
         if cfg.topology == "star" and not owners:
             return await self.ring.star_allreduce(order, masked, **attempt)
@@ -210,6 +214,14 @@ class ReduceStage:
         )
         self.sums.keep_total(ctx.run, ctx.round, ctx.attempt, members, total)
         ctx.total = total
+
+
+def _end_stream(ctx: StageContext) -> None:
+    """The masks streamed from the helper serve the first attempt only: its segment is
+    released as the attempt ends (a later one masks the input again itself)."""
+    if ctx.mask_stream is not None:
+        ctx.mask_stream.close()
+        ctx.mask_stream = None
 
 
 async def _remask(ctx: StageContext) -> None:

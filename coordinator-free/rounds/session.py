@@ -9,7 +9,6 @@ round, signed by :func:`endpoint_signer`'s pair.
 from __future__ import annotations
 
 import copy
-import functools
 import hashlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from secure_agg.protocol import ProtocolConfig, SecAggPeer
 
 __all__ = [
     "MaskedSum",
+    "Premask",
     "RandomBytes",
     "SecAggSession",
     "SessionContext",
@@ -45,6 +45,22 @@ __all__ = [
     "endpoint_signer",
     "secagg_sessions",
 ]
+
+
+@dataclass(frozen=True)
+class Premask:
+    """The premask's work (:meth:`MaskedSum.premask`): ``masks`` added to ``target``,
+    from ``base`` when it is set (else in place). Calling it does the work; the round
+    engine runs it in a worker thread, or streams the masks from the helper process
+    into the ring (:mod:`~coordinator_free.rounds.mask_stream`), where ``base`` is
+    ``None``."""
+
+    target: np.ndarray
+    masks: list[tuple[bytes, int]]
+    base: np.ndarray | None = None
+
+    def __call__(self) -> None:
+        prg.add_masks(self.target, self.masks, base=self.base)
 
 
 @dataclass(frozen=True)
@@ -118,11 +134,12 @@ class MaskedSum(Protocol):
         input carries; raises when it lacks the shares of one of them."""
         ...
 
-    def premask(self) -> Callable[[], None]:
+    def premask(self) -> Premask:
         """After :meth:`share_keys`: fix the masks of the usual case (every neighbour
         among the ready orgs shares its keys) and return the work that adds them to the
-        input, which the engine runs off its event loop while the shares travel;
-        :meth:`masked_input`, once that work is done, makes the result exact (it takes
+        input, which the engine runs off its event loop while the shares travel (or
+        streams into the ring's first attempt); :meth:`masked_input`, once that work is
+        done (or streaming), makes the result exact (it takes
         off the mask of a neighbour whose shares did not come). Nothing masked leaves
         the node before :meth:`masked_input`."""
         ...
@@ -315,14 +332,14 @@ class SecAggSession:
     def settle_participants(self, participants: frozenset[str]) -> None:
         self.peer.close_shares(participants)
 
-    def premask(self) -> Callable[[], None]:
+    def premask(self) -> Premask:
         masks = self.peer.premask()
         x = self._x
         # an encoded input is this session's own: masked in place; a ring input, the
         # caller's, into a new array
         y, base = (x, None) if self.codec is not None else (np.empty_like(x), x)
         self._premasked = y
-        return functools.partial(prg.add_masks, y, masks, base=base)
+        return Premask(y, masks, base)
 
     def premasked_input(self) -> np.ndarray | None:
         if self._premasked is None or self._y is not None:

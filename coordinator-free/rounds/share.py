@@ -27,6 +27,7 @@ and the shares carry no view hash to compare, so ``U1`` is agreed by the token.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 from collections.abc import Iterable
 
@@ -35,6 +36,7 @@ from coordinator_free.rounds.agreement import Agreement
 from coordinator_free.rounds.config import RoundConfig, patience
 from coordinator_free.rounds.context import StageContext
 from coordinator_free.rounds.exchange import PairwiseExchange
+from coordinator_free.rounds.mask_stream import stream_masks
 from coordinator_free.rounds.results import RoundFailed
 from coordinator_free.rounds.state import RoundTable
 from coordinator_free.rounds.wire import HASH_BYTES, KIND_SHARE, view_hash
@@ -108,7 +110,13 @@ class ShareStage:
         except (SecAggError, ValueError) as exc:
             raise RoundFailed("share", f"cannot share keys: {exc}") from exc
         # the masks of the usual case go into the input off the loop while the shares
-        # travel (the mask stage waits for them and makes the input exact)
+        # travel (the mask stage waits for them and makes the input exact), or into
+        # the ring's chunks from the helper process as they first leave
+        ctx.mask_stream = stream_masks(
+            ctx.config.mask_helper, work.target, work.masks, view1, me, ctx.round
+        )
+        if ctx.mask_stream is not None:  # only the input's copy is left, if any
+            work = dataclasses.replace(work, masks=[])
         ctx.premasking = asyncio.ensure_future(asyncio.to_thread(work))
         ctx.premasking.add_done_callback(_retrieved)
         exchange = ctx.state.exchange(SHARES)

@@ -152,6 +152,7 @@ class OrgNode(NodeContext):
             max_open_rounds=34,
             attempts_per_round=ATTEMPTS,
             owner_unmask_from=config.engine.owner_unmask_from or None,
+            mask_helper=config.engine.mask_helper,
         )
         self.observability = Observability(
             identity.org_id,

@@ -34,6 +34,7 @@ from coordinator_free.rounds import (
     RoundEngine,
     RoundObservation,
     endpoint_signer,
+    mask_stream,
     secagg_sessions,
 )
 from coordinator_free.tls import PeerAddress, TlsTransport, serve_peer_app
@@ -60,6 +61,7 @@ async def run_node(
     die_at: str | None,
     owners: bool = False,
     relayed: int = 0,
+    mask_helper: str = "thread",
 ) -> None:
     identity = OrgIdentity.load(workdir / me)
     members = json.loads((workdir / "members.json").read_text())
@@ -78,6 +80,7 @@ async def run_node(
     config = dataclasses.replace(CONFIG, owner_unmask_from=3) if owners else CONFIG
     if relayed:
         config = dataclasses.replace(config, ready_relay_from=3, shares_ahead_from=3)
+    config = dataclasses.replace(config, mask_helper=mask_helper)
     sent: dict[int, Counter[str]] = {}
 
     def egress(env: Any, wire: bytes) -> None:
@@ -138,6 +141,7 @@ async def run_node(
             "bytes_sent": result.bytes_sent,
             "stage_times": result.stage_times,
             "sent": {str(r): dict(c) for r, c in sent.items()},
+            "mask_helper_starts": mask_stream.helper().starts,
         }
         out = workdir / f"{me}.json"
         out.with_suffix(".tmp").write_text(json.dumps(summary))
@@ -158,9 +162,18 @@ def main() -> None:
     parser.add_argument("--die-at", default=None)
     parser.add_argument("--owners", action="store_true")
     parser.add_argument("--relayed", type=int, default=0)
+    parser.add_argument("--mask-helper", default="thread")
     args = parser.parse_args()
     asyncio.run(
-        run_node(args.dir, args.org, args.orgs.split(","), args.die_at, args.owners, args.relayed)
+        run_node(
+            args.dir,
+            args.org,
+            args.orgs.split(","),
+            args.die_at,
+            args.owners,
+            args.relayed,
+            args.mask_helper,
+        )
     )
 
 

@@ -118,6 +118,25 @@ def test_relayed_readies_carry_the_shares_sealed_ahead_over_tls(tmp_path: Path) 
             assert sent[key].get("round.ready", 0) == 0, sent
 
 
+@pytest.mark.parametrize("owners", [False, True], ids=["all-reduce", "owner-unmasking"])
+def test_masks_from_each_node_s_helper_process_over_tls_with_a_node_killed_in_the_reduce(
+    tmp_path: Path, owners: bool
+) -> None:
+    """Each org process expands its masks in its own helper process, streamed into the
+    ring (``mask_helper = "process"``); one dies in the reduce-scatter. The survivors'
+    second attempt masks its input again itself, and every survivor holds the sum of
+    the survivors' inputs."""
+    summaries = _run(tmp_path, ORGS, VICTIM, "reduce.scatter.1", owners, mask_helper="process")
+    expected = np.zeros_like(node_input(ORGS[0]))
+    for org in SURVIVORS:
+        np.add(expected, node_input(org), out=expected)
+    for org in SURVIVORS:
+        summary = summaries[org]
+        assert summary["mask_helper_starts"] == 1
+        assert sorted(summary["survivors"]) == SURVIVORS and summary["ring_attempts"] == 2
+        np.testing.assert_array_equal(np.load(tmp_path / f"{org}.sum.npy"), expected)
+
+
 def _shares(kinds: dict[str, int]) -> int:
     """Share messages sent in a round: requests and replies."""
     return kinds.get("round.share", 0) + kinds.get("round.share.reply", 0)
@@ -130,6 +149,7 @@ def _run(
     die_at: str,
     owners: bool = False,
     relayed: int = 0,
+    mask_helper: str = "thread",
 ) -> dict[str, Any]:
     """Run the four org processes, ``victim`` (if any) dying at ``die_at``; the
     survivors' summaries."""
@@ -166,6 +186,8 @@ def _run(
                 *(["--die-at", die_at] if o == victim else []),
                 *(["--owners"] if owners else []),
                 *(["--relayed", str(relayed)] if relayed else []),
+                "--mask-helper",
+                mask_helper,
             ],
             cwd=ROOT,
             stdout=logs[o],

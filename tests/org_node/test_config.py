@@ -73,3 +73,18 @@ def test_remote_admin_needs_the_explicit_flag() -> None:
     section = NetworkSection(admin_host="0.0.0.0", allow_remote_admin=True)
     assert section.admin_host == "0.0.0.0"
     assert NetworkSection(peer_host="0.0.0.0", peer_port=5).peer_url == "https://127.0.0.1:5"
+
+
+def test_the_engine_s_mask_helper_reaches_the_node_s_rounds(tmp_path: Path) -> None:
+    from org_node.initialize import initialize
+    from org_node.node import OrgNode
+
+    initialize(tmp_path / "n", "org-n", peer_port=9320, admin_port=9321)
+    path = tmp_path / "n" / "fedweave.toml"
+    assert 'mask_helper = "auto"' in path.read_text()
+    path.write_text(path.read_text().replace('mask_helper = "auto"', 'mask_helper = "thread"'))
+    node = OrgNode.open(tmp_path / "n")
+    try:
+        assert node.round_config.mask_helper == "thread"
+    finally:
+        node.egress.close()
