@@ -271,6 +271,13 @@ class MaskProcess:
                 helper.requests.close()
             lost = [job_id for job_id, (h, _) in self._jobs.items() if h is helper]
             ended = [self._jobs.pop(job_id)[1] for job_id in lost]
+        if ended:
+            logger.warning(
+                "the mask helper process exited (status %s) with %d job(s) open: their "
+                "rounds expand the rest themselves",
+                helper.proc.returncode,
+                len(ended),
+            )
         for on_chunk in ended:
             on_chunk(LOST, "the mask helper process exited")
 

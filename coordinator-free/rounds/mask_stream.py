@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import logging
 import os
 import secrets
 from collections.abc import Sequence
@@ -56,6 +57,11 @@ AUTO_MIN_CORES = 4
 the node's loop, one for the helper, and room for the ring's I/O and the OS. With two
 cores shared by several nodes it was slower (``docs/ARCHITECTURE.md``)."""
 
+logger = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+"""Where POSIX shared memory lives on Linux: a stream starts only when it has room."""
+
 _HELPER: MaskProcess | None = None
 _OPEN: set[str] = set()
 
@@ -72,6 +78,16 @@ def helper() -> MaskProcess:
         _HELPER = MaskProcess()
         atexit.register(_HELPER.close)
     return _HELPER
+
+
+def shm_room() -> int | None:
+    """Bytes free for shared memory (``None`` where the platform does not say: the
+    segment is then tried as it is)."""
+    try:
+        stat = os.statvfs(SHM_DIR)
+    except OSError:
+        return None
+    return stat.f_bavail * stat.f_frsize
 
 
 def uses_helper(setting: str, cores: int | None = None) -> bool:
@@ -124,6 +140,15 @@ class MaskStream:
         masks in a worker thread)."""
         if target.size == 0 or not masks:
             return None
+        room = shm_room()
+        if room is not None and room < target.nbytes:
+            # a helper writing past a full /dev/shm would die of SIGBUS mid-round
+            logger.warning(
+                "%d bytes of shared memory free, %d needed: masks in a worker thread",
+                room,
+                target.nbytes,
+            )
+            return None
         try:
             shm = shared_memory.SharedMemory(
                 name=f"fw-masks-{secrets.token_hex(8)}", create=True, size=target.nbytes
@@ -168,6 +193,8 @@ class MaskStream:
         if in_segment and self._view is not None:
             np.add(acc[lo:hi], self._view[lo:hi], out=acc[lo:hi])
             return
+        if not self.expanded_here:
+            logger.warning("the mask helper did not expand chunk %d: expanded here", chunk)
         self.expanded_here += 1
         await asyncio.to_thread(prg.add_masks, acc[lo:hi], self._masks, offset=lo)
 

@@ -194,6 +194,29 @@ def test_a_stream_s_segment_is_the_node_s_alone_and_gone_when_the_stream_closes(
     assert open_segments() == frozenset()
 
 
+def test_no_stream_when_shared_memory_has_no_room_for_the_vector(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    process = MaskProcess()
+    monkeypatch.setattr(mask_stream_module, "shm_room", lambda: 4 * 999)
+
+    async def starts() -> tuple[bool, bool]:
+        made = []
+        for length in (1000, 999):  # 4 000 bytes, then 3 996, with 3 996 free
+            target = np.zeros(length, dtype=np.uint32)
+            stream = MaskStream.start(process, target, _masks(2), [(0, length)], [0])
+            made.append(stream is not None)
+            if stream is not None:
+                stream.close()
+        return made[0], made[1]
+
+    try:
+        assert asyncio.run(starts()) == (False, True)
+    finally:
+        process.close()
+    assert open_segments() == frozenset()
+
+
 def test_no_stream_for_an_empty_vector_or_no_masks() -> None:
     process = MaskProcess()
 
