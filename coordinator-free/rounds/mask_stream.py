@@ -42,9 +42,11 @@ from secure_agg.mask_process import LOST, Chunk, MaskProcess
 __all__ = [
     "AUTO_MIN_CORES",
     "MASK_HELPERS",
+    "PIECE_BYTES",
     "MaskStream",
     "helper",
     "open_segments",
+    "pieces",
     "stream_masks",
     "uses_helper",
 ]
@@ -61,6 +63,11 @@ logger = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 """Where POSIX shared memory lives on Linux: a stream starts only when it has room."""
+
+PIECE_BYTES = 1 << 16
+"""The least the helper writes and reports at a time: consecutive chunks of the ring
+order grouped into pieces of at least this many bytes (at n = 256 and 256k parameters a
+chunk is 4 KiB, and a report per chunk would cost the loop more than it saves)."""
 
 _HELPER: MaskProcess | None = None
 _OPEN: set[str] = set()
@@ -117,8 +124,11 @@ class MaskStream:
         self._masks = list(masks)
         self.bounds = [(int(lo), int(hi)) for lo, hi in bounds]
         self.order = list(order)
+        self.pieces = pieces(self.bounds, self.order, dtype.itemsize)
+        """The helper's steps: consecutive chunks of ``order``, written and reported together."""
+        self._piece_of = {c: p for p, piece in enumerate(self.pieces) for c in piece}
         self._ready: dict[int, asyncio.Future[bool]] = {
-            c: self._loop.create_future() for c in self.order
+            p: self._loop.create_future() for p in range(len(self.pieces))
         }
         self._added: set[int] = set()
         self._process: MaskProcess | None = None
@@ -157,7 +167,10 @@ class MaskStream:
             return None
         _OPEN.add(shm.name)
         stream = cls(shm, target.dtype, target.shape[0], masks, bounds, order)
-        chunks: list[Chunk] = [(c, *stream.bounds[c]) for c in stream.order]
+        chunks: list[Chunk] = [
+            (p, stream.bounds[piece[-1]][0], stream.bounds[piece[0]][1])
+            for p, piece in enumerate(stream.pieces)
+        ]
         job = process.submit(shm.name, target.shape[0], target.dtype, masks, chunks, stream._report)
         if job is None:
             stream.close()
@@ -189,7 +202,7 @@ class MaskStream:
             raise RuntimeError(f"the masks of chunk {chunk} were added already")
         self._added.add(chunk)
         lo, hi = self.bounds[chunk]
-        in_segment = await self._ready[chunk]
+        in_segment = await self._ready[self._piece_of[chunk]]
         if in_segment and self._view is not None:
             np.add(acc[lo:hi], self._view[lo:hi], out=acc[lo:hi])
             return
@@ -219,6 +232,25 @@ class MaskStream:
                 shm.close()
             with contextlib.suppress(FileNotFoundError):
                 shm.unlink()
+
+
+def pieces(
+    bounds: Sequence[tuple[int, int]], order: Sequence[int], itemsize: int
+) -> list[list[int]]:
+    """``order`` cut into runs of chunks, each run contiguous in the vector (chunk ``c``
+    then ``c - 1``: the reduce-scatter's order) and, but for the last before a wrap or
+    the end, of at least :data:`PIECE_BYTES`."""
+    out: list[list[int]] = []
+    size = 0
+    for chunk in order:
+        lo, hi = bounds[chunk]
+        if out and size < PIECE_BYTES and chunk == out[-1][-1] - 1:
+            out[-1].append(chunk)
+            size += (hi - lo) * itemsize
+        else:
+            out.append([chunk])
+            size = (hi - lo) * itemsize
+    return out
 
 
 def stream_masks(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import os
 import signal
 from collections.abc import Iterator
@@ -15,12 +16,16 @@ from coordinator_free.rounds import RoundConfig
 from coordinator_free.rounds import mask_stream as mask_stream_module
 from coordinator_free.rounds.mask_stream import (
     AUTO_MIN_CORES,
+    PIECE_BYTES,
     MaskStream,
     helper,
     open_segments,
+    pieces,
     uses_helper,
 )
 from coordinator_free.sim import Fault, FaultSpec, RoundOutcome, SimConfig, Simulation
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from secure_agg import prg
 from secure_agg.mask_process import MaskProcess
@@ -123,6 +128,29 @@ def test_a_member_gone_after_its_ready_makes_the_ring_take_the_stream_whole(
 
 
 # -- one stream, against prg ---------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n=st.integers(1, 300),
+    length=st.integers(1, 1 << 20),
+    pos=st.integers(0, 299),
+    itemsize=st.sampled_from([2, 4, 8]),
+)
+def test_pieces_cut_the_ring_order_into_contiguous_runs_of_enough_bytes(
+    n: int, length: int, pos: int, itemsize: int
+) -> None:
+    bounds = chunk_bounds(max(length, n), n)
+    order = [(pos % n - s) % n for s in range(n)]
+    cut = pieces(bounds, order, itemsize)
+    assert [c for piece in cut for c in piece] == order
+    for i, piece in enumerate(cut):
+        assert all(b == a - 1 for a, b in itertools.pairwise(piece))
+        size = sum(bounds[c][1] - bounds[c][0] for c in piece) * itemsize
+        last_of_run = i + 1 == len(cut) or cut[i + 1][0] != piece[-1] - 1
+        assert size >= PIECE_BYTES or last_of_run
+        # a piece stops growing as soon as it is large enough
+        assert sum(bounds[c][1] - bounds[c][0] for c in piece[:-1]) * itemsize < PIECE_BYTES
 
 
 def _masks(count: int) -> list[tuple[bytes, int]]:
