@@ -11,10 +11,14 @@ import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-__all__ = ["RoundConfig", "StageHook", "patience"]
+__all__ = ["MASK_HELPERS", "RoundConfig", "StageHook", "patience"]
 
 StageHook = Callable[[str, str, int, str], Awaitable[None]]
 """``hook(org_id, run, round, stage)``, awaited as each stage (and ring step) begins."""
+
+
+MASK_HELPERS = ("auto", "process", "thread")
+"""The values of :attr:`RoundConfig.mask_helper`."""
 
 
 @dataclass(frozen=True)
@@ -151,7 +155,7 @@ class RoundConfig:
                 isinstance(value, bool) or not isinstance(value, int) or value < 3
             ):
                 raise ValueError(f"RoundConfig.{name} must be None or an int >= 3, got {value!r}")
-        if self.mask_helper not in ("auto", "process", "thread"):
+        if self.mask_helper not in MASK_HELPERS:
             raise ValueError(
                 "RoundConfig.mask_helper must be 'auto', 'process' or 'thread', got "
                 f"{self.mask_helper!r}"

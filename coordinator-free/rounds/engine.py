@@ -240,8 +240,8 @@ class RoundEngine:
         except Refused as exc:
             raise RoundFailed("ready", f"round {round} of {run!r} cannot start: {exc}") from None
         table.running.add((run, round))
-        if uses_helper(self.config.mask_helper):  # up by the share stage, off the loop
-            self._net.spawn(asyncio.to_thread(mask_helper().warm))
+        if uses_helper(self.config.mask_helper) and mask_helper().pid is None:
+            self._net.spawn(asyncio.to_thread(mask_helper().warm))  # up by the share stage
         # the masked vector travels as ring elements of at most 8 bytes
         wire_bytes = max(vector.nbytes, 8 * vector.size)
         self.ring.expect(run, round, wire_bytes, self.config.max_reduce_attempts)

@@ -35,6 +35,7 @@ from multiprocessing import shared_memory
 import numpy as np
 from coordinator_free.ring import ring_order
 from coordinator_free.ring.wire import chunk_bounds
+from coordinator_free.rounds.config import MASK_HELPERS
 
 from secure_agg import prg
 from secure_agg.mask_process import LOST, Chunk, MaskProcess
@@ -50,9 +51,6 @@ __all__ = [
     "stream_masks",
     "uses_helper",
 ]
-
-MASK_HELPERS = ("auto", "process", "thread")
-"""The values of ``RoundConfig.mask_helper``."""
 
 AUTO_MIN_CORES = 4
 """``auto`` uses the helper process on a machine with at least this many cores: one for
