@@ -27,6 +27,7 @@ import json
 import logging
 import random
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -355,9 +356,12 @@ class Simulation:
 
     def _count_for(self, org: str) -> Callable[[Envelope, bytes], None]:
         counts = self.signed.setdefault(org, Counter())
+        lock = threading.Lock()
 
         def count(env: Envelope, wire: bytes) -> None:
-            counts[env.kind] += 1
+            # the endpoint calls it from a worker thread for a large message
+            with lock:
+                counts[env.kind] += 1
 
         return count
 

@@ -21,6 +21,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -83,8 +84,12 @@ async def run_node(
     config = dataclasses.replace(config, mask_helper=mask_helper)
     sent: dict[int, Counter[str]] = {}
 
+    lock = threading.Lock()
+
     def egress(env: Any, wire: bytes) -> None:
-        sent.setdefault(env.round, Counter())[env.kind] += 1
+        # called from a worker thread for a large message
+        with lock:
+            sent.setdefault(env.round, Counter())[env.kind] += 1
 
     endpoint.on_egress = egress
     engine = RoundEngine(

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Mapping
 
 import pytest
-from coordinator_free.endpoint import Endpoint
+from coordinator_free.endpoint import OFF_LOOP_BYTES, Endpoint
 from coordinator_free.errors import (
     PeerUnreachable,
     RefusalReason,
     Refused,
     RemoteError,
 )
+from coordinator_free.identity import OrgIdentity
 from coordinator_free.memory import InMemoryNetwork
 from coordinator_free.transport import SequenceCounter
 from coordinator_free.wire import Envelope
@@ -188,3 +190,128 @@ def test_membership_is_read_on_every_message() -> None:
         assert info.value.reason is RefusalReason.NOT_MEMBER
 
     asyncio.run(main())
+
+
+# -- large messages: signed, checked and hashed off the event loop ------------------------
+
+
+def test_a_large_message_is_signed_hooked_and_checked_off_the_loop_a_small_one_on_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where each step of a send and its receipt ran: the loop's thread for a small
+    payload, a worker thread for one of ``OFF_LOOP_BYTES`` (both round trips succeed)."""
+    where: dict[str, list[str]] = {"sign": [], "hook": [], "check": []}
+
+    async def handler(env: Envelope) -> bytes:
+        return b"%d" % len(env.payload)
+
+    async def main() -> None:
+        loop_thread = threading.get_ident()
+
+        def mark(step: str) -> None:
+            where[step].append("loop" if threading.get_ident() == loop_thread else "worker")
+
+        eps = _federation("ab", InMemoryNetwork())
+        a, b = eps["a"], eps["b"]
+        sign = OrgIdentity.sign
+        check = b.guard.check
+
+        def signing(me: OrgIdentity, data: bytes) -> bytes:
+            mark("sign")
+            return sign(me, data)
+
+        def checking(data: bytes) -> Envelope:
+            mark("check")
+            return check(data)
+
+        monkeypatch.setattr(OrgIdentity, "sign", signing)
+        b.guard.check = checking  # type: ignore[method-assign]
+        a.on_egress = lambda env, wire: mark("hook")
+        b.on("ring.chunk", handler)
+        for ep in eps.values():
+            await ep.start()
+        assert await a.send("b", "ring.chunk", b"x" * 100) == b"100"
+        assert await a.send("b", "ring.chunk", bytes(OFF_LOOP_BYTES)) == b"%d" % OFF_LOOP_BYTES
+
+    asyncio.run(main())
+    # a signs the requests, b the replies (small ones: on b's loop)
+    assert where == {
+        "sign": ["loop", "loop", "worker", "loop"],
+        "hook": ["loop", "worker"],
+        "check": ["loop", "worker"],
+    }
+
+
+def test_the_loop_runs_other_tasks_while_a_large_message_is_signed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The signature of a large message waits for a task of the loop to run: on the loop
+    it could not (the wait would time out and the test fail), off it it does."""
+    loop_ran = threading.Event()
+
+    async def main() -> None:
+        eps = _federation("ab", InMemoryNetwork())
+        a = eps["a"]
+        sign = OrgIdentity.sign
+
+        def waiting_sign(me: OrgIdentity, data: bytes) -> bytes:
+            if len(data) >= OFF_LOOP_BYTES:
+                assert loop_ran.wait(timeout=10), "the loop did not run while signing"
+            return sign(me, data)
+
+        monkeypatch.setattr(OrgIdentity, "sign", waiting_sign)
+        eps["b"].on("ring.chunk", _ack)
+        for ep in eps.values():
+            await ep.start()
+
+        async def other_work() -> None:
+            await asyncio.sleep(0)
+            loop_ran.set()
+
+        other = asyncio.create_task(other_work())
+        assert await a.send("b", "ring.chunk", bytes(OFF_LOOP_BYTES)) == b"ok"
+        await other
+
+    asyncio.run(main())
+    assert loop_ran.is_set()
+
+
+def test_a_tampered_large_message_is_refused_and_a_refusing_hook_stops_one() -> None:
+    async def main() -> None:
+        eps = _federation("ab", InMemoryNetwork())
+        a, b = eps["a"], eps["b"]
+        got: list[int] = []
+
+        async def handler(env: Envelope) -> bytes:
+            got.append(len(env.payload))
+            return b"ok"
+
+        b.on("ring.chunk", handler)
+        for ep in eps.values():
+            await ep.start()
+        request = a.transport.request
+
+        async def tampering(peer: str, data: bytes, *, timeout: float) -> bytes:
+            flipped = bytearray(data)
+            flipped[len(flipped) // 2] ^= 1  # a payload byte
+            return await request(peer, bytes(flipped), timeout=timeout)
+
+        a.transport.request = tampering  # type: ignore[method-assign]
+        with pytest.raises(Refused):
+            await a.send("b", "ring.chunk", bytes(OFF_LOOP_BYTES))
+        assert b.guard.refusals[RefusalReason.BAD_SIGNATURE] == 1
+        a.transport.request = request  # type: ignore[method-assign]
+
+        def refuse(env: Envelope, wire: bytes) -> None:
+            raise RuntimeError("not this one")
+
+        a.on_egress = refuse
+        with pytest.raises(RuntimeError, match="not this one"):
+            await a.send("b", "ring.chunk", bytes(OFF_LOOP_BYTES))
+        assert got == []
+
+    asyncio.run(main())
+
+
+async def _ack(env: Envelope) -> bytes:
+    return b"ok"
