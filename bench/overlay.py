@@ -51,7 +51,7 @@ org sends, envelopes and signatures included):
 Settings. The simulated peers of a row run in a fresh process of the row's own, on the
 in-memory network (``python -m bench.overlay_sim ...``: no row inherits the heap or
 the threads of the rows before it); the TLS rows run 4 org processes on 127.0.0.1
-(``python -m bench.overlay node ...``). Full:
+(``python -m bench.overlay_tls ...``, :mod:`bench.overlay_tls`). Full:
 simulated n in {16, 64, 256} with 1M params for the ring traffic, n = 16 with 25M,
 secure rounds at n in {16, 64} with 1M (warm medians of three) and at n in {128, 256}
 with 256k params (``LARGE_PARAMS``; SecAgg+ graph, owner unmasking, relayed readies;
@@ -78,35 +78,14 @@ collector paused, as ``timeit`` times (a full collection before it, untimed):
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import functools
-import hashlib
-import json
 import logging
 import math
-import socket
-import statistics
-import subprocess
 import sys
-import tempfile
-import time
-from collections.abc import Awaitable, Callable, Sequence
-from pathlib import Path
-from typing import Any
-
-import numpy as np
-from coordinator_free.endpoint import Endpoint
-from coordinator_free.identity import OrgIdentity
-from coordinator_free.ring import ring_order
-from coordinator_free.rounds import RoundEngine, endpoint_signer, secagg_sessions
-from coordinator_free.transport import RawHandler, Transport
+from collections.abc import Sequence
 
 from bench.common import (
     Report,
     available_memory,
-    can_measure_memory,
-    peak_rss_since_reset,
     run_main,
 )
 from bench.overlay_sim import (
@@ -114,265 +93,15 @@ from bench.overlay_sim import (
     MILLION,
     RING_KINDS,
     in_fresh_process,
-    round_config,
     stages_note,
 )
+from bench.overlay_tls import tls_figures
 
-__all__ = ["CountingTransport", "main"]
+__all__ = ["main"]
 
 BILLION = 1000 * MILLION
 #: Peers of the largest simulated round (all in one process).
 LARGE_SIM_PEERS = 4
-FEDERATION = "bench-overlay"
-
-
-class CountingTransport:
-    """A transport wrapper counting what its org sends: requests and replies.
-
-    The same accounting as :class:`~coordinator_free.memory.InMemoryNetwork`'s
-    ``bytes_sent`` (a reply is counted for the org that answers).
-    """
-
-    def __init__(self, inner: Transport) -> None:
-        self.inner = inner
-        self.org_id = inner.org_id
-        self.bytes_sent = 0
-        self.messages_sent = 0
-
-    async def start(self, handler: RawHandler) -> None:
-        async def counted(data: bytes) -> bytes:
-            reply = await handler(data)
-            self.bytes_sent += len(reply)
-            self.messages_sent += 1
-            return reply
-
-        await self.inner.start(counted)
-
-    async def request(self, peer: str, data: bytes, *, timeout: float) -> bytes:
-        self.bytes_sent += len(data)
-        self.messages_sent += 1
-        return await self.inner.request(peer, data, timeout=timeout)
-
-    async def close(self) -> None:
-        await self.inner.close()
-
-
-# -- processes over mutual TLS --------------------------------------------------------
-
-
-def _node_input(org: str, params: int) -> np.ndarray:
-    seed = int.from_bytes(hashlib.sha256(org.encode()).digest()[:4], "big")
-    return np.random.default_rng(seed).integers(0, 2**32, params, dtype=np.uint32)
-
-
-async def _node(workdir: Path, me: str, orgs: list[str], params: int, repeats: int) -> None:
-    """One org process: plain rings and secure ring rounds, interleaved ``repeats``
-    times after a warm-up of each, then a secure star round; write the figures."""
-    from coordinator_free.tls import PeerAddress, TlsTransport, serve_peer_app
-
-    identity = OrgIdentity.load(workdir / me)
-    members = json.loads((workdir / "members.json").read_text())
-    keys = {o: bytes.fromhex(m["public_key"]) for o, m in members.items()}
-    addresses: dict[str, PeerAddress] = {}
-    transport = CountingTransport(TlsTransport(identity, lambda: addresses))
-    endpoint = Endpoint(identity, FEDERATION, transport, lambda: keys)
-    sessions = secagg_sessions(*endpoint_signer(endpoint))
-    n = len(orgs)
-    ring_engine = RoundEngine(endpoint, lambda: orgs, sessions, round_config(n, params=params))
-    # the plain reductions below run outside the engine: their rounds are opened before
-    # any peer can learn this node's port, so no chunk arrives for a round not open
-    opened = [("warmup", 0), ("warmup", 1)]
-    opened += [("plain", r) for r in range(repeats + 1)]
-    opened += [("sync", r) for r in range(2 * repeats + 3)]
-    for run, rnd in opened:
-        ring_engine.ring.open(run, rnd)
-        ring_engine.ring.expect(run, rnd, 4 * params, 1)
-    await endpoint.start()
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    tls_app = transport.inner.asgi_app()  # type: ignore[attr-defined]
-    async with serve_peer_app(
-        tls_app, sock, workdir / me, workdir / "trust.pem", graceful_shutdown_s=1
-    ):
-        (workdir / f"{me}.port.tmp").write_text(str(sock.getsockname()[1]))
-        (workdir / f"{me}.port.tmp").replace(workdir / f"{me}.port")
-        while len(addresses) < n:
-            for org in orgs:
-                path = workdir / f"{org}.port"
-                if org not in addresses and path.exists():
-                    addresses[org] = PeerAddress(
-                        f"https://127.0.0.1:{int(path.read_text())}", members[org]["fingerprint"]
-                    )
-            await asyncio.sleep(0.05)
-
-        x = _node_input(me, params)
-        figures: dict[str, float] = {}
-        order = ring_order(orgs, 0)
-        syncs = iter(range(2 * repeats + 3))
-
-        async def barrier() -> float:
-            """Every process's clock time on arrival, summed along the ring; all start
-            together a little after the last arrival (the processes share one clock)."""
-            arrivals = np.zeros(n, dtype=np.uint64)
-            arrivals[orgs.index(me)] = time.time_ns() // 1000
-            rnd = next(syncs)
-            total = await ring_engine.ring.allreduce(order, arrivals, run="sync", round=rnd)
-            ring_engine.ring.close("sync", rnd)
-            start = float(total.max()) / 1e6 + 0.05
-            await asyncio.sleep(max(0.0, start - time.time()))
-            return start
-
-        memory = can_measure_memory()
-
-        async def measure(name: str, work: Callable[[], Awaitable[object]]) -> None:
-            b0 = transport.bytes_sent
-            t0 = await barrier()
-            peak = peak_rss_since_reset() if memory else None
-            await work()
-            figures[f"{name}_start"] = t0
-            figures[f"{name}_end"] = time.time()
-            figures[f"{name}_bytes"] = transport.bytes_sent - b0
-            if peak is not None:
-                # how far this process's resident set rose during the work: the round's
-                # vectors, buffers and copies (the input was made before)
-                figures[f"{name}_rss"] = peak()
-
-        # warm up: every TLS connection either reduction uses is opened before anything is
-        # timed (a deployment's connections outlive its rounds), the plain ring's and the
-        # star's by one reduction each, the secure round's by one round
-        warm = np.zeros(4096 * n, dtype=np.uint32)
-        timeout = 120.0 + params / MILLION
-        await ring_engine.ring.allreduce(order, warm, run="warmup", round=0, timeout=timeout)
-        ring_engine.ring.close("warmup", 0)
-        await ring_engine.ring.star_allreduce(order, warm, run="warmup", round=1, timeout=timeout)
-        ring_engine.ring.close("warmup", 1)
-        results: list[Any] = []
-
-        async def secure_round(round_: int) -> None:
-            result = await ring_engine.run_round("bench", round_, x)
-            # what a caller keeps of a round: its times (its sum goes before the next)
-            results.append(result.stage_times)
-
-        async def plain(round_: int) -> None:
-            await ring_engine.ring.allreduce(order, x, run="plain", round=round_, timeout=timeout)
-            ring_engine.ring.close("plain", round_)
-
-        # the baseline and the secure round alternate, so that a load that comes and goes
-        # on the machine weighs on both alike; the reports take the median of each
-        for r in range(repeats + 1):
-            await measure(f"plain{r}", functools.partial(plain, r))
-            await measure(f"ring{r}", functools.partial(secure_round, r + 1))
-        # the star round: the same engine's messages, star topology for the masked vectors
-        ring_engine.config = round_config(n, "star", params)
-        await measure("star", lambda: secure_round(repeats + 2))
-        for name, times in (("ring", results[-2]), ("star", results[-1])):
-            for stage, seconds in times.items():
-                figures[f"{name}_stage_{stage}"] = seconds
-        out = workdir / f"{me}.json"
-        (workdir / f"{me}.json.tmp").write_text(json.dumps(figures))
-        (workdir / f"{me}.json.tmp").replace(out)
-        until = time.monotonic() + 120
-        while not (workdir / "done").exists() and time.monotonic() < until:
-            await asyncio.sleep(0.05)
-        await endpoint.close()
-
-
-def _tls_figures(params: int, n: int = 4, repeats: int = 5) -> dict[str, float]:
-    """Run ``n`` org processes over mutual TLS; the figures of the three reductions
-    (the plain and the secure ring: the median of ``repeats`` warm runs of each)."""
-    from coordinator_free.tls import write_trust_bundle
-
-    orgs = [f"org-{i}" for i in range(n)]
-    root = Path(__file__).resolve().parent.parent
-    with tempfile.TemporaryDirectory(prefix="fedweave-bench-") as tmp:
-        workdir = Path(tmp)
-        identities = {
-            o: OrgIdentity.generate(o, hashlib.sha256(f"bench/{o}".encode()).digest()) for o in orgs
-        }
-        for org, ident in identities.items():
-            ident.save(workdir / org)
-        write_trust_bundle(workdir / "trust.pem", [i.certificate_pem for i in identities.values()])
-        (workdir / "members.json").write_text(
-            json.dumps(
-                {
-                    o: {"public_key": i.public_key.hex(), "fingerprint": i.fingerprint}
-                    for o, i in identities.items()
-                }
-            )
-        )
-        logs = {o: (workdir / f"{o}.log").open("wb") for o in orgs}
-        procs = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "bench.overlay",
-                    "node",
-                    "--dir",
-                    str(workdir),
-                    "--org",
-                    o,
-                    "--orgs",
-                    ",".join(orgs),
-                    "--params",
-                    str(params),
-                    "--repeats",
-                    str(repeats),
-                ],
-                cwd=root,
-                stdout=logs[o],
-                stderr=subprocess.STDOUT,
-            )
-            for o in orgs
-        ]
-        try:
-            deadline = time.monotonic() + 600 + 10 * repeats * params / MILLION
-            while not all((workdir / f"{o}.json").exists() for o in orgs):
-                failed = [p for p in procs if p.poll() not in (None, 0)]
-                if failed or time.monotonic() > deadline:
-                    text = "\n".join(
-                        (workdir / f"{o}.log").read_text(errors="replace")[-2000:] for o in orgs
-                    )
-                    raise RuntimeError(f"TLS nodes failed or timed out:\n{text}")
-                time.sleep(0.2)
-            (workdir / "done").touch()
-            for p in procs:
-                p.wait(timeout=60)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait(timeout=30)
-            for f in logs.values():
-                f.close()
-        per = {o: json.loads((workdir / f"{o}.json").read_text()) for o in orgs}
-    out: dict[str, float] = {}
-
-    def span(name: str) -> float:
-        """Seconds from the common start until the last process finished ``name``."""
-        return float(
-            max(f[f"{name}_end"] for f in per.values())
-            - min(f[f"{name}_start"] for f in per.values())
-        )
-
-    for name in ("plain", "ring"):
-        # run 0 of each is the warm-up (the secure round's first connections)
-        runs = [span(f"{name}{r}") for r in range(1, repeats + 1)]
-        out[f"{name}_s"] = statistics.median(runs)
-        out[f"{name}_min_s"] = min(runs)
-        out[f"{name}_max_s"] = max(runs)
-        out[f"{name}_busiest"] = max(f[f"{name}{repeats}_bytes"] for f in per.values())
-        peaks = [f.get(f"{name}{r}_rss") for f in per.values() for r in range(1, repeats + 1)]
-        if peaks and all(p is not None for p in peaks):
-            # the node whose resident set rose the most, in its worst timed run
-            out[f"{name}_rss"] = float(max(peaks))
-    out["star_s"] = span("star")
-    out["star_busiest"] = max(f["star_bytes"] for f in per.values())
-    for key in next(iter(per.values())):
-        if "_stage_" in key:
-            out[key] = max(f.get(key, 0.0) for f in per.values())
-    return out
 
 
 def _largest_simulated(n: int, wanted: int) -> tuple[int, str]:
@@ -613,7 +342,7 @@ def _body(report: Report) -> None:
     for params in tls:
         # three timed runs of each at 100M: the median of three, in a bounded time
         repeats = 3 if params >= 100 * MILLION else 5
-        _add_rows(report, "tls", 4, params, _tls_figures(params, repeats=repeats))
+        _add_rows(report, "tls", 4, params, tls_figures(params, repeats=repeats))
     if not report.quick:
         params, note = _largest_simulated(LARGE_SIM_PEERS, BILLION)
         # below 1B, warm like the other rows (one first run of each, in the note)
@@ -666,24 +395,9 @@ def _body(report: Report) -> None:
         )
 
 
-def _node_main(argv: Sequence[str]) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.overlay node")
-    parser.add_argument("--dir", type=Path, required=True)
-    parser.add_argument("--org", required=True)
-    parser.add_argument("--orgs", required=True)
-    parser.add_argument("--params", type=int, required=True)
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args(argv)
-    logging.getLogger("coordinator_free").setLevel(logging.ERROR)
-    asyncio.run(_node(args.dir, args.org, args.orgs.split(","), args.params, args.repeats))
-
-
-def main(argv: Sequence[str] | None = None) -> Report | None:
-    """``python -m bench.overlay [--quick] [--json PATH]`` (``node ...``: one TLS org)."""
+def main(argv: Sequence[str] | None = None) -> Report:
+    """``python -m bench.overlay [--quick] [--json PATH]``."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if args[:1] == ["node"]:
-        _node_main(args[1:])
-        return None
     logging.getLogger("coordinator_free").setLevel(logging.ERROR)
     return run_main(
         "overlay",

@@ -125,9 +125,7 @@ async def sim_figures(
     ``ring_stage_<stage>``, each stage's seconds (:func:`stage_medians`), the median
     over the timed ring rounds."""
     out: dict[str, float] = {}
-    rounds = itertools.count(1)
-    memory = can_measure_memory()
-    rss: dict[str, list[int]] = {"plain": [], "ring": [], "star": []}
+    timer = _Timer(n, params, signed)
     for topology in ("ring", "star") if secure and star else ("ring",):
         config = SimConfig(
             peers=n,
@@ -136,86 +134,108 @@ async def sim_figures(
             round_config=round_config(n, topology, params, SIM_MASK_HELPER),
         )
         async with Simulation(config) as sim:
-
-            async def plain() -> tuple[float, float]:
-                rnd = next(rounds)
-                inputs = sim.inputs(rnd)
-                order = ring_order(sim.orgs, rnd)
-                for engine in sim.engines.values():
-                    # what a sender may buffer here, sized from the vector as a round's is
-                    engine.ring.open("plain", rnd)
-                    engine.ring.expect("plain", rnd, 4 * params, 1)
-                before = dict(sim.network.bytes_sent)
-                with collector_paused():
-                    peak = peak_rss_since_reset() if memory else None
-                    t0 = time.perf_counter()
-                    await asyncio.gather(
-                        *(
-                            sim.engines[o].ring.allreduce(
-                                order, inputs[o], run="plain", round=rnd, timeout=60.0 + n
-                            )
-                            for o in sim.orgs
-                        )
-                    )
-                    seconds = time.perf_counter() - t0
-                if peak is not None:
-                    rss["plain"].append(peak())
-                for engine in sim.engines.values():
-                    engine.ring.close("plain", rnd)
-                return seconds, busiest(sim.network.bytes_sent, before)
-
-            async def round_(
-                kind: str = topology, stages: list[dict[str, float]] | None = None
-            ) -> tuple[float, float]:
-                rnd = next(rounds)
-                inputs = sim.inputs(rnd)
-                before = dict(sim.network.bytes_sent)
-                with collector_paused():
-                    peak = peak_rss_since_reset() if memory else None
-                    outcome = await sim.round(rnd, inputs=inputs)
-                if peak is not None:
-                    rss[kind].append(peak())
-                if outcome.problems() or len(outcome.results) != n:
-                    raise RuntimeError(f"secure round failed: {outcome.summary()}")
-                if signed is not None and kind == "ring":
-                    signed.clear()
-                    signed.update(signed_of(outcome))
-                if stages is not None:
-                    stages.append(stage_medians(outcome))
-                return outcome.seconds, busiest(sim.network.bytes_sent, before)
-
             if topology == "ring":
-                runs = repeats if secure else 1
-                if secure and warm:
-                    # the warm-up is timed too: the first round of a process, reported apart
-                    out["first_plain_s"] = (await plain())[0]
-                    out["first_ring_s"] = (await round_())[0]
-                    rss["plain"].clear()
-                    rss["ring"].clear()
-                timed: dict[str, list[float]] = {"plain": [], "ring": []}
-                stages: list[dict[str, float]] = []
-                for _ in range(runs):
-                    seconds, out["plain_busiest"] = await plain()
-                    timed["plain"].append(seconds)
-                    if secure:
-                        seconds, out["ring_busiest"] = await round_(stages=stages)
-                        timed["ring"].append(seconds)
-                for stage in sorted({s for times in stages for s in times}):
-                    out[f"ring_stage_{stage}"] = statistics.median(
-                        times.get(stage, 0.0) for times in stages
-                    )
-                if not warm:
-                    out["cold"] = 1.0
-                for name, values in timed.items():
-                    if values:
-                        out[f"{name}_s"] = statistics.median(values)
-                        out[f"{name}_min_s"], out[f"{name}_max_s"] = min(values), max(values)
+                out |= await _ring_rows(timer, sim, secure=secure, repeats=repeats, warm=warm)
             else:
-                out["star_s"], out["star_busiest"] = await round_()
+                out["star_s"], out["star_busiest"] = await timer.secure_round(sim, "star")
     out["warm"] = 1.0 if warm else 0.0
-    for name, peaks in rss.items():
+    for name, peaks in timer.rss.items():
         if peaks:
             out[f"{name}_rss"] = float(max(peaks))
+    return out
+
+
+class _Timer:
+    """Times plain rings and secure rounds of the simulations of one row, numbering
+    their rounds on from one simulation to the next, and keeps each one's rise of the
+    peak resident set (``rss``, by kind) where the platform can measure it."""
+
+    def __init__(self, n: int, params: int, signed: dict[str, float] | None) -> None:
+        self.n, self.params, self.signed = n, params, signed
+        self.rounds = itertools.count(1)
+        self.memory = can_measure_memory()
+        self.rss: dict[str, list[int]] = {"plain": [], "ring": [], "star": []}
+
+    async def plain(self, sim: Simulation) -> tuple[float, float]:
+        """One plain ring all-reduce of every peer's input: seconds, busiest bytes."""
+        n, rnd = self.n, next(self.rounds)
+        inputs = sim.inputs(rnd)
+        order = ring_order(sim.orgs, rnd)
+        for engine in sim.engines.values():
+            # what a sender may buffer here, sized from the vector as a round's is
+            engine.ring.open("plain", rnd)
+            engine.ring.expect("plain", rnd, 4 * self.params, 1)
+        before = dict(sim.network.bytes_sent)
+        with collector_paused():
+            peak = peak_rss_since_reset() if self.memory else None
+            t0 = time.perf_counter()
+            await asyncio.gather(
+                *(
+                    sim.engines[o].ring.allreduce(
+                        order, inputs[o], run="plain", round=rnd, timeout=60.0 + n
+                    )
+                    for o in sim.orgs
+                )
+            )
+            seconds = time.perf_counter() - t0
+        if peak is not None:
+            self.rss["plain"].append(peak())
+        for engine in sim.engines.values():
+            engine.ring.close("plain", rnd)
+        return seconds, busiest(sim.network.bytes_sent, before)
+
+    async def secure_round(
+        self, sim: Simulation, kind: str, stages: list[dict[str, float]] | None = None
+    ) -> tuple[float, float]:
+        """One secure round of every peer (``kind``: its topology): seconds, busiest
+        bytes; its stages' medians appended to ``stages``."""
+        rnd = next(self.rounds)
+        inputs = sim.inputs(rnd)
+        before = dict(sim.network.bytes_sent)
+        with collector_paused():
+            peak = peak_rss_since_reset() if self.memory else None
+            outcome = await sim.round(rnd, inputs=inputs)
+        if peak is not None:
+            self.rss[kind].append(peak())
+        if outcome.problems() or len(outcome.results) != self.n:
+            raise RuntimeError(f"secure round failed: {outcome.summary()}")
+        if self.signed is not None and kind == "ring":
+            self.signed.clear()
+            self.signed.update(signed_of(outcome))
+        if stages is not None:
+            stages.append(stage_medians(outcome))
+        return outcome.seconds, busiest(sim.network.bytes_sent, before)
+
+
+async def _ring_rows(
+    timer: _Timer, sim: Simulation, *, secure: bool, repeats: int, warm: bool
+) -> dict[str, float]:
+    """The ring's figures of :func:`sim_figures`: plain rings and, when ``secure``,
+    secure rounds, interleaved (warm-up first, unless ``warm`` is off)."""
+    out: dict[str, float] = {}
+    runs = repeats if secure else 1
+    if secure and warm:
+        # the warm-up is timed too: the first round of a process, reported apart
+        out["first_plain_s"] = (await timer.plain(sim))[0]
+        out["first_ring_s"] = (await timer.secure_round(sim, "ring"))[0]
+        timer.rss["plain"].clear()
+        timer.rss["ring"].clear()
+    timed: dict[str, list[float]] = {"plain": [], "ring": []}
+    stages: list[dict[str, float]] = []
+    for _ in range(runs):
+        seconds, out["plain_busiest"] = await timer.plain(sim)
+        timed["plain"].append(seconds)
+        if secure:
+            seconds, out["ring_busiest"] = await timer.secure_round(sim, "ring", stages)
+            timed["ring"].append(seconds)
+    for stage in sorted({s for times in stages for s in times}):
+        out[f"ring_stage_{stage}"] = statistics.median(times.get(stage, 0.0) for times in stages)
+    if not warm:
+        out["cold"] = 1.0
+    for name, values in timed.items():
+        if values:
+            out[f"{name}_s"] = statistics.median(values)
+            out[f"{name}_min_s"], out[f"{name}_max_s"] = min(values), max(values)
     return out
 
 
