@@ -175,10 +175,14 @@ class MessageGuard:
         self.refusals: Counter[RefusalReason] = Counter()
         self._replay = ReplayWindow(replay_window)
         self._lock = threading.Lock()
+        # the endpoint checks large messages in worker threads: a count of its own, since
+        # a replay is refused while ``_lock`` is held
+        self._count_lock = threading.Lock()
 
     def refuse(self, reason: RefusalReason, detail: str) -> Refused:
         """Log and count a refusal; return the exception for the caller to raise."""
-        self.refusals[reason] += 1
+        with self._count_lock:
+            self.refusals[reason] += 1
         logger.warning("%s refused a message: %s (%s)", self.me, reason.value, detail)
         return Refused(reason, detail)
 
