@@ -2,7 +2,12 @@
 
 Run::
 
-    python -m bench.overlay [--quick] [--json PATH]
+    python -m bench.overlay [--quick] [--json PATH] [--only SECTION ...]
+
+``--only`` (repeatable) runs parts alone: ``simulated`` (the simulated secure rounds and
+ring traffic), ``tls`` (the rows over mutual TLS), ``largest`` (the largest simulated
+round, full mode only: on a machine with the memory for it, the 1B row) and
+``membership``.
 
 Rows (byte counts come from the transports' counters: the in-memory network's
 ``bytes_sent`` per org, and over TLS a counting wrapper around each process's
@@ -78,6 +83,7 @@ collector paused, as ``timeit`` times (a full collection before it, untimed):
 
 from __future__ import annotations
 
+import argparse
 import logging
 import math
 import sys
@@ -320,90 +326,115 @@ def _secure_rows(
     _add_growth_row(report, counted)
 
 
-def _body(report: Report) -> None:
-    from bench.overlay_membership import default_period, measure_detection, measure_message_rate
+#: The parts of the benchmark ``--only`` can pick (all of them by default).
+SECTIONS = ("simulated", "tls", "largest", "membership")
 
+
+def _body(report: Report, only: Sequence[str] = SECTIONS) -> None:
+    if "simulated" in only:
+        _simulated_rows(report)
+    if "tls" in only:
+        for params in [MILLION] if report.quick else [MILLION, 25 * MILLION, 100 * MILLION]:
+            # three timed runs of each at 100M: the median of three, in a bounded time
+            repeats = 3 if params >= 100 * MILLION else 5
+            _add_rows(report, "tls", 4, params, tls_figures(params, repeats=repeats))
+    if "largest" in only and not report.quick:
+        _largest_row(report)
+    if "membership" in only:
+        for n in [16] if report.quick else [16, 64, 256]:
+            _membership_rows(report, n)
+
+
+def _simulated_rows(report: Report) -> None:
+    """Secure rounds against plain rings, and ring traffic, of simulated peers."""
     if report.quick:
         ring_only = [(4, 65_536), (16, 65_536)]
         secure = [(8, MILLION)]
         count_only = [(64, 64 * 1024)]
-        tls = [MILLION]
-        members = [16]
     else:
         ring_only = [(256, MILLION), (16, 25 * MILLION)]
         secure = [(16, MILLION), (64, MILLION), (128, LARGE_PARAMS), (256, LARGE_PARAMS)]
         count_only = []
-        tls = [MILLION, 25 * MILLION, 100 * MILLION]
-        members = [16, 64, 256]
     _secure_rows(report, secure, count_only)
     for n, params in ring_only:
         fig, _ = in_fresh_process("sim_figures", n=n, params=params, secure=False)
         _add_rows(report, "sim", n, params, fig)
-    for params in tls:
-        # three timed runs of each at 100M: the median of three, in a bounded time
-        repeats = 3 if params >= 100 * MILLION else 5
-        _add_rows(report, "tls", 4, params, tls_figures(params, repeats=repeats))
-    if not report.quick:
-        params, note = _largest_simulated(LARGE_SIM_PEERS, BILLION)
-        # below 1B, warm like the other rows (one first run of each, in the note)
-        warm = params < BILLION
-        fig, _ = in_fresh_process(
-            "sim_figures",
-            n=LARGE_SIM_PEERS,
-            params=params,
-            secure=True,
-            repeats=1,
-            warm=warm,
-            star=False,
-        )
-        _add_rows(report, "sim", LARGE_SIM_PEERS, params, fig, note=note + _first(fig))
-    for n in members:
-        period = default_period(n)
-        det = measure_detection(n, seed=1)
-        report.add(
-            f"detect_seconds[n={n}]",
-            det.first_suspect_s,
-            "s",
-            note=f"crash until the FIRST member suspects it (SWIM's constant-time detection): "
-            f"{det.first_suspect_periods:.2f} periods of the actual "
-            f"{det.actual_period_s:.3f}s (configured {period}s, time dilation "
-            f"{det.dilation:.2f} on one core); first DEAD {det.first_dead_s:.2f}s = "
-            f"{det.first_dead_periods:.1f} periods",
-        )
-        report.add(
-            f"detect_periods[n={n}]",
-            det.first_suspect_periods,
-            "periods",
-            target="<= 3",
-            note="first suspicion in actual protocol periods; SWIM expects e/(e-1) = 1.58, flat in n",
-        )
-        report.add(
-            f"disseminate_periods[n={n}]",
-            det.disseminate_periods,
-            "periods",
-            target=f"<= {2 * math.log2(n) + 4:.0f}",
-            note=f"first DEAD until every live member holds it DEAD (all-agree after "
-            f"{det.all_dead_s:.2f}s); expected O(log n)",
-        )
-        rate = measure_message_rate(n, periods=5 if report.quick else 10, seed=1)
-        report.add(
-            f"msgs_per_node_per_period[n={n}]",
-            rate,
-            "msgs",
-            target="<= 6",
-            note="SWIM requests and replies per member per period, steady state",
-        )
+
+
+def _largest_row(report: Report) -> None:
+    """One secure round of :data:`LARGE_SIM_PEERS` simulated peers with 1B parameters,
+    or the most that fits the memory available."""
+    params, note = _largest_simulated(LARGE_SIM_PEERS, BILLION)
+    # below 1B, warm like the other rows (one first run of each, in the note)
+    warm = params < BILLION
+    fig, _ = in_fresh_process(
+        "sim_figures",
+        n=LARGE_SIM_PEERS,
+        params=params,
+        secure=True,
+        repeats=1,
+        warm=warm,
+        star=False,
+    )
+    _add_rows(report, "sim", LARGE_SIM_PEERS, params, fig, note=note + _first(fig))
+
+
+def _membership_rows(report: Report, n: int) -> None:
+    """SWIM's detection, dissemination and message rate among ``n`` members."""
+    from bench.overlay_membership import default_period, measure_detection, measure_message_rate
+
+    period = default_period(n)
+    det = measure_detection(n, seed=1)
+    report.add(
+        f"detect_seconds[n={n}]",
+        det.first_suspect_s,
+        "s",
+        note=f"crash until the FIRST member suspects it (SWIM's constant-time detection): "
+        f"{det.first_suspect_periods:.2f} periods of the actual "
+        f"{det.actual_period_s:.3f}s (configured {period}s, time dilation "
+        f"{det.dilation:.2f} on one core); first DEAD {det.first_dead_s:.2f}s = "
+        f"{det.first_dead_periods:.1f} periods",
+    )
+    report.add(
+        f"detect_periods[n={n}]",
+        det.first_suspect_periods,
+        "periods",
+        target="<= 3",
+        note="first suspicion in actual protocol periods; SWIM expects e/(e-1) = 1.58, flat in n",
+    )
+    report.add(
+        f"disseminate_periods[n={n}]",
+        det.disseminate_periods,
+        "periods",
+        target=f"<= {2 * math.log2(n) + 4:.0f}",
+        note=f"first DEAD until every live member holds it DEAD (all-agree after "
+        f"{det.all_dead_s:.2f}s); expected O(log n)",
+    )
+    rate = measure_message_rate(n, periods=5 if report.quick else 10, seed=1)
+    report.add(
+        f"msgs_per_node_per_period[n={n}]",
+        rate,
+        "msgs",
+        target="<= 6",
+        note="SWIM requests and replies per member per period, steady state",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> Report:
-    """``python -m bench.overlay [--quick] [--json PATH]``."""
-    args = list(sys.argv[1:] if argv is None else argv)
+    """``python -m bench.overlay [--quick] [--json PATH] [--only SECTION ...]``."""
+    parser = argparse.ArgumentParser(prog="python -m bench.overlay", add_help=False)
+    parser.add_argument("--only", action="append", choices=SECTIONS, default=None)
+    args, rest = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    only = tuple(args.only or SECTIONS)
+    if only == ("largest",) and "--quick" in rest:
+        raise SystemExit("--only largest: the largest simulated round runs in full mode only")
     logging.getLogger("coordinator_free").setLevel(logging.ERROR)
     return run_main(
         "overlay",
-        _body,
-        args,
-        description="ring traffic, star baseline, secure round vs plain ring, membership",
+        lambda report: _body(report, only),
+        rest,
+        description="ring traffic, star baseline, secure round vs plain ring, membership "
+        f"(also: --only {'|'.join(SECTIONS)}, repeatable: run those parts alone)",
     )
 
 
