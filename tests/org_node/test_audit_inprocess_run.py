@@ -367,3 +367,45 @@ def test_a_member_fetches_only_the_heads_of_its_own_log(federation: dict[str, An
     assert got and {h.org for h in got} == {a}
     assert [h.index for h in got] == sorted(h.index for h in held if h.org == a)
     assert any(h.org == c for h in held)  # b holds c's heads too, and kept them to itself
+
+
+def test_large_messages_are_logged_from_worker_threads_and_the_log_verifies(
+    tmp_path: Path,
+) -> None:
+    """Messages of ``OFF_LOOP_BYTES`` and more reach the log from worker threads, four at
+    once, with the node's group commit: one entry each, chained, and a forbidden one is
+    still refused before a byte leaves."""
+    from coordinator_free.endpoint import OFF_LOOP_BYTES
+
+    payloads = [bytes([i]) * (OFF_LOOP_BYTES + i) for i in range(4)]
+
+    async def main() -> tuple[InMemoryNetwork, EgressLog]:
+        net = InMemoryNetwork()
+        ids = {o: _identity(o) for o in ORGS[:2]}
+        keys = {o: i.public_key for o, i in ids.items()}
+        log = EgressLog(ids[ORGS[0]], tmp_path / "a.log", commit_within_s=0.05)
+        a = Endpoint(ids[ORGS[0]], "fed", net.transport(ORGS[0]), lambda: keys, on_egress=log)
+        b = Endpoint(ids[ORGS[1]], "fed", net.transport(ORGS[1]), lambda: keys)
+
+        async def sink(env: Envelope) -> bytes:
+            return b""
+
+        b.on("ring.chunk", sink)
+        b.on("update.plain", sink)
+        await a.start()
+        await b.start()
+        await asyncio.gather(*(a.send(ORGS[1], "ring.chunk", p) for p in payloads))
+        with pytest.raises(ForbiddenClass):
+            await a.send(ORGS[1], "update.plain", payloads[0])
+        return net, log
+
+    net, log = asyncio.run(main())
+    log.close()
+    assert net.messages_sent[ORGS[0]] == 4
+    assert sorted(e.sha256 for e in log.entries) == sorted(
+        hashlib.sha256(p).hexdigest() for p in payloads
+    )
+    assert [e.index for e in log.entries] == [0, 1, 2, 3]
+    assert len({e.seq for e in log.entries}) == 4 and len(log.refusals) == 1
+    assert net.bytes_sent[ORGS[0]] == sum(e.bytes for e in log.entries)
+    assert verify_log(tmp_path / "a.log").ok
