@@ -6,6 +6,7 @@ was in, the run in progress first; an admin resumes a run that failed."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -438,6 +439,27 @@ class _FailsOnce:
         return self.inner.train(global_state, round, options)
 
 
+class _Gated:
+    """A trainer that holds its job from round :data:`GATE_ROUND` on until ``opened``:
+    the others wait there for the org that resumes, however slow the machine."""
+
+    GATE_ROUND = 7
+    opened = threading.Event()
+
+    def __init__(self, value: float) -> None:
+        self.inner = TinyTrainer(value, 0.05)
+
+    def initial_model(self) -> dict[str, np.ndarray]:
+        return self.inner.initial_model()
+
+    def train(
+        self, global_state: Mapping[str, np.ndarray], round: int, options: Mapping[str, Any]
+    ) -> LocalResult:
+        if round >= self.GATE_ROUND:
+            assert _Gated.opened.wait(timeout=120), "the gate was never opened"
+        return self.inner.train(global_state, round, options)
+
+
 def test_finding_9_an_admin_resumes_a_failed_run_and_it_catches_up(tmp_path: Path) -> None:
     dirs = make_federation(tmp_path)
     _configure(dirs, ready_timeout_s=3.0, model_hash_timeout_s=3)
@@ -448,9 +470,15 @@ def test_finding_9_an_admin_resumes_a_failed_run_and_it_catches_up(tmp_path: Pat
         _, token = create_token(s, "test", Role.ADMIN)
         s.commit()
     _FailsOnce.crashed = False
+    _Gated.opened.clear()
+    trainers = {
+        "org-a": lambda: _Gated(0.1),
+        "org-b": lambda: _Gated(0.2),
+        "org-c": _FailsOnce,
+    }
 
     async def scenario() -> None:
-        nodes = await _start(dirs, InMemoryNetwork(), trainers={"org-c": _FailsOnce})
+        nodes = await _start(dirs, InMemoryNetwork(), trainers=trainers)
         a, c = nodes["org-a"], nodes["org-c"]
         app = create_app(Settings(data_dir=dirs["org-c"]), c, engine=c.db)
         client = httpx.AsyncClient(
@@ -482,6 +510,9 @@ def test_finding_9_an_admin_resumes_a_failed_run_and_it_catches_up(tmp_path: Pat
             assert resumed.status_code == 200, resumed.text
             assert resumed.json()["state"] == "running"
             assert not (run_dir / FAILURE_FILE).exists()
+            # the others hold at round 7 until org-c has caught up with them
+            await _wait_for(lambda: _round(c) >= _Gated.GATE_ROUND, what="org-c to catch up")
+            _Gated.opened.set()
             await _wait_for(
                 lambda: all(ids[o] in n.runs.finished for o, n in nodes.items()),
                 90,
@@ -497,6 +528,7 @@ def test_finding_9_an_admin_resumes_a_failed_run_and_it_catches_up(tmp_path: Pat
             }
             assert len(models) == 1
         finally:
+            _Gated.opened.set()  # no job left waiting when the test fails early
             await client.aclose()
             for node in nodes.values():
                 await node.stop()
