@@ -90,18 +90,15 @@ def _open_plain_rounds(engine: RoundEngine, params: int, repeats: int) -> None:
         engine.ring.expect(run, rnd, 4 * params, 1)
 
 
-async def _find_peers(
-    workdir: Path,
-    members: dict[str, Any],
-    addresses: dict[str, Any],
-    address: Callable[[str, str], Any],
-) -> None:
+async def _find_peers(workdir: Path, members: dict[str, Any], addresses: dict[str, Any]) -> None:
     """Wait until every member's process wrote its port; fill ``addresses``."""
+    from coordinator_free.tls import PeerAddress
+
     while len(addresses) < len(members):
         for org in members:
             path = workdir / f"{org}.port"
             if org not in addresses and path.exists():
-                addresses[org] = address(
+                addresses[org] = PeerAddress(
                     f"https://127.0.0.1:{int(path.read_text())}", members[org]["fingerprint"]
                 )
         await asyncio.sleep(0.05)
@@ -142,7 +139,7 @@ async def _node(workdir: Path, me: str, orgs: list[str], params: int, repeats: i
     ):
         (workdir / f"{me}.port.tmp").write_text(str(sock.getsockname()[1]))
         (workdir / f"{me}.port.tmp").replace(workdir / f"{me}.port")
-        await _find_peers(workdir, members, addresses, PeerAddress)
+        await _find_peers(workdir, members, addresses)
 
         x = _node_input(me, params)
         figures: dict[str, float] = {}
