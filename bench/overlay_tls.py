@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import functools
 import hashlib
+import itertools
 import json
 import logging
 import socket
@@ -114,6 +115,83 @@ async def _warm_connections(engine: RoundEngine, order: list[str], timeout: floa
     engine.ring.close("warmup", 1)
 
 
+class _Rounds:
+    """What one org process times: plain rings and secure rounds of its engine, each
+    started together with the other processes, and the figures they leave."""
+
+    def __init__(
+        self, engine: RoundEngine, transport: CountingTransport, me: str, orgs: list[str]
+    ) -> None:
+        self.engine, self.transport, self.me, self.orgs = engine, transport, me, orgs
+        self.order = ring_order(orgs, 0)
+        self.figures: dict[str, float] = {}
+        self.stage_times: list[Any] = []
+        self.memory = can_measure_memory()
+        self._syncs = itertools.count()
+
+    async def barrier(self) -> float:
+        """Every process's clock time on arrival, summed along the ring; all start
+        together a little after the last arrival (the processes share one clock)."""
+        arrivals = np.zeros(len(self.orgs), dtype=np.uint64)
+        arrivals[self.orgs.index(self.me)] = time.time_ns() // 1000
+        rnd = next(self._syncs)
+        total = await self.engine.ring.allreduce(self.order, arrivals, run="sync", round=rnd)
+        self.engine.ring.close("sync", rnd)
+        start = float(total.max()) / 1e6 + 0.05
+        await asyncio.sleep(max(0.0, start - time.time()))
+        return start
+
+    async def measure(self, name: str, work: Callable[[], Awaitable[object]]) -> None:
+        """Time ``work`` from the common start: its seconds' ends, bytes and memory."""
+        b0 = self.transport.bytes_sent
+        t0 = await self.barrier()
+        peak = peak_rss_since_reset() if self.memory else None
+        await work()
+        self.figures[f"{name}_start"] = t0
+        self.figures[f"{name}_end"] = time.time()
+        self.figures[f"{name}_bytes"] = self.transport.bytes_sent - b0
+        if peak is not None:
+            # how far this process's resident set rose during the work: the round's
+            # vectors, buffers and copies (the input was made before)
+            self.figures[f"{name}_rss"] = peak()
+
+    async def secure_round(self, x: np.ndarray, round_: int) -> None:
+        result = await self.engine.run_round("bench", round_, x)
+        # what a caller keeps of a round: its times (its sum goes before the next)
+        self.stage_times.append(result.stage_times)
+
+    async def plain(self, x: np.ndarray, round_: int, timeout: float) -> None:
+        await self.engine.ring.allreduce(self.order, x, run="plain", round=round_, timeout=timeout)
+        self.engine.ring.close("plain", round_)
+
+    async def run(self, x: np.ndarray, params: int, repeats: int) -> dict[str, float]:
+        """The warm-up, ``repeats`` interleaved pairs, the star round; the figures."""
+        # warm up: every TLS connection either reduction uses is opened before anything is
+        # timed (a deployment's connections outlive its rounds), the plain ring's and the
+        # star's by one reduction each, the secure round's by one round
+        timeout = 120.0 + params / MILLION
+        await _warm_connections(self.engine, self.order, timeout)
+        # the baseline and the secure round alternate, so that a load that comes and goes
+        # on the machine weighs on both alike; the reports take the median of each
+        for r in range(repeats + 1):
+            await self.measure(f"plain{r}", functools.partial(self.plain, x, r, timeout))
+            await self.measure(f"ring{r}", functools.partial(self.secure_round, x, r + 1))
+        # the star round: the same engine's messages, star topology for the masked vectors
+        self.engine.config = round_config(len(self.orgs), "star", params)
+        await self.measure("star", functools.partial(self.secure_round, x, repeats + 2))
+        for name, times in (("ring", self.stage_times[-2]), ("star", self.stage_times[-1])):
+            for stage, seconds in times.items():
+                self.figures[f"{name}_stage_{stage}"] = seconds
+        return self.figures
+
+
+def _write_json(path: Path, value: object) -> None:
+    """``value`` as JSON at ``path``, whole or not at all (the parent polls for it)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value))
+    tmp.replace(path)
+
+
 async def _node(workdir: Path, me: str, orgs: list[str], params: int, repeats: int) -> None:
     """One org process: plain rings and secure ring rounds, interleaved ``repeats``
     times after a warm-up of each, then a secure star round; write the figures."""
@@ -126,9 +204,8 @@ async def _node(workdir: Path, me: str, orgs: list[str], params: int, repeats: i
     transport = CountingTransport(TlsTransport(identity, lambda: addresses))
     endpoint = Endpoint(identity, FEDERATION, transport, lambda: keys)
     sessions = secagg_sessions(*endpoint_signer(endpoint))
-    n = len(orgs)
-    ring_engine = RoundEngine(endpoint, lambda: orgs, sessions, round_config(n, params=params))
-    _open_plain_rounds(ring_engine, params, repeats)
+    engine = RoundEngine(endpoint, lambda: orgs, sessions, round_config(len(orgs), params=params))
+    _open_plain_rounds(engine, params, repeats)
     await endpoint.start()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -140,143 +217,73 @@ async def _node(workdir: Path, me: str, orgs: list[str], params: int, repeats: i
         (workdir / f"{me}.port.tmp").write_text(str(sock.getsockname()[1]))
         (workdir / f"{me}.port.tmp").replace(workdir / f"{me}.port")
         await _find_peers(workdir, members, addresses)
-
-        x = _node_input(me, params)
-        figures: dict[str, float] = {}
-        order = ring_order(orgs, 0)
-        syncs = iter(range(2 * repeats + 3))
-
-        async def barrier() -> float:
-            """Every process's clock time on arrival, summed along the ring; all start
-            together a little after the last arrival (the processes share one clock)."""
-            arrivals = np.zeros(n, dtype=np.uint64)
-            arrivals[orgs.index(me)] = time.time_ns() // 1000
-            rnd = next(syncs)
-            total = await ring_engine.ring.allreduce(order, arrivals, run="sync", round=rnd)
-            ring_engine.ring.close("sync", rnd)
-            start = float(total.max()) / 1e6 + 0.05
-            await asyncio.sleep(max(0.0, start - time.time()))
-            return start
-
-        memory = can_measure_memory()
-
-        async def measure(name: str, work: Callable[[], Awaitable[object]]) -> None:
-            b0 = transport.bytes_sent
-            t0 = await barrier()
-            peak = peak_rss_since_reset() if memory else None
-            await work()
-            figures[f"{name}_start"] = t0
-            figures[f"{name}_end"] = time.time()
-            figures[f"{name}_bytes"] = transport.bytes_sent - b0
-            if peak is not None:
-                # how far this process's resident set rose during the work: the round's
-                # vectors, buffers and copies (the input was made before)
-                figures[f"{name}_rss"] = peak()
-
-        # warm up: every TLS connection either reduction uses is opened before anything is
-        # timed (a deployment's connections outlive its rounds), the plain ring's and the
-        # star's by one reduction each, the secure round's by one round
-        timeout = 120.0 + params / MILLION
-        await _warm_connections(ring_engine, order, timeout)
-        results: list[Any] = []
-
-        async def secure_round(round_: int) -> None:
-            result = await ring_engine.run_round("bench", round_, x)
-            # what a caller keeps of a round: its times (its sum goes before the next)
-            results.append(result.stage_times)
-
-        async def plain(round_: int) -> None:
-            await ring_engine.ring.allreduce(order, x, run="plain", round=round_, timeout=timeout)
-            ring_engine.ring.close("plain", round_)
-
-        # the baseline and the secure round alternate, so that a load that comes and goes
-        # on the machine weighs on both alike; the reports take the median of each
-        for r in range(repeats + 1):
-            await measure(f"plain{r}", functools.partial(plain, r))
-            await measure(f"ring{r}", functools.partial(secure_round, r + 1))
-        # the star round: the same engine's messages, star topology for the masked vectors
-        ring_engine.config = round_config(n, "star", params)
-        await measure("star", lambda: secure_round(repeats + 2))
-        for name, times in (("ring", results[-2]), ("star", results[-1])):
-            for stage, seconds in times.items():
-                figures[f"{name}_stage_{stage}"] = seconds
-        out = workdir / f"{me}.json"
-        (workdir / f"{me}.json.tmp").write_text(json.dumps(figures))
-        (workdir / f"{me}.json.tmp").replace(out)
+        rounds = _Rounds(engine, transport, me, orgs)
+        figures = await rounds.run(_node_input(me, params), params, repeats)
+        _write_json(workdir / f"{me}.json", figures)
         until = time.monotonic() + 120
         while not (workdir / "done").exists() and time.monotonic() < until:
             await asyncio.sleep(0.05)
         await endpoint.close()
 
 
-def tls_figures(params: int, n: int = 4, repeats: int = 5) -> dict[str, float]:
-    """Run ``n`` org processes over mutual TLS; the figures of the three reductions
-    (the plain and the secure ring: the median of ``repeats`` warm runs of each)."""
+def _prepare(workdir: Path, orgs: list[str]) -> None:
+    """Each org's identity, the trust bundle and the member list, in ``workdir``."""
     from coordinator_free.tls import write_trust_bundle
 
-    orgs = [f"org-{i}" for i in range(n)]
+    identities = {
+        o: OrgIdentity.generate(o, hashlib.sha256(f"bench/{o}".encode()).digest()) for o in orgs
+    }
+    for org, ident in identities.items():
+        ident.save(workdir / org)
+    write_trust_bundle(workdir / "trust.pem", [i.certificate_pem for i in identities.values()])
+    members = {
+        o: {"public_key": i.public_key.hex(), "fingerprint": i.fingerprint}
+        for o, i in identities.items()
+    }
+    (workdir / "members.json").write_text(json.dumps(members))
+
+
+def _run_nodes(workdir: Path, orgs: list[str], params: int, repeats: int) -> dict[str, Any]:
+    """One process per org until each wrote its figures; each one's figures."""
     root = Path(__file__).resolve().parent.parent
-    with tempfile.TemporaryDirectory(prefix="fedweave-bench-") as tmp:
-        workdir = Path(tmp)
-        identities = {
-            o: OrgIdentity.generate(o, hashlib.sha256(f"bench/{o}".encode()).digest()) for o in orgs
-        }
-        for org, ident in identities.items():
-            ident.save(workdir / org)
-        write_trust_bundle(workdir / "trust.pem", [i.certificate_pem for i in identities.values()])
-        (workdir / "members.json").write_text(
-            json.dumps(
-                {
-                    o: {"public_key": i.public_key.hex(), "fingerprint": i.fingerprint}
-                    for o, i in identities.items()
-                }
-            )
+    logs = {o: (workdir / f"{o}.log").open("wb") for o in orgs}
+    args = ["--dir", str(workdir), "--orgs", ",".join(orgs), "--params", str(params)]
+    args += ["--repeats", str(repeats)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "bench.overlay_tls", "--org", o, *args],
+            cwd=root,
+            stdout=logs[o],
+            stderr=subprocess.STDOUT,
         )
-        logs = {o: (workdir / f"{o}.log").open("wb") for o in orgs}
-        procs = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "bench.overlay_tls",
-                    "--dir",
-                    str(workdir),
-                    "--org",
-                    o,
-                    "--orgs",
-                    ",".join(orgs),
-                    "--params",
-                    str(params),
-                    "--repeats",
-                    str(repeats),
-                ],
-                cwd=root,
-                stdout=logs[o],
-                stderr=subprocess.STDOUT,
-            )
-            for o in orgs
-        ]
-        try:
-            deadline = time.monotonic() + 600 + 10 * repeats * params / MILLION
-            while not all((workdir / f"{o}.json").exists() for o in orgs):
-                failed = [p for p in procs if p.poll() not in (None, 0)]
-                if failed or time.monotonic() > deadline:
-                    text = "\n".join(
-                        (workdir / f"{o}.log").read_text(errors="replace")[-2000:] for o in orgs
-                    )
-                    raise RuntimeError(f"TLS nodes failed or timed out:\n{text}")
-                time.sleep(0.2)
-            (workdir / "done").touch()
-            for p in procs:
-                p.wait(timeout=60)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait(timeout=30)
-            for f in logs.values():
-                f.close()
-        per = {o: json.loads((workdir / f"{o}.json").read_text()) for o in orgs}
+        for o in orgs
+    ]
+    try:
+        deadline = time.monotonic() + 600 + 10 * repeats * params / MILLION
+        while not all((workdir / f"{o}.json").exists() for o in orgs):
+            failed = [p for p in procs if p.poll() not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                text = "\n".join(
+                    (workdir / f"{o}.log").read_text(errors="replace")[-2000:] for o in orgs
+                )
+                raise RuntimeError(f"TLS nodes failed or timed out:\n{text}")
+            time.sleep(0.2)
+        (workdir / "done").touch()
+        for p in procs:
+            p.wait(timeout=60)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+        for f in logs.values():
+            f.close()
+    return {o: json.loads((workdir / f"{o}.json").read_text()) for o in orgs}
+
+
+def _summary(per: dict[str, Any], repeats: int) -> dict[str, float]:
+    """The figures of every process together: medians of the timed runs, the busiest
+    node's bytes, the most any node's resident set rose, the slowest node's stages."""
     out: dict[str, float] = {}
 
     def span(name: str) -> float:
@@ -303,6 +310,17 @@ def tls_figures(params: int, n: int = 4, repeats: int = 5) -> dict[str, float]:
         if "_stage_" in key:
             out[key] = max(f.get(key, 0.0) for f in per.values())
     return out
+
+
+def tls_figures(params: int, n: int = 4, repeats: int = 5) -> dict[str, float]:
+    """Run ``n`` org processes over mutual TLS; the figures of the three reductions
+    (the plain and the secure ring: the median of ``repeats`` warm runs of each)."""
+    orgs = [f"org-{i}" for i in range(n)]
+    with tempfile.TemporaryDirectory(prefix="fedweave-bench-") as tmp:
+        workdir = Path(tmp)
+        _prepare(workdir, orgs)
+        per = _run_nodes(workdir, orgs, params, repeats)
+    return _summary(per, repeats)
 
 
 def node_main(argv: Sequence[str] | None = None) -> None:
