@@ -185,10 +185,10 @@ class _Rounds:
         return self.figures
 
 
-def _write_json(path: Path, value: object) -> None:
-    """``value`` as JSON at ``path``, whole or not at all (the parent polls for it)."""
+def _write_whole(path: Path, text: str) -> None:
+    """``text`` at ``path``, whole or not at all (the other processes poll for it)."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(value))
+    tmp.write_text(text)
     tmp.replace(path)
 
 
@@ -214,12 +214,11 @@ async def _node(workdir: Path, me: str, orgs: list[str], params: int, repeats: i
     async with serve_peer_app(
         tls_app, sock, workdir / me, workdir / "trust.pem", graceful_shutdown_s=1
     ):
-        (workdir / f"{me}.port.tmp").write_text(str(sock.getsockname()[1]))
-        (workdir / f"{me}.port.tmp").replace(workdir / f"{me}.port")
+        _write_whole(workdir / f"{me}.port", str(sock.getsockname()[1]))
         await _find_peers(workdir, members, addresses)
         rounds = _Rounds(engine, transport, me, orgs)
         figures = await rounds.run(_node_input(me, params), params, repeats)
-        _write_json(workdir / f"{me}.json", figures)
+        _write_whole(workdir / f"{me}.json", json.dumps(figures))
         until = time.monotonic() + 120
         while not (workdir / "done").exists() and time.monotonic() < until:
             await asyncio.sleep(0.05)
