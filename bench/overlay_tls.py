@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 from coordinator_free.endpoint import Endpoint
+from coordinator_free.files import atomic_write
 from coordinator_free.identity import OrgIdentity
 from coordinator_free.ring import ring_order
 from coordinator_free.rounds import RoundEngine, endpoint_signer, secagg_sessions
@@ -185,13 +186,6 @@ class _Rounds:
         return self.figures
 
 
-def _write_whole(path: Path, text: str) -> None:
-    """``text`` at ``path``, whole or not at all (the other processes poll for it)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
 async def _node(workdir: Path, me: str, orgs: list[str], params: int, repeats: int) -> None:
     """One org process: plain rings and secure ring rounds, interleaved ``repeats``
     times after a warm-up of each, then a secure star round; write the figures."""
@@ -214,11 +208,11 @@ async def _node(workdir: Path, me: str, orgs: list[str], params: int, repeats: i
     async with serve_peer_app(
         tls_app, sock, workdir / me, workdir / "trust.pem", graceful_shutdown_s=1
     ):
-        _write_whole(workdir / f"{me}.port", str(sock.getsockname()[1]))
+        atomic_write(workdir / f"{me}.port", str(sock.getsockname()[1]).encode())
         await _find_peers(workdir, members, addresses)
         rounds = _Rounds(engine, transport, me, orgs)
         figures = await rounds.run(_node_input(me, params), params, repeats)
-        _write_whole(workdir / f"{me}.json", json.dumps(figures))
+        atomic_write(workdir / f"{me}.json", json.dumps(figures).encode())
         until = time.monotonic() + 120
         while not (workdir / "done").exists() and time.monotonic() < until:
             await asyncio.sleep(0.05)
