@@ -73,6 +73,14 @@ class RoundConfig:
         hash and settle ``U1`` at no message, where the token would add ``n`` hops one
         after another. ``None``: never. Every member of a federation must use the
         same setting.
+    ring_beside_token: where ``U1`` is agreed by the token, a node whose proposal
+        holds every member masks with them and starts its ring at once, beside the
+        token (:mod:`~coordinator_free.rounds.reduce`): the ring's outcome is taken
+        once the token decided every member; a smaller decision drops it (nothing
+        was released from it), and the node masks again with the decided set and
+        runs the ring over it. ``False``: the ring waits for the decision. Each
+        member may choose its own (a ring completes only among members that masked
+        with the same set).
     mask_helper: where this node expands the masks of the usual case
         (:mod:`~coordinator_free.rounds.mask_stream`): ``"process"``, in the helper
         process of its interpreter, streamed into the ring's first attempt;
@@ -99,6 +107,7 @@ class RoundConfig:
     attempts_per_round: int | None = None
     max_open_rounds: int | None = None
     shares_ahead_from: int | None = 33
+    ring_beside_token: bool = True
     mask_helper: str = "auto"
 
     def __post_init__(self) -> None:
@@ -155,6 +164,10 @@ class RoundConfig:
                 isinstance(value, bool) or not isinstance(value, int) or value < 3
             ):
                 raise ValueError(f"RoundConfig.{name} must be None or an int >= 3, got {value!r}")
+        if not isinstance(self.ring_beside_token, bool):
+            raise ValueError(
+                f"RoundConfig.ring_beside_token must be true or false, got {self.ring_beside_token!r}"
+            )
         if self.mask_helper not in MASK_HELPERS:
             raise ValueError(
                 "RoundConfig.mask_helper must be 'auto', 'process' or 'thread', got "

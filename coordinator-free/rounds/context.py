@@ -70,9 +70,12 @@ class StageContext:
     unshared: set[str] = field(default_factory=set)
     expected_shares: frozenset[str] = frozenset()
     shares: dict[str, bytes] = field(default_factory=dict)
-    # agree: the participants U1; the members of the ring (narrowed by each attempt)
+    # agree: the participants U1; the members of the ring (narrowed by each attempt);
+    # with the ring started beside the token, the token's decision still to come (U1
+    # is then this node's proposal, every member, until it settles)
     u1: frozenset[str] = frozenset()
     members: frozenset[str] = frozenset()
+    u1_decision: asyncio.Future[frozenset[str]] | None = None
     # mask and reduce: the masked input; the masked sum, or with owner unmasking the
     # ring's first half and the tag of the token agreement that settled it; the last
     # ring order and how many ring attempts ran
@@ -84,6 +87,7 @@ class StageContext:
     agreed_by: str | None = None
     order: list[str] = field(default_factory=list)
     attempt: int = 0
+    dropped: int = 0  # rings started beside the token and dropped (not attempts)
 
     def __post_init__(self) -> None:
         self.t_stage = self.t_round

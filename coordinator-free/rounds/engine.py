@@ -242,9 +242,10 @@ class RoundEngine:
         table.running.add((run, round))
         if uses_helper(self.config.mask_helper) and mask_helper().pid is None:
             self._net.spawn(asyncio.to_thread(mask_helper().warm))  # up by the share stage
-        # the masked vector travels as ring elements of at most 8 bytes
+        # the masked vector travels as ring elements of at most 8 bytes; a ring started
+        # beside the token and dropped is one attempt more
         wire_bytes = max(vector.nbytes, 8 * vector.size)
-        self.ring.expect(run, round, wire_bytes, self.config.max_reduce_attempts)
+        self.ring.expect(run, round, wire_bytes, self.config.max_reduce_attempts + 1)
         state.started = asyncio.get_running_loop().time()
         self._net.observe("round", run, round, "ready")
         try:
@@ -291,6 +292,8 @@ class RoundEngine:
         finally:
             if ctx.mask_stream is not None:  # the round ended before its ring
                 ctx.mask_stream.close()
+            if ctx.u1_decision is not None:  # the round ended before its ring beside the token
+                ctx.u1_decision.cancel()
         return await self._done(ctx, total)
 
     async def _done(self, ctx: StageContext, total: np.ndarray) -> RoundResult:
@@ -321,7 +324,7 @@ class RoundEngine:
             bytes_sent=sent,
             messages_sent=counters.messages_sent + counters.ring.messages_sent,
             ring_bytes_sent=counters.ring.bytes_sent,
-            ring_attempts=ctx.attempt,
+            ring_attempts=ctx.attempt + ctx.dropped,
             stage_times=ctx.times,
             neighbours=ctx.k,
         )

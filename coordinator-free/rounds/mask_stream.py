@@ -129,6 +129,7 @@ class MaskStream:
             p: self._loop.create_future() for p in range(len(self.pieces))
         }
         self._added: set[int] = set()
+        self._expanding: set[asyncio.Future[None]] = set()
         self._process: MaskProcess | None = None
         self._job: int | None = None
         self.expanded_here = 0
@@ -207,7 +208,24 @@ class MaskStream:
         if not self.expanded_here:
             logger.warning("the mask helper did not expand chunk %d: expanded here", chunk)
         self.expanded_here += 1
-        await asyncio.to_thread(prg.add_masks, acc[lo:hi], self._masks, offset=lo)
+        work = asyncio.ensure_future(
+            asyncio.to_thread(prg.add_masks, acc[lo:hi], self._masks, offset=lo)
+        )
+        self._expanding.add(work)
+        work.add_done_callback(self._expanded)
+        await asyncio.shield(work)
+
+    def _expanded(self, work: asyncio.Future[None]) -> None:
+        self._expanding.discard(work)
+        if not work.cancelled():
+            work.exception()  # raised to the ring that awaited it, if it still did
+
+    async def drain(self) -> None:
+        """Wait for the chunks still being expanded here in worker threads (a ring
+        cancelled while it waited for one leaves the thread writing into its vector):
+        the vector is the caller's again once this returns."""
+        if self._expanding:
+            await asyncio.wait(set(self._expanding))
 
     async def add_all(self, acc: np.ndarray) -> None:
         for chunk in self.order:

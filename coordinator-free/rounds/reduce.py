@@ -19,6 +19,14 @@ over the agreed survivors' masked vectors, which each still holds. So a fault-fr
 ring costs no agreement message, and a death late in the all-gather costs one fetch
 instead of a second ring.
 
+**Beside the token**: a node that started its ring before ``U1`` was decided
+(:mod:`~coordinator_free.rounds.share`) takes the first attempt's outcome once the
+token decided every member. A smaller decision stops that ring and drops its outcome,
+even a completed one (nothing was released for it), narrows the session to the
+decided set (``SecAggPeer.narrow``), masks again and runs the ring over that set as
+the same attempt: the ring's id binds its members, so the two rings never mix
+(``docs/SECURITY.md``, "A ring started before the participants are settled").
+
 **Owner unmasking** (from ``RoundConfig.owner_unmask_from`` members on, when the vector
 is cut in chunks): the ring stops after the reduce-scatter and one step that copies
 each member's complete chunk to its successor, and the members agree by the token
@@ -33,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Any
 
 import numpy as np
 from coordinator_free.ring import RingBroken, RingReducer, Scattered, StarOptions, ring_order
@@ -90,10 +99,17 @@ class ReduceStage:
             ctx.order = ring_order(ctx.members, ctx.round)
             owners = owner_unmask(ctx.config, len(ctx.order), ctx.masked_input())
             try:
-                done, suspects = await self._ring(ctx, owners)
+                if ctx.u1_decision is not None:
+                    outcome = await self._ring_beside(ctx, owners)
+                else:
+                    outcome = await self._ring(ctx, owners)
             finally:
                 _end_stream(ctx)
             ctx.lap("reduce")
+            if outcome is None:  # the participants settled on fewer: masked again
+                await _remask(ctx)
+                continue
+            done, suspects = outcome
             await ctx.enter("agree-reduce")
             if owners:
                 part = done if isinstance(done, Scattered) else None
@@ -103,6 +119,43 @@ class ReduceStage:
                 await self._settle_attempt(ctx, acc, suspects)
             ctx.lap("agree-reduce")
             ctx.attempt += 1
+
+    async def _ring_beside(
+        self, ctx: StageContext, owners: bool
+    ) -> tuple[np.ndarray | Scattered | None, frozenset[str]] | None:
+        """The first ring attempt, started over every member beside the token that
+        settles ``U1`` (``RoundConfig.ring_beside_token``): its outcome once the token
+        decided every member; ``None`` when it decided fewer. The ring is then stopped
+        and its outcome dropped, even a completed one (only a member that proposed
+        every member and then fewer can complete it): no member releases anything for
+        it. The session narrows to the decided participants, who run the ring again."""
+        decision = ctx.u1_decision
+        assert decision is not None
+        ctx.u1_decision = None
+        ring = asyncio.ensure_future(self._ring(ctx, owners))
+        try:
+            u1 = await decision
+        except BaseException:
+            await _stop(ctx, ring)
+            raise
+        if u1 == ctx.members:
+            return await ring
+        await _stop(ctx, ring)
+        ctx.dropped += 1
+        ctx.observe(
+            "retry",
+            "reduce",
+            detail=f"the participants settled on {len(u1)} of {len(ctx.members)} members: "
+            "the ring runs again over them",
+        )
+        if len(u1) < ctx.t:
+            raise RoundFailed("ready", f"{len(u1)} participants agreed, fewer than t={ctx.t}")
+        try:
+            ctx.session.narrow_participants(u1)
+        except (SecAggError, ValueError) as exc:
+            raise RoundFailed("share", f"cannot narrow the participants: {exc}") from exc
+        ctx.u1 = ctx.members = u1
+        return None
 
     async def _ring(
         self, ctx: StageContext, owners: bool
@@ -222,6 +275,17 @@ def _end_stream(ctx: StageContext) -> None:
     if ctx.mask_stream is not None:
         ctx.mask_stream.close()
         ctx.mask_stream = None
+
+
+async def _stop(ctx: StageContext, ring: asyncio.Future[Any]) -> None:
+    """Stop a ring attempt that runs beside the token: its vector is the node's again
+    once the attempt and any chunk's masks still being expanded in a thread ended."""
+    ring.cancel()
+    await asyncio.wait({ring})
+    if not ring.cancelled():
+        ring.exception()  # a broken ring or an error: its outcome is dropped all the same
+    if ctx.mask_stream is not None:
+        await ctx.mask_stream.drain()
 
 
 async def _remask(ctx: StageContext) -> None:

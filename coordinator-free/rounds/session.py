@@ -134,6 +134,13 @@ class MaskedSum(Protocol):
         input carries; raises when it lacks the shares of one of them."""
         ...
 
+    def narrow_participants(self, participants: frozenset[str]) -> None:
+        """The members settled on a subset of the participants this org masked with
+        (it proposed every member and started its ring before the agreement decided):
+        the masked input made from here on carries exactly the pairwise masks of its
+        holders among them."""
+        ...
+
     def premask(self) -> Premask:
         """After :meth:`share_keys`: fix the masks of the usual case (every neighbour
         among the ready orgs shares its keys) and return the work that adds them to the
@@ -331,6 +338,9 @@ class SecAggSession:
 
     def settle_participants(self, participants: frozenset[str]) -> None:
         self.peer.close_shares(participants)
+
+    def narrow_participants(self, participants: frozenset[str]) -> None:
+        self.peer.narrow(participants)
 
     def premask(self) -> Premask:
         masks = self.peer.premask()

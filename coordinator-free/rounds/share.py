@@ -22,6 +22,13 @@ From ``RoundConfig.shares_ahead_from`` members on, the shares of most pairs rode
 (:mod:`~coordinator_free.rounds.ahead`): the exchange runs only with the holders of
 the others (``StageContext.ahead_done`` left out; none at all in a steady federation),
 and the shares carry no view hash to compare, so ``U1`` is agreed by the token.
+
+**Beside the token** (``RoundConfig.ring_beside_token``): where ``U1`` goes by the
+token and this node's proposal holds every member, the stage does not wait for the
+decision. ``U1`` is the members, the session settles on them, and the ring starts
+while the token circulates (``ctx.u1_decision``; the reduce stage takes the ring's
+outcome once the decision is in, :mod:`~coordinator_free.rounds.reduce`). A share
+that came but does not open makes the node wait for the decision after all.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import asyncio
 import dataclasses
 import functools
 from collections.abc import Iterable
+from typing import Any
 
 from coordinator_free.errors import RefusalReason, Refused
 from coordinator_free.rounds.agreement import Agreement
@@ -51,10 +59,24 @@ SHARES = ("share",)
 _GONE = ("gone",)
 
 
-def _retrieved(done: asyncio.Future[None]) -> None:
-    """Take the premask work's outcome when the round failed before its mask stage."""
+def _retrieved(done: asyncio.Future[Any]) -> None:
+    """Take the outcome of work the round may end before awaiting (the premask's, the
+    token's beside the ring)."""
     if not done.cancelled():
         done.exception()
+
+
+async def _members(
+    agreement: Agreement, ctx: StageContext, proposal: frozenset[str]
+) -> frozenset[str]:
+    """``U1`` by the token, over the members ``U0``."""
+    members, _ = await agreement.settle(ctx.state, ctx.counters, "ready", ctx.u0, proposal)
+    return members
+
+
+def _enough(ctx: StageContext) -> None:
+    if len(ctx.u1) < ctx.t:
+        raise RoundFailed("ready", f"{len(ctx.u1)} participants agreed, fewer than t={ctx.t}")
 
 
 def _awaited(ctx: StageContext) -> frozenset[str]:
@@ -176,7 +198,7 @@ class ShareStage:
     async def agree(self, ctx: StageContext) -> None:
         """Settle the participants ``U1`` and take their shares: the ring's members."""
         await ctx.enter("agree-ready")
-        state, me, t = ctx.state, ctx.me, ctx.t
+        state, me = ctx.state, ctx.me
         view1, shares = ctx.ready_set, ctx.shares
         if (
             not ctx.by_token
@@ -188,8 +210,7 @@ class ShareStage:
             state.agreement.decided["ready"] = (ctx.u1, True)
         else:
             ctx.u1 = await self._agree_participants(ctx)
-            if len(ctx.u1) < t:
-                raise RoundFailed("ready", f"{len(ctx.u1)} participants agreed, fewer than t={t}")
+            _enough(ctx)
             shares = state.inbox.get(SHARES)
         share_set = {me} | (ctx.ahead_in & ctx.u1)
         for org, payload in sorted(shares.items()):
@@ -209,6 +230,12 @@ class ShareStage:
         # this node masks with exactly its holders in U1, which every member knows
         # (docs/SECURITY.md, "U2"); lacking the shares of one, it takes no part
         lacking = (ctx.holders & ctx.u1) - share_set
+        if lacking and ctx.u1_decision is not None:
+            # a share that came did not open: the ring waits for the token after all
+            decision, ctx.u1_decision = ctx.u1_decision, None
+            ctx.u1 = await decision
+            _enough(ctx)
+            lacking &= ctx.u1
         try:
             ctx.session.settle_participants(ctx.u1)
         except (SecAggError, ValueError) as exc:
@@ -221,13 +248,22 @@ class ShareStage:
 
     async def _agree_participants(self, ctx: StageContext) -> frozenset[str]:
         """``U1`` by agreement: an org that sent this node two different readies or
-        shares is left out of its proposal."""
+        shares is left out of its proposal. A proposal of every member, with
+        ``RoundConfig.ring_beside_token``, is returned at once as ``U1`` to start the
+        ring with, the token's decision left running (``ctx.u1_decision``)."""
         state = ctx.state
         proposal = ctx.ready_set - ctx.unshared - state.equivocal
         if ctx.by_token:
             # every node runs this agreement: the token (O(n) messages) suffices
             proposal -= _awaited(ctx) - ctx.shares.keys()
-            u1, _ = await self.agreement.settle(state, ctx.counters, "ready", ctx.u0, proposal)
+            settling = _members(self.agreement, ctx, proposal)
+            if ctx.config.ring_beside_token and proposal == frozenset(ctx.u0):
+                # every member is in: the ring starts over them beside the token, and
+                # the reduce stage takes its outcome once the token decided
+                ctx.u1_decision = asyncio.ensure_future(settling)
+                ctx.u1_decision.add_done_callback(_retrieved)
+                return proposal
+            u1 = await settling
         else:
             # others may have settled at no message: they answer views, not tokens
             u1, _ = await self.agreement.agree(state, ctx.counters, "ready", proposal)

@@ -262,6 +262,34 @@ class SecAggPeer(PeerState):
         self._stage = Stage.MASKED_INPUT
         return u2
 
+    def narrow(self, participants: Iterable[str]) -> frozenset[str]:
+        """The members settled on fewer participants than :meth:`close_shares` was
+        given: U2 narrows to this peer's neighbourhood among them, and the masked input
+        made from here on (:meth:`masked_input`, :meth:`masked_again`) carries exactly
+        their pairwise masks. For a caller that masked with the participants it
+        proposed and sent that input before the agreement settled a subset (the round
+        engine's ring beside the token): the two inputs differ only by the pairwise
+        masks with the orgs left out, whose shares this peer never releases
+        (``docs/SECURITY.md``, "A ring started before the participants are settled").
+        Only in ``MASKED_INPUT``, after :meth:`close_shares` with participants; a set
+        that is not a subset holding this peer raises :class:`InconsistentView`
+        (nothing changes), a neighbourhood below the threshold aborts the round.
+        """
+        self._require_stage(Stage.MASKED_INPUT, action="narrow()")
+        if self._participants is None or self._u2 is None:
+            raise OutOfStage("close_shares() with the participants must come before narrow()")
+        agreed = frozenset(participants)
+        if not agreed <= self._participants or self.me not in agreed:
+            raise InconsistentView(
+                f"participants {sorted(agreed)} are not a subset of {sorted(self._participants)} "
+                f"with {self.me}"
+            )
+        u2 = self._u2 & agreed
+        self._need_threshold(len(u2), f"orgs of {self.me}'s neighbourhood shared keys")
+        self._u2 = u2
+        self._participants = agreed
+        return u2
+
     # ---------------------------------------------------------------- stage 2
 
     def masked_input(self, x: np.ndarray, *, out: np.ndarray | None = None) -> np.ndarray:

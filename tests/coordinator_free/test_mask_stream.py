@@ -28,7 +28,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from secure_agg import prg
-from secure_agg.mask_process import MaskProcess
+from secure_agg.mask_process import LOST, MaskProcess
 from tests.coordinator_free.test_rounds import FAST, KILL_STAGES, OWNER_KILL_STAGES
 
 STREAMED = dataclasses.replace(FAST, mask_helper="process")
@@ -271,3 +271,45 @@ def test_auto_uses_the_helper_from_four_cores_and_the_settings_are_checked(
     with pytest.raises(ValueError, match="mask_helper"):
         RoundConfig(mask_helper="gpu")
     assert mask_stream_module.MASK_HELPERS == ("auto", "process", "thread")
+
+
+def test_a_ring_cancelled_while_a_chunk_expands_here_gets_its_vector_back_after_drain() -> None:
+    """The helper is lost, so a chunk's masks are expanded in a worker thread; the ring
+    that waited for them is cancelled (a ring beside the token, dropped). The thread
+    still writes into the vector: ``drain`` returns once it has, and the chunk then
+    holds its masks exactly once, so the vector can be masked again safely."""
+    process = MaskProcess()
+    try:
+        x = np.random.default_rng(6).integers(0, 2**32, 2_000_003, dtype=np.uint64)
+        acc = x.astype(np.uint32)
+        expected = acc.copy()
+        masks = _masks(16)
+        prg.add_masks(expected, masks)
+        n = 3
+        bounds = chunk_bounds(acc.shape[0], n)
+
+        async def scenario() -> None:
+            stream = MaskStream.start(process, acc, masks, bounds, list(range(n)))
+            assert stream is not None
+            # the helper is lost before it reported a piece (its reports reach the loop
+            # only once this step yields): every chunk is expanded here
+            stream._arrived(LOST, None)
+            try:
+                adding = asyncio.ensure_future(stream.add(acc, 0))
+                while not stream._expanding:  # the chunk's thread started
+                    assert not adding.done()
+                    await asyncio.sleep(0.001)
+                adding.cancel()
+                await asyncio.wait({adding})
+                assert adding.cancelled()
+                await stream.drain()
+                assert not stream._expanding
+                lo, hi = bounds[0]
+                assert np.array_equal(acc[lo:hi], expected[lo:hi])
+                await stream.drain()  # nothing in flight: returns at once
+            finally:
+                stream.close()
+
+        asyncio.run(scenario())
+    finally:
+        process.close()

@@ -292,7 +292,10 @@ def test_a_split_during_the_key_shares_is_detected_never_summed() -> None:
 def test_forty_peers_run_secagg_plus_and_sum_exactly_despite_a_kill() -> None:
     """Above ``secagg_plus_above`` members the engine runs SecAgg+ (Bell et al., CCS'20):
     k = 16 neighbours for 40 members; a member killed in the ring is unmasked from its
-    neighbourhood's shares alone and the survivors' sum is still exact."""
+    neighbourhood's shares alone and the survivors' sum is still exact. (The ring
+    waits for the token's decision on ``U1``, so the member dies a participant: with
+    the ring beside the token it may die before it proposes, and the decision then
+    leaves it out with nothing to unmask; ``test_ring_beside_token`` covers that.)"""
     base = SimConfig(peers=40, length=16, seed=5).engine_config()
     rc = RoundConfig(
         ready_timeout=base.ready_timeout,
@@ -300,6 +303,7 @@ def test_forty_peers_run_secagg_plus_and_sum_exactly_despite_a_kill() -> None:
         step_timeout=base.step_timeout,
         send_timeout=base.send_timeout,
         secagg_plus_above=16,
+        ring_beside_token=False,
     )
     config = SimConfig(peers=40, length=16, seed=5, round_config=rc)
     killed = "org-17"

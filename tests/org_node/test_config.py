@@ -88,3 +88,25 @@ def test_the_engine_s_mask_helper_reaches_the_node_s_rounds(tmp_path: Path) -> N
         assert node.round_config.mask_helper == "thread"
     finally:
         node.egress.close()
+
+
+def test_the_engine_s_ring_beside_token_reaches_the_node_s_rounds(tmp_path: Path) -> None:
+    from org_node.initialize import initialize
+    from org_node.node import OrgNode
+
+    initialize(tmp_path / "n", "org-n", peer_port=9322, admin_port=9323)
+    path = tmp_path / "n" / "fedweave.toml"
+    assert "ring_beside_token = true" in path.read_text()
+    node = OrgNode.open(tmp_path / "n")
+    try:
+        assert node.round_config.ring_beside_token is True
+    finally:
+        node.egress.close()
+    path.write_text(
+        path.read_text().replace("ring_beside_token = true", "ring_beside_token = false")
+    )
+    node = OrgNode.open(tmp_path / "n")
+    try:
+        assert node.round_config.ring_beside_token is False
+    finally:
+        node.egress.close()

@@ -1,0 +1,220 @@
+"""The ring started beside the token that settles ``U1`` (``RoundConfig.ring_beside_token``).
+
+A node whose proposal holds every member masks with them and starts its ring while the
+token circulates; the reduce stage takes the ring's outcome only once the token decided
+every member. A smaller decision drops that ring (even a completed one), narrows the
+session and runs the ring again over the decided set. Every round here is checked
+against the plaintext sum of its survivors, on every node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from coordinator_free.rounds import RoundConfig, RoundObservation
+from coordinator_free.rounds.agreement import Agreement
+from coordinator_free.rounds.context import StageContext
+from coordinator_free.rounds.share import ShareStage
+from coordinator_free.sim import Fault, FaultSpec, RoundOutcome, SimConfig, Simulation
+
+# shares sealed ahead from three members, so U1 goes by the token from round 2 on
+BESIDE = RoundConfig(
+    ready_timeout=0.6,
+    stage_timeout=4.0,
+    step_timeout=2.0,
+    send_timeout=4.0,
+    ring_min_chunk=1,
+    shares_ahead_from=3,
+)
+DROPPED = "the ring runs again"
+
+
+def _check(out: RoundOutcome) -> None:
+    assert out.problems() == []
+    assert out.completed
+    for res in out.results.values():
+        assert np.array_equal(res.sum, out.expected(res.survivors))
+
+
+def _watch(sim: Simulation) -> dict[str, list[RoundObservation]]:
+    """Each engine's observations, as they come."""
+    seen: dict[str, list[RoundObservation]] = {org: [] for org in sim.engines}
+    for org, engine in sim.engines.items():
+        engine._net.observers.append(seen[org].append)
+    return seen
+
+
+def _dropped(seen: dict[str, list[RoundObservation]], round: int) -> set[str]:
+    """The orgs that dropped a ring started beside the token in ``round``."""
+    return {
+        org
+        for org, obs in seen.items()
+        if any(o.round == round and o.kind == "retry" and DROPPED in o.detail for o in obs)
+    }
+
+
+def _chunks(out: RoundOutcome) -> int:
+    return sum(c["agg.chunk"] for c in out.signed.values())
+
+
+def test_steady_rounds_start_the_ring_beside_the_token_and_sum_exactly() -> None:
+    """From round 2 every proposal holds every member: each node starts its ring at once,
+    the token decides every member, no ring is dropped, and the rounds send the same
+    ring chunks as with the ring waiting for the decision."""
+    n = 5
+
+    async def scenario(config: RoundConfig) -> tuple[list[RoundOutcome], set[str]]:
+        async with Simulation(SimConfig(peers=n, length=64, seed=3, round_config=config)) as sim:
+            seen = _watch(sim)
+            outs = [await sim.round(r) for r in (1, 2, 3)]
+            return outs, _dropped(seen, 2) | _dropped(seen, 3)
+
+    beside, dropped = asyncio.run(scenario(BESIDE))
+    waiting, _ = asyncio.run(scenario(dataclasses.replace(BESIDE, ring_beside_token=False)))
+    assert dropped == set()
+    for a, b in zip(beside, waiting, strict=True):
+        _check(a)
+        _check(b)
+        assert len(a.results) == n
+        assert _chunks(a) == _chunks(b)
+        for org in a.results:
+            assert np.array_equal(a.results[org].sum, b.results[org].sum)
+            assert a.results[org].ring_attempts == 1
+
+
+def test_a_member_one_peer_left_out_is_decided_out_and_the_others_ring_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """In round 2 org-3 holds two different shares from org-1 (an equivocation) and
+    proposes no org-1, so it waits for the token; the others hold every share and
+    start their ring over all five beside it. The decision leaves org-1 out: the
+    others drop the ring (org-3 never joined it), mask again with the four and sum
+    exactly them; org-1, left out, fails its round."""
+    n = 5
+    run = ShareStage.run
+
+    async def equivocated(self: ShareStage, ctx: StageContext) -> None:
+        await run(self, ctx)
+        if ctx.me == "org-3" and ctx.round == 2:
+            ctx.state.equivocal.add("org-1")
+
+    monkeypatch.setattr(ShareStage, "run", equivocated)
+
+    async def scenario() -> tuple[RoundOutcome, set[str]]:
+        config = SimConfig(peers=n, length=64, seed=8, round_config=BESIDE)
+        async with Simulation(config) as sim:
+            seen = _watch(sim)
+            _check(await sim.round(1))
+            return await sim.round(2), _dropped(seen, 2)
+
+    out, dropped = asyncio.run(scenario())
+    _check(out)
+    four = {"org-0", "org-2", "org-3", "org-4"}
+    assert set(out.results) == four
+    for res in out.results.values():
+        assert set(res.participants) == set(res.survivors) == four
+    assert "leave this node out" in out.failures["org-1"]
+    # the nodes that held every share started the ring beside the token and dropped it
+    # (counted as a ring run); org-3 waited for the decision and ran one
+    assert dropped == {"org-0", "org-2", "org-4"}
+    attempts = {org: res.ring_attempts for org, res in out.results.items()}
+    assert attempts == {"org-0": 2, "org-2": 2, "org-3": 1, "org-4": 2}
+
+
+def _proposing_without(
+    monkeypatch: pytest.MonkeyPatch, hostile: str, left_out: str
+) -> Callable[[], None]:
+    """Make ``hostile`` run the ring over every member while its token entry for ``U1``
+    leaves ``left_out`` out: the ring beside the token completes, the decision is
+    smaller."""
+    settle = Agreement.settle
+
+    async def lying(self: Agreement, state, counters, tag, base, proposal, flag=True):  # type: ignore[no-untyped-def]
+        if self.me == hostile and tag == "ready" and state.round == 2:
+            proposal = proposal - {left_out}
+        return await settle(self, state, counters, tag, base, proposal, flag)
+
+    monkeypatch.setattr(Agreement, "settle", lying)
+    return lambda: monkeypatch.setattr(Agreement, "settle", settle)
+
+
+def test_a_ring_completed_beside_a_smaller_decision_is_dropped_never_unmasked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A hostile org-2 starts the ring over all five but proposes no org-4 in the token.
+    The ring completes on every node; the decision leaves org-4 out, so each drops the
+    completed ring and sums the four again: the result is the four's sum, never the
+    five's, and org-4, left out, fails."""
+    n = 5
+    _proposing_without(monkeypatch, "org-2", "org-4")
+
+    async def scenario() -> tuple[RoundOutcome, set[str]]:
+        config = SimConfig(peers=n, length=64, seed=11, round_config=BESIDE)
+        async with Simulation(config) as sim:
+            seen = _watch(sim)
+            _check(await sim.round(1))
+            return await sim.round(2), _dropped(seen, 2)
+
+    out, dropped = asyncio.run(scenario())
+    _check(out)
+    four = {"org-0", "org-1", "org-2", "org-3"}
+    assert set(out.results) == four
+    for res in out.results.values():
+        assert set(res.survivors) == four
+        assert not np.array_equal(res.sum, out.expected(four | {"org-4"}))
+    assert "org-4" in out.failures
+    assert dropped >= four - {"org-2"}
+
+
+@pytest.mark.parametrize(
+    ("stage", "counted"),
+    [("reduce", False), ("reduce.scatter.1", False), ("reduce.gather.1", True)],
+)
+def test_a_member_killed_in_the_ring_beside_the_token_never_costs_the_sum(
+    stage: str, counted: bool
+) -> None:
+    """A member dies while the ring runs beside the token: the others' decision is every
+    member (their proposals hold it) and the ring breaks. Killed before its chunks are
+    all in, the attempt's agreement leaves it out and its masks are removed; killed in
+    the all-gather, its input is in the sum the others complete. Either way the sum
+    is exact."""
+    n = 6
+    victim = "org-4"
+
+    async def scenario() -> RoundOutcome:
+        config = SimConfig(peers=n, length=64, seed=5, round_config=BESIDE)
+        async with Simulation(config, [FaultSpec(victim, Fault.KILL, stage, round=2)]) as sim:
+            _check(await sim.round(1))
+            return await sim.round(2)
+
+    out = asyncio.run(scenario())
+    _check(out)
+    assert victim in out.killed
+    assert set(out.results) == {f"org-{i}" for i in range(n)} - {victim}
+    for res in out.results.values():
+        assert (victim in res.survivors) is counted
+
+
+def test_members_may_choose_apart_whether_the_ring_waits_for_the_token() -> None:
+    """Two members start their ring beside the token, the others wait for its decision:
+    the early rings are the very ring the others start later (same members, same
+    attempt), so every round completes with every member and sums exactly."""
+    n = 5
+
+    async def scenario() -> list[RoundOutcome]:
+        waiting = dataclasses.replace(BESIDE, ring_beside_token=False)
+        config = SimConfig(peers=n, length=64, seed=4, round_config=waiting)
+        async with Simulation(config) as sim:
+            for org in ("org-0", "org-3"):
+                sim.engines[org].config = BESIDE
+            return [await sim.round(r) for r in (1, 2, 3)]
+
+    for out in asyncio.run(scenario()):
+        _check(out)
+        assert len(out.results) == n
+        for res in out.results.values():
+            assert res.ring_attempts == 1
