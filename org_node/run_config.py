@@ -81,9 +81,10 @@ class EngineConfig:
         thread before the ring) or ``auto`` (the helper from four cores on). The sum is
         the same either way: each participant chooses its own.
     ring_beside_token: where the participants are agreed by the token, start the ring
-        beside it when this node saw every participant ready and holding its shares
-        (``RoundConfig.ring_beside_token``); ``false`` waits for the decision. Each
-        participant chooses its own.
+        at once when this node saw every participant ready and holding its shares,
+        the ring's completion settling the participants with no message
+        (``RoundConfig.ring_beside_token``); ``false`` runs the token and waits for
+        its decision. Each participant chooses its own.
     model_hash_timeout_s: how long the model-hash check waits for the survivors.
     max_attempts: attempts of the secure sum of the pre-training statistics before the
         run fails (at most ``ATTEMPTS``); a training round instead waits for a quorum

@@ -21,7 +21,8 @@ Its modules, in the order of a round:
 - :mod:`.inbox`, :mod:`.state`, :mod:`.messenger`, :mod:`.context` — a round's
   messages, its state, how the engine sends and reports, the stage context.
 - :mod:`.exchange` — the pairwise exchange (ready, shares, releases).
-- :mod:`.agreement`, :mod:`.token` — the view agreement; the agreement token.
+- :mod:`.agreement`, :mod:`.token`, :mod:`.early` — the view agreement; the agreement
+  token; ``U1`` pending while the ring runs before it is settled.
 - :mod:`.ready`, :mod:`.share`, :mod:`.reduce`, :mod:`.unmask` — the stages;
   :mod:`.sums` — the sums the reduce serves and fetches when a ring breaks.
 - :mod:`.model_hash` — the next model's hash, compared after each round.

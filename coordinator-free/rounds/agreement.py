@@ -103,6 +103,8 @@ class Agreement:
             # its ring completed: the token adds its proposal, which settles the stage
             return COMPLETED
         if token.phase == TOKEN_PROBE:
+            if token.tag == "ready":  # a member runs the agreement on U1 (rounds.early)
+                state.inbox.put(("token", token.tag, "probe"), env.sender, b"")
             return b""
         record = state.agreement
         joined = record.joined.get(token.tag)

@@ -74,13 +74,14 @@ class RoundConfig:
         after another. ``None``: never. Every member of a federation must use the
         same setting.
     ring_beside_token: where ``U1`` is agreed by the token, a node whose proposal
-        holds every member masks with them and starts its ring at once, beside the
-        token (:mod:`~coordinator_free.rounds.reduce`): the ring's outcome is taken
-        once the token decided every member; a smaller decision drops it (nothing
-        was released from it), and the node masks again with the decided set and
-        runs the ring over it. ``False``: the ring waits for the decision. Each
-        member may choose its own (a ring completes only among members that masked
-        with the same set).
+        holds every member masks with them and starts its ring at once, ``U1``
+        pending (:mod:`~coordinator_free.rounds.early`): the ring's completion settles
+        ``U1`` as every member, with no message; the node joins the token only when
+        another member runs it or its ring breaks, and a smaller decision drops the
+        ring (nothing was released from it) and runs it again over the decided set.
+        ``False``: the node runs the token and its ring waits for the decision. Each
+        member may choose its own (the early ring is the ring the others start after
+        the decision).
     mask_helper: where this node expands the masks of the usual case
         (:mod:`~coordinator_free.rounds.mask_stream`): ``"process"``, in the helper
         process of its interpreter, streamed into the ring's first attempt;

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from coordinator_free.ring import Scattered
 from coordinator_free.rounds.config import RoundConfig, StageHook
+from coordinator_free.rounds.early import PendingU1
 from coordinator_free.rounds.mask_stream import MaskStream
 from coordinator_free.rounds.messenger import Messenger
 from coordinator_free.rounds.session import MaskedSum
@@ -71,11 +72,11 @@ class StageContext:
     expected_shares: frozenset[str] = frozenset()
     shares: dict[str, bytes] = field(default_factory=dict)
     # agree: the participants U1; the members of the ring (narrowed by each attempt);
-    # with the ring started beside the token, the token's decision still to come (U1
-    # is then this node's proposal, every member, until it settles)
+    # with the ring started before U1 is settled, U1 pending (it is then every member
+    # until the ring completes or the token decides)
     u1: frozenset[str] = frozenset()
     members: frozenset[str] = frozenset()
-    u1_decision: asyncio.Future[frozenset[str]] | None = None
+    u1_pending: PendingU1 | None = None
     # mask and reduce: the masked input; the masked sum, or with owner unmasking the
     # ring's first half and the tag of the token agreement that settled it; the last
     # ring order and how many ring attempts ran

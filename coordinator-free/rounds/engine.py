@@ -292,8 +292,8 @@ class RoundEngine:
         finally:
             if ctx.mask_stream is not None:  # the round ended before its ring
                 ctx.mask_stream.close()
-            if ctx.u1_decision is not None:  # the round ended before its ring beside the token
-                ctx.u1_decision.cancel()
+            if ctx.u1_pending is not None:  # the round ended with U1 still pending
+                ctx.u1_pending.cancel()
         return await self._done(ctx, total)
 
     async def _done(self, ctx: StageContext, total: np.ndarray) -> RoundResult:

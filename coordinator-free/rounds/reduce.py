@@ -19,13 +19,14 @@ over the agreed survivors' masked vectors, which each still holds. So a fault-fr
 ring costs no agreement message, and a death late in the all-gather costs one fetch
 instead of a second ring.
 
-**Beside the token**: a node that started its ring before ``U1`` was decided
-(:mod:`~coordinator_free.rounds.share`) takes the first attempt's outcome once the
-token decided every member. A smaller decision stops that ring and drops its outcome,
-even a completed one (nothing was released for it), narrows the session to the
-decided set (``SecAggPeer.narrow``), masks again and runs the ring over that set as
-the same attempt: the ring's id binds its members, so the two rings never mix
-(``docs/SECURITY.md``, "A ring started before the participants are settled").
+**The ring first**: a node that started its ring with ``U1`` pending
+(:mod:`~coordinator_free.rounds.early`) settles ``U1`` by the ring's completion, or
+else takes the first attempt's outcome once the token decided every member. A
+smaller decision stops that ring and drops its outcome, even a completed one (nothing
+was released for it), narrows the session to the decided set (``SecAggPeer.narrow``),
+masks again and runs the ring over that set as the same attempt: the ring's id binds
+its members, so the two rings never mix (``docs/SECURITY.md``, "A ring started before
+the participants are settled").
 
 **Owner unmasking** (from ``RoundConfig.owner_unmask_from`` members on, when the vector
 is cut in chunks): the ring stops after the reduce-scatter and one step that copies
@@ -99,7 +100,7 @@ class ReduceStage:
             ctx.order = ring_order(ctx.members, ctx.round)
             owners = owner_unmask(ctx.config, len(ctx.order), ctx.masked_input())
             try:
-                if ctx.u1_decision is not None:
+                if ctx.u1_pending is not None:
                     outcome = await self._ring_beside(ctx, owners)
                 else:
                     outcome = await self._ring(ctx, owners)
@@ -123,21 +124,33 @@ class ReduceStage:
     async def _ring_beside(
         self, ctx: StageContext, owners: bool
     ) -> tuple[np.ndarray | Scattered | None, frozenset[str]] | None:
-        """The first ring attempt, started over every member beside the token that
-        settles ``U1`` (``RoundConfig.ring_beside_token``): its outcome once the token
-        decided every member; ``None`` when it decided fewer. The ring is then stopped
-        and its outcome dropped, even a completed one (only a member that proposed
-        every member and then fewer can complete it): no member releases anything for
-        it. The session narrows to the decided participants, who run the ring again."""
-        decision = ctx.u1_decision
-        assert decision is not None
-        ctx.u1_decision = None
+        """The first ring attempt, over every member, started with ``U1`` pending
+        (:mod:`~coordinator_free.rounds.early`). Completed before this node joined the
+        agreement, it settles ``U1`` as every member. Otherwise the token decides: every
+        member, and the attempt's outcome stands (broken or completed); fewer, and
+        ``None``: the ring is stopped and its outcome dropped, even a completed one
+        (only a member that proposed less than it masked with can complete it), no
+        member releasing anything for it, and the session narrows to the decided
+        participants, who run the ring again."""
+        pending = ctx.u1_pending
+        assert pending is not None
         ring = asyncio.ensure_future(self._ring(ctx, owners))
+        joined = asyncio.ensure_future(pending.started.wait())
         try:
-            u1 = await decision
+            await asyncio.wait({ring, joined}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            joined.cancel()
+        if ring.done() and not ring.cancelled() and ring.exception() is None:
+            done, suspects = ring.result()
+            if done is not None and pending.settle_by_ring():
+                ctx.u1_pending = None
+                return done, suspects
+        try:
+            u1 = await pending.start()
         except BaseException:
             await _stop(ctx, ring)
             raise
+        ctx.u1_pending = None
         if u1 == ctx.members:
             return await ring
         await _stop(ctx, ring)

@@ -23,12 +23,13 @@ From ``RoundConfig.shares_ahead_from`` members on, the shares of most pairs rode
 the others (``StageContext.ahead_done`` left out; none at all in a steady federation),
 and the shares carry no view hash to compare, so ``U1`` is agreed by the token.
 
-**Beside the token** (``RoundConfig.ring_beside_token``): where ``U1`` goes by the
-token and this node's proposal holds every member, the stage does not wait for the
-decision. ``U1`` is the members, the session settles on them, and the ring starts
-while the token circulates (``ctx.u1_decision``; the reduce stage takes the ring's
-outcome once the decision is in, :mod:`~coordinator_free.rounds.reduce`). A share
-that came but does not open makes the node wait for the decision after all.
+**The ring first** (``RoundConfig.ring_beside_token``): where ``U1`` goes by the
+token and this node's proposal holds every member, the stage runs no agreement.
+``U1`` is the members, the session settles on them, and the ring starts at once with
+``U1`` pending (:mod:`~coordinator_free.rounds.early`): the ring's completion settles
+it, or the token does when another member runs it or the ring breaks
+(:mod:`~coordinator_free.rounds.reduce`). A share that came but does not open makes
+the node join the token at once, proposing the members less its sender.
 """
 
 from __future__ import annotations
@@ -37,12 +38,12 @@ import asyncio
 import dataclasses
 import functools
 from collections.abc import Iterable
-from typing import Any
 
 from coordinator_free.errors import RefusalReason, Refused
 from coordinator_free.rounds.agreement import Agreement
 from coordinator_free.rounds.config import RoundConfig, patience
 from coordinator_free.rounds.context import StageContext
+from coordinator_free.rounds.early import PendingU1
 from coordinator_free.rounds.exchange import PairwiseExchange
 from coordinator_free.rounds.mask_stream import stream_masks
 from coordinator_free.rounds.results import RoundFailed
@@ -59,19 +60,10 @@ SHARES = ("share",)
 _GONE = ("gone",)
 
 
-def _retrieved(done: asyncio.Future[Any]) -> None:
-    """Take the outcome of work the round may end before awaiting (the premask's, the
-    token's beside the ring)."""
+def _retrieved(done: asyncio.Future[None]) -> None:
+    """Take the premask work's outcome when the round failed before its mask stage."""
     if not done.cancelled():
         done.exception()
-
-
-async def _members(
-    agreement: Agreement, ctx: StageContext, proposal: frozenset[str]
-) -> frozenset[str]:
-    """``U1`` by the token, over the members ``U0``."""
-    members, _ = await agreement.settle(ctx.state, ctx.counters, "ready", ctx.u0, proposal)
-    return members
 
 
 def _enough(ctx: StageContext) -> None:
@@ -207,7 +199,8 @@ class ShareStage:
             and all(p[:HASH_BYTES] == ctx.h1 for p in shares.values())
         ):
             ctx.u1 = view1
-            state.agreement.decided["ready"] = (ctx.u1, True)
+            # unflagged: a flag on ``ready`` says a ring over every member completed
+            state.agreement.decided["ready"] = (ctx.u1, False)
         else:
             ctx.u1 = await self._agree_participants(ctx)
             _enough(ctx)
@@ -230,10 +223,10 @@ class ShareStage:
         # this node masks with exactly its holders in U1, which every member knows
         # (docs/SECURITY.md, "U2"); lacking the shares of one, it takes no part
         lacking = (ctx.holders & ctx.u1) - share_set
-        if lacking and ctx.u1_decision is not None:
+        if lacking and ctx.u1_pending is not None:
             # a share that came did not open: the ring waits for the token after all
-            decision, ctx.u1_decision = ctx.u1_decision, None
-            ctx.u1 = await decision
+            ctx.u1 = await ctx.u1_pending.start(without=frozenset(lacking))
+            ctx.u1_pending = None
             _enough(ctx)
             lacking &= ctx.u1
         try:
@@ -250,21 +243,22 @@ class ShareStage:
         """``U1`` by agreement: an org that sent this node two different readies or
         shares is left out of its proposal. A proposal of every member, with
         ``RoundConfig.ring_beside_token``, is returned at once as ``U1`` to start the
-        ring with, the token's decision left running (``ctx.u1_decision``)."""
+        ring with, ``U1`` left pending (``ctx.u1_pending``)."""
         state = ctx.state
         proposal = ctx.ready_set - ctx.unshared - state.equivocal
         if ctx.by_token:
             # every node runs this agreement: the token (O(n) messages) suffices
             proposal -= _awaited(ctx) - ctx.shares.keys()
-            settling = _members(self.agreement, ctx, proposal)
             if ctx.config.ring_beside_token and proposal == frozenset(ctx.u0):
-                # every member is in: the ring starts over them beside the token, and
-                # the reduce stage takes its outcome once the token decided
-                ctx.u1_decision = asyncio.ensure_future(settling)
-                ctx.u1_decision.add_done_callback(_retrieved)
+                # every member is in: the ring starts over them at once, U1 pending
+                # (rounds.early): settled by the ring, or by the token if another
+                # member runs it or the ring breaks
+                ctx.u1_pending = PendingU1(self.agreement, state, ctx.counters, ctx.u0, proposal)
                 return proposal
-            u1 = await settling
+            u1, _ = await self.agreement.settle(
+                state, ctx.counters, "ready", ctx.u0, proposal, False
+            )
         else:
             # others may have settled at no message: they answer views, not tokens
-            u1, _ = await self.agreement.agree(state, ctx.counters, "ready", proposal)
+            u1, _ = await self.agreement.agree(state, ctx.counters, "ready", proposal, False)
         return u1

@@ -266,9 +266,10 @@ class TokenAgreement:
         is absent (``take_over``); ``"completed"`` when a member before this one holds
         the completed sum; ``"stall"`` otherwise."""
         inbox, loop = self.state.inbox, self.loop
-        if take_over and decisive(self.tag) and not self.flag:
+        if take_over and decisive(self.tag) and not self.flag and not inbox.senders(key):
             # the would-be starter may have completed its ring, and then starts no
-            # token: ask it at once rather than after a silence
+            # token: ask it at once rather than after a silence (for U1 the question
+            # also wakes a starter that runs its ring with U1 pending, rounds.early)
             await self._absent(self.order[0])
             if self.holder:
                 return "completed"

@@ -281,8 +281,13 @@ def decisive(tag: str) -> bool:
     takes the sum from one that completed (``round.total``) rather than having the
     ring run again. A member whose ring completed therefore settles at once, with no
     message, and releases its shares for the attempt's members.
+
+    So it is for the participants (``ready``) too: a member proposes its set
+    unflagged, and the flag says that its ring over every member, started before
+    ``U1`` was settled (``RoundConfig.ring_beside_token``), completed, so every member
+    masked with every member: that settles ``U1`` as every member.
     """
-    return tag.startswith("reduce:")
+    return tag == "ready" or tag.startswith("reduce:")
 
 
 def view_hash(tag: str, members: Iterable[str], flag: bool = True) -> bytes:
