@@ -80,10 +80,10 @@ class EngineConfig:
         ``process`` (a helper process, streamed into the ring), ``thread`` (a worker
         thread before the ring) or ``auto`` (the helper from four cores on). The sum is
         the same either way: each participant chooses its own.
-    ring_beside_token: where the participants are agreed by the token, start the ring
+    ring_first: where the participants are agreed by the token, start the ring
         at once when this node saw every participant ready and holding its shares,
         the ring's completion settling the participants with no message
-        (``RoundConfig.ring_beside_token``); ``false`` runs the token and waits for
+        (``RoundConfig.ring_first``); ``false`` runs the token and waits for
         its decision. Each participant chooses its own.
     model_hash_timeout_s: how long the model-hash check waits for the survivors.
     max_attempts: attempts of the secure sum of the pre-training statistics before the
@@ -112,7 +112,7 @@ class EngineConfig:
     ready_timeout_s: float = 30.0
     owner_unmask_from: int = 8
     mask_helper: str = "auto"
-    ring_beside_token: bool = True
+    ring_first: bool = True
     model_hash_timeout_s: float = 30.0
     max_attempts: int = 3
     quorum_backoff_s: float = 1.0
@@ -147,8 +147,8 @@ class EngineConfig:
             raise EngineError(f"{s}.owner_unmask_from", "expected 0 (off) or at least 3")
         if self.mask_helper not in ("auto", "process", "thread"):
             raise EngineError(f"{s}.mask_helper", "expected 'auto', 'process' or 'thread'")
-        if not isinstance(self.ring_beside_token, bool):
-            raise EngineError(f"{s}.ring_beside_token", "expected true or false")
+        if not isinstance(self.ring_first, bool):
+            raise EngineError(f"{s}.ring_first", "expected true or false")
         check_number(f"{s}.model_hash_timeout_s", self.model_hash_timeout_s, EngineError)
         check_integer(f"{s}.max_attempts", self.max_attempts, EngineError, low=1)
         if self.max_attempts > ATTEMPTS:

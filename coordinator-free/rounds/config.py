@@ -67,13 +67,13 @@ class RoundConfig:
         for a later round, and each org's shares ride with its next ready, sealed to
         the keys its holders advertised (:mod:`~coordinator_free.rounds.ahead`): the
         share exchange runs only for the pairs where that did not work (a first
-        round, a restarted node), and the participants ``U1`` are agreed by the token.
-        The default starts where SecAgg+ does, since ``U1`` goes by the token there
-        anyway: below it, the shares in the share exchange carry each node's view
-        hash and settle ``U1`` at no message, where the token would add ``n`` hops one
-        after another. ``None``: never. Every member of a federation must use the
-        same setting.
-    ring_beside_token: where ``U1`` is agreed by the token, a node whose proposal
+        round, a restarted node), and the participants ``U1`` are agreed by the token,
+        which a steady round leaves out (``ring_first``: the ring's completion
+        settles ``U1``). The default, 3, seals ahead in every federation: a steady
+        round then sends no share message and no message for ``U1`` (below it, the
+        shares travel in the share exchange, whose view hashes settle ``U1``).
+        ``None``: never. Every member of a federation must use the same setting.
+    ring_first: where ``U1`` is agreed by the token, a node whose proposal
         holds every member masks with them and starts its ring at once, ``U1``
         pending (:mod:`~coordinator_free.rounds.early`): the ring's completion settles
         ``U1`` as every member, with no message; the node joins the token only when
@@ -107,8 +107,8 @@ class RoundConfig:
     ready_relay_from: int | None = 32
     attempts_per_round: int | None = None
     max_open_rounds: int | None = None
-    shares_ahead_from: int | None = 33
-    ring_beside_token: bool = True
+    shares_ahead_from: int | None = 3
+    ring_first: bool = True
     mask_helper: str = "auto"
 
     def __post_init__(self) -> None:
@@ -165,9 +165,9 @@ class RoundConfig:
                 isinstance(value, bool) or not isinstance(value, int) or value < 3
             ):
                 raise ValueError(f"RoundConfig.{name} must be None or an int >= 3, got {value!r}")
-        if not isinstance(self.ring_beside_token, bool):
+        if not isinstance(self.ring_first, bool):
             raise ValueError(
-                f"RoundConfig.ring_beside_token must be true or false, got {self.ring_beside_token!r}"
+                f"RoundConfig.ring_first must be true or false, got {self.ring_first!r}"
             )
         if self.mask_helper not in MASK_HELPERS:
             raise ValueError(

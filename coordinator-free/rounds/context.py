@@ -88,7 +88,7 @@ class StageContext:
     agreed_by: str | None = None
     order: list[str] = field(default_factory=list)
     attempt: int = 0
-    dropped: int = 0  # rings started beside the token and dropped (not attempts)
+    dropped: int = 0  # rings started with U1 pending and dropped (not attempts)
 
     def __post_init__(self) -> None:
         self.t_stage = self.t_round

@@ -1,4 +1,4 @@
-"""``U1`` while the ring runs before it is settled (``RoundConfig.ring_beside_token``).
+"""``U1`` while the ring runs before it is settled (``RoundConfig.ring_first``).
 
 ``docs/ARCHITECTURE.md``, "A round", step 1. Where ``U1`` goes by the token, a node
 whose proposal holds every member settles its session on them, masks and starts its

@@ -243,7 +243,7 @@ class RoundEngine:
         if uses_helper(self.config.mask_helper) and mask_helper().pid is None:
             self._net.spawn(asyncio.to_thread(mask_helper().warm))  # up by the share stage
         # the masked vector travels as ring elements of at most 8 bytes; a ring started
-        # beside the token and dropped is one attempt more
+        # with U1 pending and dropped is one attempt more
         wire_bytes = max(vector.nbytes, 8 * vector.size)
         self.ring.expect(run, round, wire_bytes, self.config.max_reduce_attempts + 1)
         state.started = asyncio.get_running_loop().time()

@@ -101,7 +101,7 @@ class ReduceStage:
             owners = owner_unmask(ctx.config, len(ctx.order), ctx.masked_input())
             try:
                 if ctx.u1_pending is not None:
-                    outcome = await self._ring_beside(ctx, owners)
+                    outcome = await self._ring_first(ctx, owners)
                 else:
                     outcome = await self._ring(ctx, owners)
             finally:
@@ -121,7 +121,7 @@ class ReduceStage:
             ctx.lap("agree-reduce")
             ctx.attempt += 1
 
-    async def _ring_beside(
+    async def _ring_first(
         self, ctx: StageContext, owners: bool
     ) -> tuple[np.ndarray | Scattered | None, frozenset[str]] | None:
         """The first ring attempt, over every member, started with ``U1`` pending
@@ -291,7 +291,7 @@ def _end_stream(ctx: StageContext) -> None:
 
 
 async def _stop(ctx: StageContext, ring: asyncio.Future[Any]) -> None:
-    """Stop a ring attempt that runs beside the token: its vector is the node's again
+    """Stop a ring attempt started with ``U1`` pending: its vector is the node's again
     once the attempt and any chunk's masks still being expanded in a thread ended."""
     ring.cancel()
     await asyncio.wait({ring})

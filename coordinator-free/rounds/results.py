@@ -125,8 +125,8 @@ class RoundResult:
     bytes_sent: payload bytes this node's engine sent (envelopes not counted).
     messages_sent: messages this node's engine sent.
     ring_bytes_sent: payload bytes of ring chunks among ``bytes_sent``.
-    ring_attempts: how many times the ring ran (a ring started beside the token and
-        dropped for a smaller decision counted).
+    ring_attempts: how many times the ring ran (a ring started with ``U1`` pending
+        and dropped for a smaller decision counted).
     stage_times: seconds spent in each stage.
     neighbours: SecAgg+'s ``k`` the round ran with; ``None``: the complete graph.
     """

@@ -23,7 +23,7 @@ From ``RoundConfig.shares_ahead_from`` members on, the shares of most pairs rode
 the others (``StageContext.ahead_done`` left out; none at all in a steady federation),
 and the shares carry no view hash to compare, so ``U1`` is agreed by the token.
 
-**The ring first** (``RoundConfig.ring_beside_token``): where ``U1`` goes by the
+**The ring first** (``RoundConfig.ring_first``): where ``U1`` goes by the
 token and this node's proposal holds every member, the stage runs no agreement.
 ``U1`` is the members, the session settles on them, and the ring starts at once with
 ``U1`` pending (:mod:`~coordinator_free.rounds.early`): the ring's completion settles
@@ -242,14 +242,14 @@ class ShareStage:
     async def _agree_participants(self, ctx: StageContext) -> frozenset[str]:
         """``U1`` by agreement: an org that sent this node two different readies or
         shares is left out of its proposal. A proposal of every member, with
-        ``RoundConfig.ring_beside_token``, is returned at once as ``U1`` to start the
+        ``RoundConfig.ring_first``, is returned at once as ``U1`` to start the
         ring with, ``U1`` left pending (``ctx.u1_pending``)."""
         state = ctx.state
         proposal = ctx.ready_set - ctx.unshared - state.equivocal
         if ctx.by_token:
             # every node runs this agreement: the token (O(n) messages) suffices
             proposal -= _awaited(ctx) - ctx.shares.keys()
-            if ctx.config.ring_beside_token and proposal == frozenset(ctx.u0):
+            if ctx.config.ring_first and proposal == frozenset(ctx.u0):
                 # every member is in: the ring starts over them at once, U1 pending
                 # (rounds.early): settled by the ring, or by the token if another
                 # member runs it or the ring breaks

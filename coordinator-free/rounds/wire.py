@@ -284,7 +284,7 @@ def decisive(tag: str) -> bool:
 
     So it is for the participants (``ready``) too: a member proposes its set
     unflagged, and the flag says that its ring over every member, started before
-    ``U1`` was settled (``RoundConfig.ring_beside_token``), completed, so every member
+    ``U1`` was settled (``RoundConfig.ring_first``), completed, so every member
     masked with every member: that settles ``U1`` as every member.
     """
     return tag == "ready" or tag.startswith("reduce:")

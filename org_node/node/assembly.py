@@ -153,7 +153,7 @@ class OrgNode(NodeContext):
             attempts_per_round=ATTEMPTS,
             owner_unmask_from=config.engine.owner_unmask_from or None,
             mask_helper=config.engine.mask_helper,
-            ring_beside_token=config.engine.ring_beside_token,
+            ring_first=config.engine.ring_first,
         )
         self.observability = Observability(
             identity.org_id,

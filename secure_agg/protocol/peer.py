@@ -268,7 +268,7 @@ class SecAggPeer(PeerState):
         made from here on (:meth:`masked_input`, :meth:`masked_again`) carries exactly
         their pairwise masks. For a caller that masked with the participants it
         proposed and sent that input before the agreement settled a subset (the round
-        engine's ring beside the token): the two inputs differ only by the pairwise
+        engine's ring started first): the two inputs differ only by the pairwise
         masks with the orgs left out, whose shares this peer never releases
         (``docs/SECURITY.md``, "A ring started before the participants are settled").
         Only in ``MASKED_INPUT``, after :meth:`close_shares` with participants; a set

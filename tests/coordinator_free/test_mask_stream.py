@@ -275,7 +275,7 @@ def test_auto_uses_the_helper_from_four_cores_and_the_settings_are_checked(
 
 def test_a_ring_cancelled_while_a_chunk_expands_here_gets_its_vector_back_after_drain() -> None:
     """The helper is lost, so a chunk's masks are expanded in a worker thread; the ring
-    that waited for them is cancelled (a ring beside the token, dropped). The thread
+    that waited for them is cancelled (a ring started with U1 pending, dropped). The thread
     still writes into the vector: ``drain`` returns once it has, and the chunk then
     holds its masks exactly once, so the vector can be masked again safely."""
     process = MaskProcess()

@@ -117,10 +117,16 @@ def test_the_agreement_token_round_trips_and_decides_the_intersection() -> None:
     # one member whose ring completed decides the attempt: it holds every member's sum
     held = Token(1, "reduce:0", base, "b", (*entries, ("d", frozenset("abcd"), True)))
     assert Token.from_bytes(held.to_bytes()).decision() == (frozenset("abcd"), True)
-    assert Token(2, "ready", base, "a", (("a", frozenset("ab"), True),)).decision() == (
+    # U1's proposals go unflagged: the intersection (of members that proposed)
+    assert Token(2, "ready", base, "a", (("a", frozenset("ab"), False),)).decision() == (
         frozenset("a"),
-        True,
+        False,
     )
+    # a member whose ring over every member completed decides U1 as every member
+    ring_done = Token(
+        1, "ready", base, "a", (("a", frozenset("ab"), False), ("c", frozenset("abcd"), True))
+    )
+    assert Token.from_bytes(ring_done.to_bytes()).decision() == (frozenset("abcd"), True)
     for bad in (data[:-1], data + b"\x00", b"\x07" + data[1:], b""):
         with pytest.raises(ValueError):
             Token.from_bytes(bad)

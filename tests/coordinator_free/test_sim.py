@@ -294,8 +294,8 @@ def test_forty_peers_run_secagg_plus_and_sum_exactly_despite_a_kill() -> None:
     k = 16 neighbours for 40 members; a member killed in the ring is unmasked from its
     neighbourhood's shares alone and the survivors' sum is still exact. (The ring
     waits for the token's decision on ``U1``, so the member dies a participant: with
-    the ring beside the token it may die before it proposes, and the decision then
-    leaves it out with nothing to unmask; ``test_ring_beside_token`` covers that.)"""
+    the ring first it may die before it proposes, and the decision then
+    leaves it out with nothing to unmask; ``test_ring_first`` covers that.)"""
     base = SimConfig(peers=40, length=16, seed=5).engine_config()
     rc = RoundConfig(
         ready_timeout=base.ready_timeout,
@@ -303,7 +303,7 @@ def test_forty_peers_run_secagg_plus_and_sum_exactly_despite_a_kill() -> None:
         step_timeout=base.step_timeout,
         send_timeout=base.send_timeout,
         secagg_plus_above=16,
-        ring_beside_token=False,
+        ring_first=False,
     )
     config = SimConfig(peers=40, length=16, seed=5, round_config=rc)
     killed = "org-17"
@@ -346,11 +346,17 @@ def test_two_hundred_peers_with_random_faults_sum_exactly() -> None:
     assert sent[len(sent) // 2] < 2 * n + 4 * 24
 
 
-def test_a_fault_free_secagg_plus_round_settles_by_one_token_and_no_view() -> None:
-    """Under SecAgg+ the participants are settled by one token: ``n`` hops to collect
-    the proposals (the last one back to its starter) and the starter's decision to the
-    ``n - 1`` others; a ring that completes everywhere settles itself. No view is ever
-    sent, and no member asks another for the masked sum."""
+@pytest.mark.parametrize("ring_first", [True, False], ids=["ring-first", "ring-waits"])
+def test_a_fault_free_secagg_plus_round_settles_u1_by_the_ring_or_one_token_and_no_view(
+    ring_first: bool,
+) -> None:
+    """Under SecAgg+ the participants are agreed by the token. With the ring first (the
+    default) every proposal holds every member, each ring completes, and that settles
+    them: no token at all. With the ring waiting, one token settles them: ``n`` hops to
+    collect the proposals (the last one back to its starter), the starter's decision
+    to the ``n - 1`` others, and at most one probe of the starter from each of them (it
+    wakes a starter that runs its ring first). Either way no view is ever sent, and no
+    member asks another for the masked sum."""
     n = 20
     rc = RoundConfig(
         ready_timeout=2.0,
@@ -358,6 +364,7 @@ def test_a_fault_free_secagg_plus_round_settles_by_one_token_and_no_view() -> No
         step_timeout=5.0,
         send_timeout=5.0,
         secagg_plus_above=8,
+        ring_first=ring_first,
     )
     kinds: Counter[str] = Counter()
 
@@ -374,7 +381,10 @@ def test_a_fault_free_secagg_plus_round_settles_by_one_token_and_no_view() -> No
     assert out.problems() == [] and len(out.results) == n
     assert all(r.neighbours is not None for r in out.results.values())
     assert kinds["round.view"] == 0 and kinds["round.total"] == 0
-    assert n <= kinds["round.token"] <= 2 * n - 1
+    if ring_first:
+        assert kinds["round.token"] == 0
+    else:
+        assert n <= kinds["round.token"] <= 3 * n - 2
 
 
 def test_a_split_under_secagg_plus_is_detected_by_the_token_never_summed() -> None:

@@ -90,23 +90,21 @@ def test_the_engine_s_mask_helper_reaches_the_node_s_rounds(tmp_path: Path) -> N
         node.egress.close()
 
 
-def test_the_engine_s_ring_beside_token_reaches_the_node_s_rounds(tmp_path: Path) -> None:
+def test_the_engine_s_ring_first_reaches_the_node_s_rounds(tmp_path: Path) -> None:
     from org_node.initialize import initialize
     from org_node.node import OrgNode
 
     initialize(tmp_path / "n", "org-n", peer_port=9322, admin_port=9323)
     path = tmp_path / "n" / "fedweave.toml"
-    assert "ring_beside_token = true" in path.read_text()
+    assert "ring_first = true" in path.read_text()
     node = OrgNode.open(tmp_path / "n")
     try:
-        assert node.round_config.ring_beside_token is True
+        assert node.round_config.ring_first is True
     finally:
         node.egress.close()
-    path.write_text(
-        path.read_text().replace("ring_beside_token = true", "ring_beside_token = false")
-    )
+    path.write_text(path.read_text().replace("ring_first = true", "ring_first = false"))
     node = OrgNode.open(tmp_path / "n")
     try:
-        assert node.round_config.ring_beside_token is False
+        assert node.round_config.ring_first is False
     finally:
         node.egress.close()

@@ -444,7 +444,7 @@ def test_run_key_is_the_same_for_the_same_name_and_spec() -> None:
         ({"owner_unmask_from": 2}, "engine.owner_unmask_from"),
         ({"owner_unmask_from": -1}, "engine.owner_unmask_from"),
         ({"mask_helper": "gpu"}, "engine.mask_helper"),
-        ({"ring_beside_token": "yes"}, "engine.ring_beside_token"),
+        ({"ring_first": "yes"}, "engine.ring_first"),
         ({"clip": -1.0}, "engine.clip"),
         ({"delta": 1.5}, "engine.delta"),
         ({"bogus": 1}, "engine.bogus"),

@@ -1,21 +1,23 @@
-"""The ring started beside the token that settles ``U1``, against the ring that waits.
+"""The ring first (``U1`` settled by the ring's completion), against the ring that waits.
 
-Run ``python -m bench.ring_beside_token [--quick] [--json PATH]``. Simulated secure
-rounds (in-memory transport, one process) of ``n`` members, from 33 on, where the
-shares ride with the readies and ``U1`` goes by the token
-(``RoundConfig.shares_ahead_from``): once with the ring started beside the token
-(``ring_beside_token = true``, the default), once with the ring waiting for its
-decision (the baseline). Each run is a fresh simulation; the row is the median of
+Run ``python -m bench.ring_first [--quick] [--json PATH]``. Simulated secure rounds
+(in-memory transport, one process) of ``n`` members whose shares ride with the
+readies, so that ``U1`` is agreed by the token (``RoundConfig.shares_ahead_from``):
+once with the ring first (``ring_first = true``, the default: a node whose proposal
+holds every member starts its ring at once, and the ring's completion settles ``U1``
+with no message), once with the token run in every round and the ring waiting for
+its decision (the baseline). Each run is a fresh simulation; the row is the median of
 its steady rounds (2..R; round 1 exchanges the shares and is left out).
 
 * ``round_s[sim,n=N,latency=20ms]``: the in-memory network delays every message by
   20 ms one way, as between institutions: the token's ``2 n`` hops, ``n`` of them one
-  after another, are then wall time the ring can overlap. The ratio follows from the
-  simulator's network model (a fixed delay, no bandwidth limit), not from a network.
+  after another, are wall time. The ratio follows from the simulator's network model
+  (a fixed delay, no bandwidth limit), not from a network.
 * ``round_s[sim,n=N,latency=0]``: no delay. Every peer shares one interpreter, so the
-  round is CPU-bound: the token's work stays, only its wait can overlap.
-* ``agree_u1_s[...]``: the seconds the round spent in the agreement on ``U1``
-  (the ``agree-ready`` stage), beside the ring and waiting for it.
+  round is CPU-bound: what goes is the token's work, and what its wait hid (the
+  premask's expansion) shows in the mask stage.
+* ``agree_u1_s[...]``: the seconds the round spent in the agreement on ``U1`` (the
+  ``agree-ready`` stage of the slowest node).
 """
 
 from __future__ import annotations
@@ -39,9 +41,7 @@ def figures(n: int, length: int, latency_s: float, beside: bool, rounds: int) ->
     """One fresh simulation of ``rounds`` rounds: the median steady round's seconds and
     its ``agree-ready`` stage's (the slowest node's), every round checked exact."""
     sim_config = SimConfig(peers=n, length=length, seed=1, latency_s=latency_s)
-    config = dataclasses.replace(
-        sim_config.engine_config(), ring_beside_token=beside, ring_min_chunk=64
-    )
+    config = dataclasses.replace(sim_config.engine_config(), ring_first=beside, ring_min_chunk=64)
     sim_config = dataclasses.replace(sim_config, round_config=config)
 
     async def run() -> tuple[list[float], list[float]]:
@@ -89,8 +89,8 @@ def body(report: Report) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> Report:
-    """``python -m bench.ring_beside_token [--quick] [--json PATH]``."""
-    return run_main("ring_beside_token", body, argv, description=__doc__.splitlines()[0])
+    """``python -m bench.ring_first [--quick] [--json PATH]``."""
+    return run_main("ring_first", body, argv, description=__doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

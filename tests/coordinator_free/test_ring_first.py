@@ -1,10 +1,11 @@
-"""The ring started beside the token that settles ``U1`` (``RoundConfig.ring_beside_token``).
+"""The ring first: started before ``U1`` is settled (``RoundConfig.ring_first``).
 
-A node whose proposal holds every member masks with them and starts its ring while the
-token circulates; the reduce stage takes the ring's outcome only once the token decided
-every member. A smaller decision drops that ring (even a completed one), narrows the
-session and runs the ring again over the decided set. Every round here is checked
-against the plaintext sum of its survivors, on every node.
+A node whose proposal holds every member masks with them and starts its ring at once,
+``U1`` pending: the ring's completion settles ``U1``, and the node joins the token only
+when another member runs it or its ring breaks. A smaller decision drops that ring
+(even a completed one), narrows the session and runs the ring again over the decided
+set. Every round here is checked against the plaintext sum of its survivors, on every
+node.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ import pytest
 from coordinator_free.rounds import RoundConfig, RoundObservation
 from coordinator_free.rounds.context import StageContext
 from coordinator_free.rounds.early import PendingU1
+from coordinator_free.rounds.session import SecAggSession
 from coordinator_free.rounds.share import ShareStage
 from coordinator_free.sim import Fault, FaultSpec, RoundOutcome, SimConfig, Simulation
 
 # shares sealed ahead from three members, so U1 goes by the token from round 2 on
-BESIDE = RoundConfig(
+RING_FIRST = RoundConfig(
     ready_timeout=0.6,
     stage_timeout=4.0,
     step_timeout=2.0,
@@ -49,7 +51,7 @@ def _watch(sim: Simulation) -> dict[str, list[RoundObservation]]:
 
 
 def _dropped(seen: dict[str, list[RoundObservation]], round: int) -> set[str]:
-    """The orgs that dropped a ring started beside the token in ``round``."""
+    """The orgs that dropped a ring started with U1 pending in ``round``."""
     return {
         org
         for org, obs in seen.items()
@@ -77,8 +79,8 @@ def test_steady_rounds_settle_u1_by_the_ring_with_no_message() -> None:
             outs = [await sim.round(r) for r in (1, 2, 3)]
             return outs, _dropped(seen, 2) | _dropped(seen, 3)
 
-    first, dropped = asyncio.run(scenario(BESIDE))
-    waiting, _ = asyncio.run(scenario(dataclasses.replace(BESIDE, ring_beside_token=False)))
+    first, dropped = asyncio.run(scenario(RING_FIRST))
+    waiting, _ = asyncio.run(scenario(dataclasses.replace(RING_FIRST, ring_first=False)))
     assert dropped == set()
     for r, (a, b) in enumerate(zip(first, waiting, strict=True), start=1):
         _check(a)
@@ -112,7 +114,7 @@ def test_a_member_one_peer_left_out_is_decided_out_and_the_others_ring_again(
     monkeypatch.setattr(ShareStage, "run", equivocated)
 
     async def scenario() -> tuple[RoundOutcome, set[str]]:
-        config = SimConfig(peers=n, length=64, seed=8, round_config=BESIDE)
+        config = SimConfig(peers=n, length=64, seed=8, round_config=RING_FIRST)
         async with Simulation(config) as sim:
             seen = _watch(sim)
             _check(await sim.round(1))
@@ -125,11 +127,51 @@ def test_a_member_one_peer_left_out_is_decided_out_and_the_others_ring_again(
     for res in out.results.values():
         assert set(res.participants) == set(res.survivors) == four
     assert "leave this node out" in out.failures["org-1"]
-    # the nodes that held every share started the ring beside the token and dropped it
+    # the nodes that held every share started the ring first and dropped it
     # (counted as a ring run); org-3 waited for the decision and ran one
     assert dropped == {"org-0", "org-2", "org-4"}
     attempts = {org: res.ring_attempts for org, res in out.results.items()}
     assert attempts == {"org-0": 2, "org-2": 2, "org-3": 1, "org-4": 2}
+
+
+@pytest.mark.parametrize("sealed_ahead", [True, False], ids=["sealed-ahead", "exchanged"])
+def test_a_share_that_does_not_open_makes_its_receiver_run_the_token_without_its_sender(
+    monkeypatch: pytest.MonkeyPatch, sealed_ahead: bool
+) -> None:
+    """org-1 cannot take org-3's shares: sealed ahead in round 2 (it asks by the exchange,
+    and org-3, believing the pair done, sends nothing), or exchanged in round 1 (they
+    came, but do not open). org-1 proposes every member but org-3 and runs the token at
+    once, where the others, whose rings over all six never complete without org-1, join
+    it. The decision leaves out one of the two in conflict (the tie goes by id: org-3);
+    the others drop their rings, narrow and sum exactly."""
+    n = 6
+    victim_round = 2 if sealed_ahead else 1
+    name = "open_ahead" if sealed_ahead else "receive_share"
+    taken = getattr(SecAggSession, name)
+
+    def refuse(self: SecAggSession, sender: str, *args: Any, **kwargs: Any) -> None:
+        mine = self.peer.me == "org-1" and self.peer.config.ctx.round == victim_round
+        if mine and sender == "org-3":
+            raise ValueError("refused for the test")
+        taken(self, sender, *args, **kwargs)
+
+    monkeypatch.setattr(SecAggSession, name, refuse)
+
+    async def scenario() -> tuple[RoundOutcome, set[str]]:
+        config = SimConfig(peers=n, length=64, seed=5, round_config=RING_FIRST)
+        async with Simulation(config) as sim:
+            seen = _watch(sim)
+            outs = [await sim.round(r) for r in range(1, victim_round + 1)]
+            return outs[-1], _dropped(seen, victim_round)
+
+    out, dropped = asyncio.run(scenario())
+    _check(out)
+    five = {f"org-{i}" for i in range(n)} - {"org-3"}
+    assert set(out.results) == five
+    for res in out.results.values():
+        assert set(res.participants) == five
+    assert "org-3" in out.failures
+    assert dropped >= five - {"org-1"}
 
 
 @pytest.mark.parametrize("seed", [11, 12, 13])
@@ -153,7 +195,7 @@ def test_a_member_that_proposes_less_than_it_masked_with_never_gets_a_wrong_sum(
     monkeypatch.setattr(PendingU1, "__init__", lying)
 
     async def scenario() -> tuple[RoundOutcome, set[str]]:
-        config = SimConfig(peers=n, length=64, seed=seed, round_config=BESIDE)
+        config = SimConfig(peers=n, length=64, seed=seed, round_config=RING_FIRST)
         async with Simulation(config) as sim:
             seen = _watch(sim)
             _check(await sim.round(1))
@@ -176,19 +218,17 @@ def test_a_member_that_proposes_less_than_it_masked_with_never_gets_a_wrong_sum(
     ("stage", "counted"),
     [("reduce", False), ("reduce.scatter.1", False), ("reduce.gather.1", True)],
 )
-def test_a_member_killed_in_the_ring_beside_the_token_never_costs_the_sum(
-    stage: str, counted: bool
-) -> None:
-    """A member dies while the ring runs beside the token: the others' decision is every
-    member (their proposals hold it) and the ring breaks. Killed before its chunks are
-    all in, the attempt's agreement leaves it out and its masks are removed; killed in
-    the all-gather, its input is in the sum the others complete. Either way the sum
-    is exact."""
+def test_a_member_killed_in_the_ring_first_never_costs_the_sum(stage: str, counted: bool) -> None:
+    """A member dies while the ring runs with U1 pending: the rings break (or, killed in
+    the all-gather, complete at some) and the others join the token. Killed before its
+    chunks are all in, it is left out (by the token, which it never answers, or by the
+    attempt's agreement, its masks removed); killed in the all-gather, its input is in
+    the sum the others complete. Either way the sum is exact."""
     n = 6
     victim = "org-4"
 
     async def scenario() -> RoundOutcome:
-        config = SimConfig(peers=n, length=64, seed=5, round_config=BESIDE)
+        config = SimConfig(peers=n, length=64, seed=5, round_config=RING_FIRST)
         async with Simulation(config, [FaultSpec(victim, Fault.KILL, stage, round=2)]) as sim:
             _check(await sim.round(1))
             return await sim.round(2)
@@ -202,17 +242,17 @@ def test_a_member_killed_in_the_ring_beside_the_token_never_costs_the_sum(
 
 
 def test_members_may_choose_apart_whether_the_ring_waits_for_the_token() -> None:
-    """Two members start their ring beside the token, the others wait for its decision:
+    """Two members start their ring first, the others run the token and wait for it:
     the early rings are the very ring the others start later (same members, same
     attempt), so every round completes with every member and sums exactly."""
     n = 5
 
     async def scenario() -> list[RoundOutcome]:
-        waiting = dataclasses.replace(BESIDE, ring_beside_token=False)
+        waiting = dataclasses.replace(RING_FIRST, ring_first=False)
         config = SimConfig(peers=n, length=64, seed=4, round_config=waiting)
         async with Simulation(config) as sim:
             for org in ("org-0", "org-3"):
-                sim.engines[org].config = BESIDE
+                sim.engines[org].config = RING_FIRST
             return [await sim.round(r) for r in (1, 2, 3)]
 
     for out in asyncio.run(scenario()):

@@ -1,18 +1,18 @@
-"""``python -m bench.ring_beside_token``: the ring beside the token against the ring
-that waits, in simulated rounds that must each sum exactly."""
+"""``python -m bench.ring_first``: the ring first against the ring that waits
+for the token, in simulated rounds that must each sum exactly."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench import ring_beside_token as bench_rbt
+from bench import ring_first as bench_ring_first
 from bench.common import Report
 
 
 def test_a_run_of_either_mode_gives_its_steady_round_and_agreement_seconds() -> None:
     # 33 members: the shares ride with the readies and U1 goes by the token
     for beside in (True, False):
-        got = bench_rbt.figures(33, 256, 0.0, beside, rounds=2)
+        got = bench_ring_first.figures(33, 256, 0.0, beside, rounds=2)
         assert set(got) == {"round_s", "agree_u1_s"}
         assert got["round_s"] > 0
 
@@ -24,7 +24,7 @@ def test_a_round_that_is_not_exact_is_an_error_not_a_figure(
 
     monkeypatch.setattr(RoundOutcome, "problems", lambda self: ["a wrong sum"])
     with pytest.raises(RuntimeError, match="did not complete exactly"):
-        bench_rbt.figures(33, 256, 0.0, True, rounds=1)
+        bench_ring_first.figures(33, 256, 0.0, True, rounds=1)
 
 
 def test_the_rows_are_named_as_documented_and_measured_against_the_waiting_ring(
@@ -36,9 +36,9 @@ def test_the_rows_are_named_as_documented_and_measured_against_the_waiting_ring(
         calls.append((n, latency, beside))
         return {"round_s": 1.0 if beside else 2.0, "agree_u1_s": 0.0 if beside else 0.5}
 
-    monkeypatch.setattr(bench_rbt, "figures", fake)
-    report = Report("ring_beside_token", quick=True)
-    bench_rbt.body(report)
+    monkeypatch.setattr(bench_ring_first, "figures", fake)
+    report = Report("ring_first", quick=True)
+    bench_ring_first.body(report)
     names = [row.name for row in report.rows]
     assert names == [
         "round_s[sim,n=40,latency=20ms]",
