@@ -89,6 +89,7 @@ class StageContext:
     order: list[str] = field(default_factory=list)
     attempt: int = 0
     dropped: int = 0  # rings started with U1 pending and dropped (not attempts)
+    left_out: set[str] = field(default_factory=set)  # members of such a ring not in U1
 
     def __post_init__(self) -> None:
         self.t_stage = self.t_round

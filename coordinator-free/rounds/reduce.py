@@ -167,6 +167,7 @@ class ReduceStage:
             ctx.session.narrow_participants(u1)
         except (SecAggError, ValueError) as exc:
             raise RoundFailed("share", f"cannot narrow the participants: {exc}") from exc
+        ctx.left_out |= ctx.members - u1
         ctx.u1 = ctx.members = u1
         return None
 

@@ -63,6 +63,7 @@ async def run_node(
     owners: bool = False,
     relayed: int = 0,
     mask_helper: str = "thread",
+    ring_waits: bool = False,
 ) -> None:
     identity = OrgIdentity.load(workdir / me)
     members = json.loads((workdir / "members.json").read_text())
@@ -81,7 +82,7 @@ async def run_node(
     config = dataclasses.replace(CONFIG, owner_unmask_from=3) if owners else CONFIG
     if relayed:
         config = dataclasses.replace(config, ready_relay_from=3, shares_ahead_from=3)
-    config = dataclasses.replace(config, mask_helper=mask_helper)
+    config = dataclasses.replace(config, mask_helper=mask_helper, ring_first=not ring_waits)
     sent: dict[int, Counter[str]] = {}
 
     lock = threading.Lock()
@@ -168,6 +169,7 @@ def main() -> None:
     parser.add_argument("--owners", action="store_true")
     parser.add_argument("--relayed", type=int, default=0)
     parser.add_argument("--mask-helper", default="thread")
+    parser.add_argument("--ring-waits", action="store_true")
     args = parser.parse_args()
     asyncio.run(
         run_node(
@@ -178,6 +180,7 @@ def main() -> None:
             args.owners,
             args.relayed,
             args.mask_helper,
+            args.ring_waits,
         )
     )
 

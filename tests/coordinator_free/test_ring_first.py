@@ -23,9 +23,10 @@ from coordinator_free.rounds.session import SecAggSession
 from coordinator_free.rounds.share import ShareStage
 from coordinator_free.sim import Fault, FaultSpec, RoundOutcome, SimConfig, Simulation
 
-# shares sealed ahead from three members, so U1 goes by the token from round 2 on
+# the shares sealed ahead from three members (the default), so U1 goes by the token,
+# or by the ring first
 RING_FIRST = RoundConfig(
-    ready_timeout=0.6,
+    ready_timeout=3.0,  # a late ready would make a proposal smaller: none here
     stage_timeout=4.0,
     step_timeout=2.0,
     send_timeout=4.0,
@@ -132,6 +133,8 @@ def test_a_member_one_peer_left_out_is_decided_out_and_the_others_ring_again(
     assert dropped == {"org-0", "org-2", "org-4"}
     attempts = {org: res.ring_attempts for org, res in out.results.items()}
     assert attempts == {"org-0": 2, "org-2": 2, "org-3": 1, "org-4": 2}
+    # left out after the rings started: reported dropped by those that ran one with it
+    assert out.results["org-0"].dropped == ("org-1",)
 
 
 @pytest.mark.parametrize("sealed_ahead", [True, False], ids=["sealed-ahead", "exchanged"])
