@@ -301,9 +301,9 @@ class RoundEngine:
         await ctx.enter("done")
         u1, u3 = ctx.u1, ctx.members
         order1 = tuple(ring_order(u1, ctx.round))
-        # a member left out of U1 after the ring started (rounds.early) dropped too
-        dropped = sorted((u1 - u3) | ctx.left_out)
-        for org in dropped:
+        # a member left out of U1 after the ring started (rounds.early) is observed as
+        # dropped too, though no participant: no key of it was rebuilt
+        for org in sorted((u1 - u3) | ctx.left_out):
             ctx.observe("dropped", "unmask", peer=org)
         counters = ctx.counters
         sent = counters.sent()
@@ -321,7 +321,7 @@ class RoundEngine:
             sum=total,
             participants=order1,
             survivors=tuple(o for o in order1 if o in u3),
-            dropped=tuple(dropped),
+            dropped=tuple(sorted(u1 - u3)),
             threshold=ctx.t,
             bytes_sent=sent,
             messages_sent=counters.messages_sent + counters.ring.messages_sent,

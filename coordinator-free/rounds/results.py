@@ -120,8 +120,10 @@ class RoundResult:
     sum: the unmasked sum of the survivors' inputs, as the session returns it.
     participants: the agreed participants ``U1``, in ring order.
     survivors: the orgs whose inputs are in ``sum`` (``U3``), in ring order.
-    dropped: participants whose inputs are not in ``sum``, and members left out of the
-        participants after the ring started (``RoundConfig.ring_first``), sorted.
+    dropped: participants whose inputs are not in ``sum`` (their mask keys rebuilt from
+        their shares), sorted. A member left out of the participants after the ring
+        started (``RoundConfig.ring_first``) is no participant: it is only observed as
+        ``dropped``.
     threshold: the ``t`` the round ran with.
     bytes_sent: payload bytes this node's engine sent (envelopes not counted).
     messages_sent: messages this node's engine sent.
