@@ -22,6 +22,7 @@ from coordinator_free.rounds.config import RoundConfig, StageHook
 from coordinator_free.rounds.early import PendingU1
 from coordinator_free.rounds.mask_stream import MaskStream
 from coordinator_free.rounds.messenger import Messenger
+from coordinator_free.rounds.results import RoundFailed
 from coordinator_free.rounds.session import MaskedSum
 from coordinator_free.rounds.state import Counters, RoundState
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
@@ -111,6 +112,11 @@ class StageContext:
         """This org's masked-sum session (the ready stage opens it)."""
         assert self.maybe_session is not None, "the ready stage opens the session"
         return self.maybe_session
+
+    def require_threshold(self) -> None:
+        """Raise :class:`RoundFailed` when the participants ``U1`` are fewer than ``t``."""
+        if len(self.u1) < self.t:
+            raise RoundFailed("ready", f"{len(self.u1)} participants agreed, fewer than t={self.t}")
 
     def masked_input(self) -> np.ndarray:
         """The masked input (the mask stage makes it)."""

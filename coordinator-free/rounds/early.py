@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import Any
 
 from coordinator_free.rounds.agreement import Agreement
+from coordinator_free.rounds.messenger import retrieved
 from coordinator_free.rounds.state import Counters, RoundState
 
 __all__ = ["TRIGGERS", "PendingU1"]
@@ -42,11 +42,6 @@ TRIGGERS = (
 
 _FOREVER_S = 1e9
 """A watch on the inbox ends with the round (its task is cancelled), not by a deadline."""
-
-
-def _retrieved(done: asyncio.Future[Any]) -> None:
-    if not done.cancelled():
-        done.exception()
 
 
 class PendingU1:
@@ -69,7 +64,7 @@ class PendingU1:
         """Set once this node joins the agreement: from then on its decision decides."""
         self.decision: asyncio.Future[frozenset[str]] | None = None
         self._watch = asyncio.ensure_future(self._watch_inbox())
-        self._watch.add_done_callback(_retrieved)
+        self._watch.add_done_callback(retrieved)
 
     def _triggered(self) -> bool:
         return any(self.state.inbox.senders(key) for key in TRIGGERS)
@@ -87,7 +82,7 @@ class PendingU1:
             if asyncio.current_task() is not self._watch:
                 self._watch.cancel()
             self.decision = asyncio.ensure_future(self._settle(self.members - without))
-            self.decision.add_done_callback(_retrieved)
+            self.decision.add_done_callback(retrieved)
             self.started.set()
         return self.decision
 

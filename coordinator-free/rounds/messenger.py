@@ -20,7 +20,7 @@ from coordinator_free.rounds.results import Counters, RoundObservation, RoundObs
 
 from secure_agg.errors import SecAggError
 
-__all__ = ["Messenger", "refusal_kind"]
+__all__ = ["Messenger", "refusal_kind", "retrieved"]
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +29,13 @@ def refusal_kind(exc: Refused) -> str:
     """``stale`` for a message of a round already closed on one side or a second copy
     of one (a send retried after a lost reply), else ``refused``."""
     return "stale" if exc.reason in (RefusalReason.STALE, RefusalReason.REPLAY) else "refused"
+
+
+def retrieved(done: asyncio.Future[Any]) -> None:
+    """A done-callback: take the outcome of work the round may end before awaiting (so
+    its exception is never reported as not retrieved)."""
+    if not done.cancelled():
+        done.exception()
 
 
 class Messenger:

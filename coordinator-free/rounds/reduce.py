@@ -161,14 +161,13 @@ class ReduceStage:
             detail=f"the participants settled on {len(u1)} of {len(ctx.members)} members: "
             "the ring runs again over them",
         )
-        if len(u1) < ctx.t:
-            raise RoundFailed("ready", f"{len(u1)} participants agreed, fewer than t={ctx.t}")
+        ctx.left_out |= ctx.members - u1
+        ctx.u1 = ctx.members = u1
+        ctx.require_threshold()
         try:
             ctx.session.narrow_participants(u1)
         except (SecAggError, ValueError) as exc:
             raise RoundFailed("share", f"cannot narrow the participants: {exc}") from exc
-        ctx.left_out |= ctx.members - u1
-        ctx.u1 = ctx.members = u1
         return None
 
     async def _ring(

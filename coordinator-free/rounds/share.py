@@ -46,6 +46,7 @@ from coordinator_free.rounds.context import StageContext
 from coordinator_free.rounds.early import PendingU1
 from coordinator_free.rounds.exchange import PairwiseExchange
 from coordinator_free.rounds.mask_stream import stream_masks
+from coordinator_free.rounds.messenger import retrieved
 from coordinator_free.rounds.results import RoundFailed
 from coordinator_free.rounds.state import RoundTable
 from coordinator_free.rounds.wire import HASH_BYTES, KIND_SHARE, view_hash
@@ -58,17 +59,6 @@ __all__ = ["SHARES", "ShareStage"]
 SHARES = ("share",)
 """The inbox key of the share exchange."""
 _GONE = ("gone",)
-
-
-def _retrieved(done: asyncio.Future[None]) -> None:
-    """Take the premask work's outcome when the round failed before its mask stage."""
-    if not done.cancelled():
-        done.exception()
-
-
-def _enough(ctx: StageContext) -> None:
-    if len(ctx.u1) < ctx.t:
-        raise RoundFailed("ready", f"{len(ctx.u1)} participants agreed, fewer than t={ctx.t}")
 
 
 def _awaited(ctx: StageContext) -> frozenset[str]:
@@ -132,7 +122,7 @@ class ShareStage:
         if ctx.mask_stream is not None:  # only the input's copy is left, if any
             work = dataclasses.replace(work, masks=[])
         ctx.premasking = asyncio.ensure_future(asyncio.to_thread(work))
-        ctx.premasking.add_done_callback(_retrieved)
+        ctx.premasking.add_done_callback(retrieved)
         exchange = ctx.state.exchange(SHARES)
         exchange.offer({o: ctx.h1 + outgoing[o] for o in outgoing})
         ctx.expected_shares = ctx.holders
@@ -203,7 +193,7 @@ class ShareStage:
             state.agreement.decided["ready"] = (ctx.u1, False)
         else:
             ctx.u1 = await self._agree_participants(ctx)
-            _enough(ctx)
+            ctx.require_threshold()
             shares = state.inbox.get(SHARES)
         share_set = {me} | (ctx.ahead_in & ctx.u1)
         for org, payload in sorted(shares.items()):
@@ -227,7 +217,7 @@ class ShareStage:
             # a share that came did not open: the ring waits for the token after all
             ctx.u1 = await ctx.u1_pending.start(without=frozenset(lacking))
             ctx.u1_pending = None
-            _enough(ctx)
+            ctx.require_threshold()
             lacking &= ctx.u1
         try:
             ctx.session.settle_participants(ctx.u1)

@@ -158,6 +158,19 @@ def _masks(count: int) -> list[tuple[bytes, int]]:
     return [(rng.bytes(32), -1 if i % 2 else 1) for i in range(count)]
 
 
+def _vector_and_masks(
+    seed: int, length: int, count: int
+) -> tuple[np.ndarray, np.ndarray, list[tuple[bytes, int]]]:
+    """A ring vector, the same with ``count`` masks added by :mod:`secure_agg.prg`, and
+    the masks."""
+    x = np.random.default_rng(seed).integers(0, 2**32, length, dtype=np.uint64)
+    acc = x.astype(np.uint32)
+    expected = acc.copy()
+    masks = _masks(count)
+    prg.add_masks(expected, masks)
+    return acc, expected, masks
+
+
 async def _streamed(
     process: MaskProcess, acc: np.ndarray, masks: list[tuple[bytes, int]], n: int, kill: bool
 ) -> MaskStream:
@@ -184,11 +197,7 @@ async def _streamed(
 def test_a_stream_adds_exactly_the_masks_of_prg_even_when_its_helper_dies(kill: bool) -> None:
     process = MaskProcess()
     try:
-        x = np.random.default_rng(5).integers(0, 2**32, 3_000_001, dtype=np.uint64)
-        acc = x.astype(np.uint32)
-        expected = acc.copy()
-        masks = _masks(12)
-        prg.add_masks(expected, masks)
+        acc, expected, masks = _vector_and_masks(5, 3_000_001, 12)
         stream = asyncio.run(_streamed(process, acc, masks, 7, kill))
         assert np.array_equal(acc, expected)
         if kill:  # the chunks the helper did not report were expanded here
@@ -280,11 +289,7 @@ def test_a_ring_cancelled_while_a_chunk_expands_here_gets_its_vector_back_after_
     holds its masks exactly once, so the vector can be masked again safely."""
     process = MaskProcess()
     try:
-        x = np.random.default_rng(6).integers(0, 2**32, 2_000_003, dtype=np.uint64)
-        acc = x.astype(np.uint32)
-        expected = acc.copy()
-        masks = _masks(16)
-        prg.add_masks(expected, masks)
+        acc, expected, masks = _vector_and_masks(6, 2_000_003, 16)
         n = 3
         bounds = chunk_bounds(acc.shape[0], n)
 

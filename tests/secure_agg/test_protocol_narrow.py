@@ -5,9 +5,7 @@ with the orgs left out), and no share of an org left out is ever released."""
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
@@ -25,22 +23,9 @@ from secure_agg.protocol import (
     Stage,
 )
 from secure_agg.ring import ring_sum
+from tests.secure_agg.test_protocol_u2 import _advertise, _signer, _verify, orgs
 
 CTX = RoundContext("fed", "run", 9)
-
-
-def _signer(org: str) -> Callable[[bytes], bytes]:
-    key = hashlib.sha256(b"narrow/" + org.encode()).digest()
-    return lambda data: hmac.new(key, data, hashlib.sha256).digest()
-
-
-def _verify(sender: str, data: bytes, sig: bytes) -> bool:
-    key = hashlib.sha256(b"narrow/" + sender.encode()).digest()
-    return hmac.compare_digest(hmac.new(key, data, hashlib.sha256).digest(), sig)
-
-
-def orgs(n: int) -> tuple[str, ...]:
-    return tuple(f"org-{i:02d}" for i in range(n))
 
 
 def _shared(n: int, t: int, seed: int = 0) -> dict[str, SecAggPeer]:
@@ -53,13 +38,7 @@ def _shared(n: int, t: int, seed: int = 0) -> dict[str, SecAggPeer]:
         p: SecAggPeer(cfg, p, _signer(p), _verify, rng=np.random.default_rng([seed, i]).bytes)
         for i, p in enumerate(parts)
     }
-    adverts = {p: peers[p].advertise_keys() for p in parts}
-    for p in parts:
-        for q in parts:
-            if q != p:
-                peers[q].receive(adverts[p])
-    for p in parts:
-        peers[p].close_advertise()
+    _advertise(peers, parts)
     for p in parts:
         for q, msg in peers[p].share_keys().items():
             peers[q].receive(msg)
