@@ -339,13 +339,16 @@ class Simulation:
             for o in self.orgs
         }
         engine_config = config.engine_config()
+        # the fault hook only where there are faults to inject: an org node's engine has
+        # none, and the hook costs every stage and ring step a coroutine
+        hook = self._hook if self.faults else None
         self.engines = {
             o: RoundEngine(
                 self.endpoints[o],
                 self.member_ids,
                 secagg_sessions(*endpoint_signer(self.endpoints[o]), seed=config.seed),
                 engine_config,
-                hook=self._hook,
+                hook=hook,
                 live=self.live_ids,
             )
             for o in self.orgs

@@ -48,6 +48,7 @@ from coordinator_free.rounds.exchange import PairwiseExchange
 from coordinator_free.rounds.mask_stream import stream_masks
 from coordinator_free.rounds.messenger import retrieved
 from coordinator_free.rounds.results import RoundFailed
+from coordinator_free.rounds.session import small_work
 from coordinator_free.rounds.state import RoundTable
 from coordinator_free.rounds.wire import HASH_BYTES, KIND_SHARE, view_hash
 from coordinator_free.wire import Envelope
@@ -115,14 +116,21 @@ class ShareStage:
             raise RoundFailed("share", f"cannot share keys: {exc}") from exc
         # the masks of the usual case go into the input off the loop while the shares
         # travel (the mask stage waits for them and makes the input exact), or into
-        # the ring's chunks from the helper process as they first leave
+        # the ring's chunks from the helper process as they first leave; small work
+        # (a small vector's copy, say) is done here, cheaper than the hop to a thread
         ctx.mask_stream = stream_masks(
             ctx.config.mask_helper, work.target, work.masks, view1, me, ctx.round
         )
         if ctx.mask_stream is not None:  # only the input's copy is left, if any
             work = dataclasses.replace(work, masks=[])
-        ctx.premasking = asyncio.ensure_future(asyncio.to_thread(work))
-        ctx.premasking.add_done_callback(retrieved)
+        if small_work(work.work_bytes):
+            try:
+                work()
+            except (SecAggError, ValueError) as exc:
+                raise RoundFailed("mask", f"cannot mask the input: {exc}") from exc
+        else:
+            ctx.premasking = asyncio.ensure_future(asyncio.to_thread(work))
+            ctx.premasking.add_done_callback(retrieved)
         exchange = ctx.state.exchange(SHARES)
         exchange.offer({o: ctx.h1 + outgoing[o] for o in outgoing})
         ctx.expected_shares = ctx.holders

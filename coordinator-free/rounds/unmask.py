@@ -36,6 +36,7 @@ from coordinator_free.rounds.config import RoundConfig, patience
 from coordinator_free.rounds.context import StageContext
 from coordinator_free.rounds.exchange import PairwiseExchange
 from coordinator_free.rounds.results import RoundFailed
+from coordinator_free.rounds.session import run_sized
 from coordinator_free.rounds.state import (
     Counters,
     RoundState,
@@ -296,10 +297,13 @@ class UnmaskStage:
         assert scattered is not None
         acc = scattered.acc
         try:
-            ctx.session.prepare_unmask()  # on the loop; the mask expansion off it
+            ctx.session.prepare_unmask()  # on the loop; the mask expansion off it if large
             for index in sorted({scattered.own, scattered.held}):
                 lo, hi = scattered.bounds[index]
-                acc[lo:hi] = await asyncio.to_thread(ctx.session.unmask_part, acc[lo:hi], lo)
+                part = acc[lo:hi]
+                # the usual case's masks: every member's self mask over the part
+                work = part.nbytes * (len(order) + 1)
+                acc[lo:hi] = await run_sized(work, ctx.session.unmask_part, part, lo)
         except (SecAggError, ValueError) as exc:
             raise RoundFailed("unmask", f"cannot remove the masks: {exc}") from exc
         self.sums.keep_parts(ctx.run, ctx.round, attempt, frozenset(order), scattered)
@@ -321,8 +325,9 @@ class UnmaskStage:
         except RingBroken as exc:
             logger.info("%s: the all-gather of the sum broke: %s", ctx.me, exc)
             await self.sums.fetch_parts(ctx.state, ctx.counters, order, attempt, scattered)
-        # off the loop, like the decoding: a copy of the vector when the sum is a ring array
-        result = await asyncio.to_thread(decoded_copy, ctx.session.decode, acc)
+        # off the loop unless small, like the decoding: a copy of the vector when the sum
+        # is a ring array (read, and written as float64 at most: three times its bytes)
+        result = await run_sized(3 * acc.nbytes, decoded_copy, ctx.session.decode, acc)
         ctx.lap("gather")
         return result
 

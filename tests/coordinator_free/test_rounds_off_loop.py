@@ -1,5 +1,6 @@
 """The round engine's heavy computation, masking and unmasking a vector, runs off its
-event loop; the secrets stay on it."""
+event loop; the secrets stay on it. Small array work (below
+``session.ON_LOOP_WORK_BYTES``) runs on the loop, cheaper than the hop to a thread."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import threading
 
 import numpy as np
 import pytest
+from coordinator_free.rounds import mask_stream, session
 from coordinator_free.sim import SimConfig, Simulation
 
 from secure_agg import prg
@@ -17,7 +19,11 @@ def test_the_round_engine_expands_masks_off_its_event_loop(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Masking and unmasking a vector are the round's heavy computation: they run in a
-    worker thread (the loop goes on serving messages), only the secrets on the loop."""
+    worker thread (the loop goes on serving messages), only the secrets on the loop.
+    (Every piece of work counts as large here: the threshold is set to 0.)"""
+    monkeypatch.setattr(session, "ON_LOOP_WORK_BYTES", 0)
+    # the masks of the usual case in this process, on a machine of any size
+    monkeypatch.setattr(mask_stream, "AUTO_MIN_CORES", 1 << 30)
     length = 20_000
     threads: list[tuple[int, bool]] = []
     real = prg.add_masks
@@ -46,9 +52,10 @@ def test_owner_unmasking_hands_the_caller_its_own_sum_copied_off_the_loop(
 ) -> None:
     """With owner unmasking, a ring-array sum decodes to the vector whose chunks the node
     keeps serving: the caller's copy of it (a vector-sized copy) is made in a worker
-    thread, and it is not the kept array."""
+    thread when it is large (every piece of work is, here), and it is not the kept array."""
     from coordinator_free.rounds import unmask
 
+    monkeypatch.setattr(session, "ON_LOOP_WORK_BYTES", 0)
     peers, length = 8, 20_000  # owner unmasking from 8 members, chunks of >= 1024
     calls: list[tuple[bool, bool]] = []
     real = unmask.decoded_copy
@@ -73,3 +80,57 @@ def test_owner_unmasking_hands_the_caller_its_own_sum_copied_off_the_loop(
     assert len(calls) == peers
     assert not any(on_loop for on_loop, _ in calls)
     assert not any(same for _, same in calls)
+
+
+def test_small_mask_work_runs_on_the_loop_and_the_sums_stay_exact(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Below the threshold the premask's work, each owner's unmasking of its chunks and
+    the caller's copy of the sum run on the loop (no hop to a worker thread), and every
+    node still holds the plaintext sum; at or above it, none of them does."""
+    from coordinator_free.rounds import unmask
+
+    peers, length = 8, 20_000  # owner unmasking from 8 members
+    calls: list[tuple[str, bool]] = []
+    real_masks, real_copy = prg.add_masks, unmask.decoded_copy
+
+    def masks(target: np.ndarray, masks: list[tuple[bytes, int]], **kw: object) -> None:
+        if masks:
+            calls.append(("masks", threading.current_thread() is main))
+        real_masks(target, masks, **kw)  # type: ignore[arg-type]
+
+    def copied(decode: object, acc: np.ndarray) -> np.ndarray:
+        calls.append(("copy", threading.current_thread() is main))
+        return real_copy(decode, acc)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(prg, "add_masks", masks)
+    monkeypatch.setattr(unmask, "decoded_copy", copied)
+    monkeypatch.setattr(mask_stream, "AUTO_MIN_CORES", 1 << 30)  # no helper process
+    main = threading.current_thread()
+
+    async def scenario() -> None:
+        async with Simulation(SimConfig(peers=peers, length=length, seed=5)) as sim:
+            outcome = await sim.round(1)
+            assert not outcome.problems() and len(outcome.results) == peers
+
+    # the largest piece: the premask's copy and masks of the whole vector
+    assert 4 * length * (peers + 1) < session.ON_LOOP_WORK_BYTES
+    asyncio.run(scenario())
+    assert {kind for kind, _ in calls} == {"masks", "copy"}
+    assert all(on_loop for _, on_loop in calls)
+    calls.clear()
+    monkeypatch.setattr(session, "ON_LOOP_WORK_BYTES", 4 * length // peers)
+    asyncio.run(scenario())
+    assert calls and not any(on_loop for _, on_loop in calls)
+
+
+def test_the_premask_work_counts_the_copy_and_each_mask() -> None:
+    """The bytes a premask's work touches: the target once per mask, once more when it
+    copies the input from ``base``; none when there is nothing to do."""
+    x = np.zeros(1000, dtype=np.uint32)
+    seed = bytes(32)
+    assert session.Premask(x, [(seed, 1)] * 3, x.copy()).work_bytes == 4 * 4000
+    assert session.Premask(x, [(seed, 1)] * 3).work_bytes == 3 * 4000
+    assert session.Premask(x, []).work_bytes == 0
+    assert session.small_work(session.ON_LOOP_WORK_BYTES - 1)
+    assert not session.small_work(session.ON_LOOP_WORK_BYTES)
