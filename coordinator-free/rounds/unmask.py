@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import numpy as np
 from coordinator_free.errors import RefusalReason, Refused
-from coordinator_free.ring import LIVENESS_POLL_S, RingBroken, RingReducer, ring_order
+from coordinator_free.ring import LIVENESS_POLL_S, RingBroken, RingReducer, Scattered, ring_order
 from coordinator_free.rounds.config import RoundConfig, patience
 from coordinator_free.rounds.context import StageContext
 from coordinator_free.rounds.exchange import PairwiseExchange
@@ -298,8 +298,7 @@ class UnmaskStage:
         acc = scattered.acc
         try:
             ctx.session.prepare_unmask()  # on the loop; the mask expansion off it if large
-            for index in sorted({scattered.own, scattered.held}):
-                lo, hi = scattered.bounds[index]
+            for lo, hi in held_spans(scattered):
                 part = acc[lo:hi]
                 # the usual case's masks: every member's self mask over the part
                 work = part.nbytes * (len(order) + 1)
@@ -330,6 +329,17 @@ class UnmaskStage:
         result = await run_sized(3 * acc.nbytes, decoded_copy, ctx.session.decode, acc)
         ctx.lap("gather")
         return result
+
+
+def held_spans(scattered: Scattered) -> list[tuple[int, int]]:
+    """The ``[lo, hi)`` spans of the chunks a member holds after the reduce-scatter (its
+    own and its predecessor's), as one span when they are adjacent (as they are but
+    where the ring order wraps): each mask is then expanded from one keystream over
+    both, not set up twice."""
+    spans = sorted(scattered.bounds[i] for i in {scattered.own, scattered.held})
+    if len(spans) == 2 and spans[0][1] == spans[1][0]:
+        return [(spans[0][0], spans[1][1])]
+    return spans
 
 
 def decoded_copy(decode: Callable[[np.ndarray], np.ndarray], acc: np.ndarray) -> np.ndarray:

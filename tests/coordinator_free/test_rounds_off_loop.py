@@ -134,3 +134,25 @@ def test_the_premask_work_counts_the_copy_and_each_mask() -> None:
     assert session.Premask(x, []).work_bytes == 0
     assert session.small_work(session.ON_LOOP_WORK_BYTES - 1)
     assert not session.small_work(session.ON_LOOP_WORK_BYTES)
+
+
+def test_the_chunks_an_owner_unmasks_are_one_span_when_adjacent() -> None:
+    """Owner unmasking expands each mask once over a member's two chunks where they are
+    adjacent (every position but where the ring order wraps), and the spans cover
+    exactly the two chunks, at every position of rings of 2 to 9 members (held is the
+    chunk before own, as the reducer leaves them)."""
+    from coordinator_free.ring import Scattered
+    from coordinator_free.ring.wire import chunk_bounds
+    from coordinator_free.rounds.unmask import held_spans
+
+    for n in range(2, 10):
+        bounds = chunk_bounds(100, n)
+        for own in range(n):
+            held = (own - 1) % n
+            spans = held_spans(Scattered(np.zeros(100, np.uint32), own, held, bounds))
+            covered = {i for lo, hi in spans for i in range(lo, hi)}
+            wanted = {i for c in (own, held) for i in range(*bounds[c])}
+            assert covered == wanted
+            assert sum(hi - lo for lo, hi in spans) == len(wanted)
+            # own = position + 1, held = position (the reducer's): they wrap at own 0
+            assert len(spans) == (2 if own == 0 and n > 2 else 1)
