@@ -21,6 +21,7 @@ included.
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -193,6 +194,19 @@ def _check_sorted_unique(items: tuple[str, ...], what: str) -> None:
         raise MalformedMessage(f"{what} must be sorted and free of duplicates")
 
 
+@functools.lru_cache(maxsize=64)
+def _header_prefix(ctx: RoundContext, stage: Stage) -> bytes:
+    """A header's bytes before its sender: the same for every member's message of one
+    stage of one round (a receiver reads every member's advertisement each round)."""
+    w = _Writer()
+    w.u8(VERSION)
+    w.u8(int(stage))
+    w.text(ctx.federation)
+    w.text(ctx.run)
+    w.u64(ctx.round)
+    return w.getvalue()
+
+
 @dataclass(frozen=True)
 class Header:
     """What every message starts with: the round, the stage it belongs to, its sender."""
@@ -219,11 +233,7 @@ class Header:
         return w.getvalue()
 
     def _write(self, w: _Writer) -> None:
-        w.u8(VERSION)
-        w.u8(int(self.stage))
-        w.text(self.ctx.federation)
-        w.text(self.ctx.run)
-        w.u64(self.ctx.round)
+        w.raw(_header_prefix(self.ctx, self.stage))
         w.text(self.sender)
 
     @classmethod

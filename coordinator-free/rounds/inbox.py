@@ -93,7 +93,10 @@ class Inbox:
             self._total += cost
         box = self._items.setdefault(key, {})
         box[sender] = payload
-        self._events.setdefault(key, asyncio.Event()).set()
+        event = self._events.get(key)
+        if event is None:  # made once per key, not once per message
+            event = self._events[key] = asyncio.Event()
+        event.set()
         return True
 
     def get(self, key: tuple[str, ...]) -> dict[str, bytes]:
