@@ -15,6 +15,51 @@ from coordinator_free.sim import SimConfig, Simulation
 from secure_agg import prg
 
 
+def _mask_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bool]]:
+    """From now on, ``(target length, on the test's thread)`` of each mask expansion."""
+    calls: list[tuple[int, bool]] = []
+    real, main = prg.add_masks, threading.current_thread()
+
+    def recorded(target: np.ndarray, masks: list[tuple[bytes, int]], **kw: object) -> None:
+        if masks:
+            calls.append((target.shape[0], threading.current_thread() is main))
+        real(target, masks, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(prg, "add_masks", recorded)
+    return calls
+
+
+def _copy_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[bool, bool]]:
+    """From now on, ``(on the test's thread, the copy is the kept array)`` of each copy
+    of the sum owner unmasking hands its caller."""
+    from coordinator_free.rounds import unmask
+
+    calls: list[tuple[bool, bool]] = []
+    real, main = unmask.decoded_copy, threading.current_thread()
+
+    def recorded(decode: object, acc: np.ndarray) -> np.ndarray:
+        out = real(decode, acc)  # type: ignore[arg-type]
+        calls.append((threading.current_thread() is main, out is acc))
+        return out
+
+    monkeypatch.setattr(unmask, "decoded_copy", recorded)
+    return calls
+
+
+def _exact_round(peers: int, length: int, seed: int) -> None:
+    """One simulated round of ``peers``; every node holds the plaintext sum."""
+
+    async def scenario() -> None:
+        async with Simulation(SimConfig(peers=peers, length=length, seed=seed)) as sim:
+            outcome = await sim.round(1)
+            assert not outcome.problems() and len(outcome.results) == peers
+            expected = np.sum([v.astype(np.uint64) for v in outcome.inputs.values()], axis=0)
+            for result in outcome.results.values():
+                assert np.array_equal(result.sum, expected.astype(result.sum.dtype))
+
+    asyncio.run(scenario())
+
+
 def test_the_round_engine_expands_masks_off_its_event_loop(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -25,23 +70,8 @@ def test_the_round_engine_expands_masks_off_its_event_loop(
     # the masks of the usual case in this process, on a machine of any size
     monkeypatch.setattr(mask_stream, "AUTO_MIN_CORES", 1 << 30)
     length = 20_000
-    threads: list[tuple[int, bool]] = []
-    real = prg.add_masks
-
-    def recorded(target: np.ndarray, masks: list[tuple[bytes, int]], **kw: object) -> None:
-        if masks:
-            threads.append((target.shape[0], threading.current_thread() is main))
-        real(target, masks, **kw)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(prg, "add_masks", recorded)
-    main = threading.current_thread()
-
-    async def scenario() -> None:
-        async with Simulation(SimConfig(peers=4, length=length, seed=3)) as sim:
-            outcome = await sim.round(1)
-            assert not outcome.problems() and len(outcome.results) == 4
-
-    asyncio.run(scenario())
+    threads = _mask_calls(monkeypatch)
+    _exact_round(4, length, seed=3)
     vector_sized = [on_loop for size, on_loop in threads if size >= length // 4]
     assert len(vector_sized) >= 8  # each of 4 peers masks, and unmasks
     assert not any(vector_sized)
@@ -53,30 +83,10 @@ def test_owner_unmasking_hands_the_caller_its_own_sum_copied_off_the_loop(
     """With owner unmasking, a ring-array sum decodes to the vector whose chunks the node
     keeps serving: the caller's copy of it (a vector-sized copy) is made in a worker
     thread when it is large (every piece of work is, here), and it is not the kept array."""
-    from coordinator_free.rounds import unmask
-
     monkeypatch.setattr(session, "ON_LOOP_WORK_BYTES", 0)
     peers, length = 8, 20_000  # owner unmasking from 8 members, chunks of >= 1024
-    calls: list[tuple[bool, bool]] = []
-    real = unmask.decoded_copy
-
-    def recorded(decode: object, acc: np.ndarray) -> np.ndarray:
-        out = real(decode, acc)  # type: ignore[arg-type]
-        calls.append((threading.current_thread() is main, out is acc))
-        return out
-
-    monkeypatch.setattr(unmask, "decoded_copy", recorded)
-    main = threading.current_thread()
-
-    async def scenario() -> None:
-        async with Simulation(SimConfig(peers=peers, length=length, seed=5)) as sim:
-            outcome = await sim.round(1)
-            assert not outcome.problems() and len(outcome.results) == peers
-            expected = np.sum([v.astype(np.uint64) for v in outcome.inputs.values()], axis=0)
-            for result in outcome.results.values():
-                assert np.array_equal(result.sum, expected.astype(result.sum.dtype))
-
-    asyncio.run(scenario())
+    calls = _copy_calls(monkeypatch)
+    _exact_round(peers, length, seed=5)
     assert len(calls) == peers
     assert not any(on_loop for on_loop, _ in calls)
     assert not any(same for _, same in calls)
@@ -88,40 +98,20 @@ def test_small_mask_work_runs_on_the_loop_and_the_sums_stay_exact(
     """Below the threshold the premask's work, each owner's unmasking of its chunks and
     the caller's copy of the sum run on the loop (no hop to a worker thread), and every
     node still holds the plaintext sum; at or above it, none of them does."""
-    from coordinator_free.rounds import unmask
-
     peers, length = 8, 20_000  # owner unmasking from 8 members
-    calls: list[tuple[str, bool]] = []
-    real_masks, real_copy = prg.add_masks, unmask.decoded_copy
-
-    def masks(target: np.ndarray, masks: list[tuple[bytes, int]], **kw: object) -> None:
-        if masks:
-            calls.append(("masks", threading.current_thread() is main))
-        real_masks(target, masks, **kw)  # type: ignore[arg-type]
-
-    def copied(decode: object, acc: np.ndarray) -> np.ndarray:
-        calls.append(("copy", threading.current_thread() is main))
-        return real_copy(decode, acc)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(prg, "add_masks", masks)
-    monkeypatch.setattr(unmask, "decoded_copy", copied)
+    masks, copies = _mask_calls(monkeypatch), _copy_calls(monkeypatch)
     monkeypatch.setattr(mask_stream, "AUTO_MIN_CORES", 1 << 30)  # no helper process
-    main = threading.current_thread()
-
-    async def scenario() -> None:
-        async with Simulation(SimConfig(peers=peers, length=length, seed=5)) as sim:
-            outcome = await sim.round(1)
-            assert not outcome.problems() and len(outcome.results) == peers
-
     # the largest piece: the premask's copy and masks of the whole vector
     assert 4 * length * (peers + 1) < session.ON_LOOP_WORK_BYTES
-    asyncio.run(scenario())
-    assert {kind for kind, _ in calls} == {"masks", "copy"}
-    assert all(on_loop for _, on_loop in calls)
-    calls.clear()
+    _exact_round(peers, length, seed=5)
+    assert masks and copies
+    assert all(on_loop for _, on_loop in masks) and all(on_loop for on_loop, _ in copies)
+    masks.clear()
+    copies.clear()
     monkeypatch.setattr(session, "ON_LOOP_WORK_BYTES", 4 * length // peers)
-    asyncio.run(scenario())
-    assert calls and not any(on_loop for _, on_loop in calls)
+    _exact_round(peers, length, seed=5)
+    assert masks and copies
+    assert not any(on_loop for _, on_loop in masks) and not any(on_loop for on_loop, _ in copies)
 
 
 def test_the_premask_work_counts_the_copy_and_each_mask() -> None:
