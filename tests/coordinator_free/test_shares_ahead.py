@@ -547,3 +547,21 @@ def test_a_member_that_equivocates_in_the_share_stage_is_left_out_and_no_one_els
         assert "org-2" not in res.survivors
     _check(after)
     assert len(after.results) == 6
+
+
+def test_by_default_a_federation_of_three_seals_its_shares_ahead() -> None:
+    """``shares_ahead_from`` is 3 by default (docs/SECURITY.md, "Shares sealed a round
+    ahead", "from three members on"): with the simulator's defaults, three members
+    exchange shares in their first round and none in their second, each share riding
+    with its ready."""
+    assert RoundConfig().shares_ahead_from == 3
+
+    async def scenario() -> list[RoundOutcome]:
+        async with Simulation(SimConfig(peers=3, length=300, seed=4)) as sim:
+            return [await sim.round(r) for r in (1, 2)]
+
+    first, second = asyncio.run(scenario())
+    for outcome in (first, second):
+        assert not outcome.problems() and len(outcome.results) == 3
+    shares = [sum(c["round.share"] for c in o.signed.values()) for o in (first, second)]
+    assert shares[0] > 0 and shares[1] == 0
