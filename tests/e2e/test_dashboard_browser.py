@@ -213,7 +213,9 @@ def test_dashboard_shows_peers_and_updates_when_a_round_completes(
                     found: dict[str, Any] | None = c.get("/v1/node").json()["culprit"]
                     return found if found is not None and found["org"] == dead else None
 
-                culprit = wait_until(f"{org} naming {dead}", named)
+                # each survivor scores the dead node from its own rounds: under load a
+                # round takes longer, so it gets the page's wait above
+                culprit = wait_until(f"{org} naming {dead}", named, timeout=45)
             assert culprit["score"] >= 2.0 and culprit["evidence"], culprit
         shot = tmp_path / "dashboard.png"
         assert browser.save_screenshot(str(shot))
