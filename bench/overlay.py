@@ -26,9 +26,10 @@ org sends, envelopes and signatures included):
   ``<= 1.3``). Both run warm (after one run of each that is not counted:
   connections outlive rounds in a deployment, and a process's first vector-sized
   allocations pay page faults that later rounds do not) and alternate, and each
-  figure is the median of its runs: five over TLS, where the processes start each run
-  together at a clock time agreed by a small all-reduce (they share one clock), three
-  in the simulator (the first round's seconds in the note from n = 128 on).
+  figure is the median of its runs: over TLS nine at 1M, five at 25M and three at
+  100M, where the processes start each run together at a clock time agreed by a
+  small all-reduce (they share one clock); three in the simulator, five in its 100M
+  row (the first round's seconds in the note from n = 128 on).
 - ``peak_rss_over_update[...]``: how far a node's resident set rose during a secure
   round (its peak, reset through ``/proc/self/clear_refs`` as the round starts, less
   the resident set then; the input exists before) ÷ the update's float32 bytes
@@ -62,11 +63,11 @@ secure rounds at n in {16, 64} with 1M (warm medians of three) and at n in {128,
 with 256k params (``LARGE_PARAMS``; SecAgg+ graph, owner unmasking, relayed readies;
 warm medians of three too, no star round: each round takes from half a minute to two
 minutes of CPU here; the note gives the first round's seconds too), TLS with 1M,
-25M and 100M params (100M: the median of three timed runs); membership at n in {16,
+25M and 100M params (the median of nine, five and three timed runs); membership at n in {16,
 64, 256}; last, one secure round of 4 simulated peers with 1B params, or the most that
 fits the memory available (the peers share this process: about ``5 × 4 × 4 B ×
 params``, their inputs, masked sums and sums and the frames in flight): at 1B run
-once, not warmed up; below it warm medians of three, the first run's seconds in the
+once, not warmed up; below it warm medians of five, the first run's seconds in the
 note. (25M params for more than 16 in-process peers does not fit one machine's
 memory.) Quick, under a minute on an idle machine: ring traffic of 4 and 16 peers on
 64k params, a secure round of 8 simulated peers and of 4 TLS processes on 1M params,
@@ -335,8 +336,10 @@ def _body(report: Report, only: Sequence[str] = SECTIONS) -> None:
         _simulated_rows(report)
     if "tls" in only:
         for params in [MILLION] if report.quick else [MILLION, 25 * MILLION, 100 * MILLION]:
-            # three timed runs of each at 100M: the median of three, in a bounded time
-            repeats = 3 if params >= 100 * MILLION else 5
+            # three timed runs of each at 100M: the median of three, in a bounded time;
+            # nine at 1M, where a run is a fifth of a second and two runs of the plain
+            # ring in one process differ by a third
+            repeats = 3 if params >= 100 * MILLION else 5 if params >= 25 * MILLION else 9
             _add_rows(report, "tls", 4, params, tls_figures(params, repeats=repeats))
     if "largest" in only and not report.quick:
         _largest_row(report)
@@ -365,15 +368,16 @@ def _largest_row(report: Report) -> None:
     """One secure round of :data:`LARGE_SIM_PEERS` simulated peers with 1B parameters,
     or the most that fits the memory available."""
     params, note = _largest_simulated(LARGE_SIM_PEERS, BILLION)
-    # below 1B, warm medians of three like the other rows (the first run of each in
-    # the note): one run of each at 100M moved from 1.16 to 1.54 between runs
+    # below 1B, warm medians (the first run of each in the note), of five: one run of
+    # each at 100M moved from 1.16 to 1.54 between runs, and three secure runs of one
+    # process spread from 16 to 24 s
     warm = params < BILLION
     fig, _ = in_fresh_process(
         "sim_figures",
         n=LARGE_SIM_PEERS,
         params=params,
         secure=True,
-        repeats=3 if warm else 1,
+        repeats=5 if warm else 1,
         warm=warm,
         star=False,
     )

@@ -31,7 +31,6 @@ import logging
 from collections.abc import Iterable
 
 from coordinator_free.errors import RefusalReason, Refused
-from coordinator_free.ring import ring_order
 from coordinator_free.rounds.config import RoundConfig
 from coordinator_free.rounds.messenger import Messenger
 from coordinator_free.rounds.results import RoundFailed
@@ -133,7 +132,7 @@ class Agreement:
             decisive(token.tag)
             and settled is not None
             and settled[1]
-            and view_hash(f"{token.tag}/token", ring_order(settled[0], state.round)) == token.base
+            and view_hash(f"{token.tag}/token", state.ring_order(settled[0])) == token.base
         )
 
     def answer_view(self, state: RoundState, tag: str, attempt: int, sender: str) -> None:
@@ -165,7 +164,7 @@ class Agreement:
         """Agree on a set with the members of ``base``: by one token passed along their
         ring (:class:`~coordinator_free.rounds.token.TokenAgreement`), and by the view
         agreement when the token stalls or there is no ring of two."""
-        order = ring_order(frozenset(base), state.round)
+        order = state.ring_order(base)
         if self.me in order and len(order) >= 2:
             token = TokenAgreement(self, state, counters, tag, order, proposal, flag)
             settled = await token.run()
@@ -285,7 +284,7 @@ class Agreement:
             got = Token.from_bytes(box[""])
         except ValueError:
             return
-        order = ring_order(members, state.round)
+        order = state.ring_order(members)
         if got.phase != TOKEN_COLLECT or self.me not in order:
             return
         entry = (self.me, members, True)

@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 from coordinator_free.endpoint import Endpoint, Handler
 from coordinator_free.errors import Refused
-from coordinator_free.ring import RingReducer, ring_order
+from coordinator_free.ring import RingReducer
 from coordinator_free.ring.wire import NARROW_BITS
 from coordinator_free.rounds import wire
 from coordinator_free.rounds.agreement import Agreement
@@ -300,7 +300,7 @@ class RoundEngine:
         """The round completed: what it gives the org node."""
         await ctx.enter("done")
         u1, u3 = ctx.u1, ctx.members
-        order1 = tuple(ring_order(u1, ctx.round))
+        order1 = tuple(ctx.state.ring_order(u1))
         # a member left out of U1 after the ring started (rounds.early) is observed as
         # dropped too, though no participant: no key of it was rebuilt
         for org in sorted((u1 - u3) | ctx.left_out):

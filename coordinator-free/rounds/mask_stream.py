@@ -33,7 +33,6 @@ from collections.abc import Sequence
 from multiprocessing import shared_memory
 
 import numpy as np
-from coordinator_free.ring import ring_order
 from coordinator_free.ring.wire import chunk_bounds
 from coordinator_free.rounds.config import MASK_HELPERS
 
@@ -273,16 +272,14 @@ def stream_masks(
     setting: str,
     target: np.ndarray,
     masks: Sequence[tuple[bytes, int]],
-    ready: frozenset[str],
+    order: Sequence[str],
     me: str,
-    round: int,
 ) -> MaskStream | None:
-    """A stream of the premask's ``masks`` into ``target`` for the ring of the ``ready``
-    orgs in ``round``, or ``None`` where the worker thread masks (the setting, an
+    """A stream of the premask's ``masks`` into ``target`` for the ring ``order`` (the
+    round's ring of the orgs this node masks with), or ``None`` where the worker thread masks (the setting, an
     input without its own array, or no helper)."""
-    if not uses_helper(setting) or me not in ready:
+    if not uses_helper(setting) or me not in order:
         return None
-    order = ring_order(ready, round)
     n, pos = len(order), order.index(me)
     bounds = chunk_bounds(target.shape[0], n)
     # the reduce-scatter first sends chunk pos - s at step s, and reduces pos + 1 last

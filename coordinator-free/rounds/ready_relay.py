@@ -39,7 +39,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from coordinator_free.errors import RefusalReason, Refused
-from coordinator_free.ring import ring_order
 from coordinator_free.rounds.ahead import kept_blobs
 from coordinator_free.rounds.config import patience
 from coordinator_free.rounds.context import StageContext
@@ -363,7 +362,7 @@ class ReadyRelay:
         record held, on schedule or not."""
         self.own_record(ctx, ready, blobs)
         state = ctx.state
-        order = ring_order(ctx.u0, ctx.round)
+        order = state.ring_order(ctx.u0)
         n, here = len(order), order.index(ctx.me)
         loop = asyncio.get_running_loop()
         alive = ctx.believed_alive()

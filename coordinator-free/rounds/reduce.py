@@ -45,7 +45,7 @@ import time
 from typing import Any
 
 import numpy as np
-from coordinator_free.ring import RingBroken, RingReducer, Scattered, StarOptions, ring_order
+from coordinator_free.ring import RingBroken, RingReducer, Scattered, StarOptions
 from coordinator_free.rounds.agreement import Agreement
 from coordinator_free.rounds.config import RoundConfig
 from coordinator_free.rounds.context import StageContext
@@ -97,7 +97,7 @@ class ReduceStage:
                 ctx.observe("retry", "reduce", detail=f"ring attempt {ctx.attempt + 1}")
                 # the last attempt summed the masked input in place: made again
                 await _remask(ctx)
-            ctx.order = ring_order(ctx.members, ctx.round)
+            ctx.order = ctx.state.ring_order(ctx.members)
             owners = owner_unmask(ctx.config, len(ctx.order), ctx.masked_input())
             try:
                 if ctx.u1_pending is not None:

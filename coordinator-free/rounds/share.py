@@ -119,7 +119,7 @@ class ShareStage:
         # the ring's chunks from the helper process as they first leave; small work
         # (a small vector's copy, say) is done here, cheaper than the hop to a thread
         ctx.mask_stream = stream_masks(
-            ctx.config.mask_helper, work.target, work.masks, view1, me, ctx.round
+            ctx.config.mask_helper, work.target, work.masks, ctx.state.ring_order(view1), me
         )
         if ctx.mask_stream is not None:  # only the input's copy is left, if any
             work = dataclasses.replace(work, masks=[])

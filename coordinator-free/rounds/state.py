@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from coordinator_free.errors import RefusalReason, Refused
-from coordinator_free.ring import RingReducer
+from coordinator_free.ring import RingReducer, ring_order
 from coordinator_free.rounds.config import RoundConfig
 from coordinator_free.rounds.exchange import PairwiseExchange
 from coordinator_free.rounds.inbox import Inbox, InboxLimits
@@ -79,6 +79,19 @@ class RoundState:
     started: float | None = None
     stage: str = ""
     stage_since: float | None = None
+    # the ring orders of this round's member sets, each made once (see ring_order)
+    orders: dict[frozenset[str], tuple[str, ...]] = field(default_factory=dict)
+
+    def ring_order(self, members: Iterable[str]) -> list[str]:
+        """:func:`~coordinator_free.ring.ring_order` of ``members`` in this round. A
+        round's stages ask for the order of the same set several times (the relayed
+        readies, the masks, the ring, the agreements, the seeds): it is made once per
+        set, a hash of every member and a sort."""
+        key = frozenset(members)
+        order = self.orders.get(key)
+        if order is None:
+            order = self.orders[key] = tuple(ring_order(key, self.round))
+        return list(order)
 
     def gone(self) -> set[str]:
         """The members that said they left this round (it failed for them)."""

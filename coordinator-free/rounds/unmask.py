@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import numpy as np
 from coordinator_free.errors import RefusalReason, Refused
-from coordinator_free.ring import LIVENESS_POLL_S, RingBroken, RingReducer, Scattered, ring_order
+from coordinator_free.ring import LIVENESS_POLL_S, RingBroken, RingReducer, Scattered
 from coordinator_free.rounds.config import RoundConfig, patience
 from coordinator_free.rounds.context import StageContext
 from coordinator_free.rounds.exchange import PairwiseExchange
@@ -238,7 +238,7 @@ class UnmaskStage:
             known = {ctx.me: ctx.session.self_seed()}
         except (SecAggError, ValueError) as exc:
             raise RoundFailed("unmask", f"cannot reveal the self-mask seed: {exc}") from exc
-        order = ring_order(u3, ctx.round)
+        order = ctx.state.ring_order(u3)
         names = sorted(u3)
         index = {o: i for i, o in enumerate(names)}
         n, here = len(order), order.index(ctx.me)

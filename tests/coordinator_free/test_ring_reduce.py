@@ -72,6 +72,27 @@ def test_ring_order_is_deterministic_and_round_dependent() -> None:
     assert ring_id(a, 0) != ring_id(list(reversed(a)), 0)
 
 
+def test_a_round_makes_the_ring_order_of_a_set_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import coordinator_free.rounds.state as state_module
+    from coordinator_free.rounds.state import RoundState
+
+    orgs = [f"org-{i}" for i in range(10)]
+    made: list[frozenset[str]] = []
+
+    def counted(members: frozenset[str], round: int) -> list[str]:
+        made.append(frozenset(members))
+        return ring_order(members, round)
+
+    monkeypatch.setattr(state_module, "ring_order", counted)
+    state = RoundState("org-0", "run", 3)
+    order = state.ring_order(orgs)
+    assert order == ring_order(orgs, 3)
+    order.reverse()  # a caller's copy: the round's order stays as it was
+    assert state.ring_order(reversed(orgs)) == ring_order(orgs, 3)
+    assert state.ring_order(orgs[:5]) == ring_order(orgs[:5], 3)
+    assert made == [frozenset(orgs), frozenset(orgs[:5])]
+
+
 async def _allreduce(
     n: int, length: int, dtype: type[np.unsignedinteger], seed: int, min_chunk: int = 1
 ) -> tuple[list[np.ndarray], np.ndarray, dict[str, RingStats], InMemoryNetwork]:
