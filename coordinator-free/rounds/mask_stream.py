@@ -276,8 +276,8 @@ def stream_masks(
     me: str,
 ) -> MaskStream | None:
     """A stream of the premask's ``masks`` into ``target`` for the ring ``order`` (the
-    round's ring of the orgs this node masks with), or ``None`` where the worker thread masks (the setting, an
-    input without its own array, or no helper)."""
+    round's ring of the orgs this node masks with), or ``None`` where the worker thread
+    masks (the setting, an input without its own array, or no helper)."""
     if not uses_helper(setting) or me not in order:
         return None
     n, pos = len(order), order.index(me)
