@@ -10,8 +10,9 @@ the federation's summed statistics), and returns a :class:`Task`. The bundled ta
   with features standardised by statistics the federation sums securely;
 - ``breast_cancer``: an MLP on scikit-learn's breast-cancer data (the hospital demo);
 - ``digits``: a small CNN on scikit-learn's 8x8 digits;
-- ``gpt``: a small character-level GPT on the text corpus shipped in ``data/corpus.txt``,
-  whose blocks support tensor and pipeline parallelism.
+- ``gpt``: a small character-level GPT on the text corpus shipped in ``data/corpus.txt``
+  (a story in thirteen chapters, about 64k characters of original prose), whose blocks
+  support tensor and pipeline parallelism.
 
 A model that supports tensor parallelism implements :class:`TensorParallelModel`; one
 that supports pipeline parallelism implements :class:`PipelineModel`. The trainer in

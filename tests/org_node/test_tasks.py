@@ -129,7 +129,8 @@ def test_labels_exist_for_classification_only(tmp_path: Path) -> None:
 
 def test_corpus_is_shipped_and_in_vocabulary() -> None:
     text = CORPUS.read_text(encoding="utf-8")
-    assert len(text) > 3000
+    # long enough that the model does not learn it by heart within a benchmark's rounds
+    assert len(text) > 50_000
     assert set(text) <= set(VOCAB)
     assert decode(encode(text)) == text
     assert decode(encode("caf\u00e9")) == "caf?"
