@@ -3,8 +3,9 @@ support, q8 levels, the error-feedback residual and q8's agreed ranges.
 
 What each compression does and why is in :mod:`org_node.compression`; this module is
 what the run engine (:class:`~org_node.engine.RunEngine`) calls each round:
-:meth:`Compressor.start_round` (over the global model), :meth:`Compressor.encode` (the
-org's ring vector), :meth:`Compressor.decode` (the ring sum back to a packed sum) and
+:meth:`Compressor.local_start` (where the org's local job starts: with ``carry``, the
+agreed model plus its residual), :meth:`Compressor.start_round` (over the global
+model), :meth:`Compressor.encode` (the org's ring vector), :meth:`Compressor.decode` (the ring sum back to a packed sum) and
 :meth:`Compressor.commit` (the round completed: keep the residual and the ranges).
 """
 
@@ -69,6 +70,7 @@ class _Round:
     tensor_of: np.ndarray
     starts: np.ndarray
     q8: bool
+    scale: float = 1.0
     residual: np.ndarray | None = None
     range_sums: np.ndarray | None = None
     sent: np.ndarray | None = None
@@ -91,6 +93,9 @@ class Compressor:
         self.q8 = Q8Codec(max_summands=participants) if compression.q8 else None
         self.tail = FixedPointCodec(bits=64, clip=codec.clip, max_summands=participants)
         self.residual: np.ndarray | None = None
+        self.scale = 1.0
+        """The packed body's units per model unit in the round that left ``residual``
+        (the org's weight, divided by its steps under FedNova)."""
         self.ranges: np.ndarray | None = None
         self.sizes: list[int] = []
         self._round: _Round | None = None
@@ -102,8 +107,34 @@ class Compressor:
 
     # -- one round --------------------------------------------------------------------
 
-    def start_round(self, run_key: str, round: int, model: Mapping[str, np.ndarray]) -> None:
-        """Plan round ``round`` over the global ``model`` (tensors by sorted name)."""
+    def local_start(self, model: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Where this org's local job starts: the agreed ``model``, or with ``carry``
+        the model plus the residual in the model's units (each tensor keeps its dtype
+        and the model's order). Carried, a coordinate not sent for some rounds holds
+        this org's progress on it, and the next update, taken from there, adds only
+        what is new; restarted from the agreed model, the residual adds up the same
+        step once a round, an overshoot when the local job runs long (DiLoCo's)."""
+        if not self.compression.carry or self.residual is None or self.scale == 0:
+            return dict(model)
+        names = sorted(model)
+        sizes = [int(np.size(model[k])) for k in names]
+        if self.residual.shape != (sum(sizes),):
+            raise CompressionError("the saved residual does not fit the model")
+        out: dict[str, np.ndarray] = {}
+        offset = 0
+        for name, size in zip(names, sizes, strict=True):
+            value = np.asarray(model[name])
+            part = self.residual[offset : offset + size].reshape(value.shape) / self.scale
+            out[name] = (value + part).astype(value.dtype)
+            offset += size
+        return {k: out[k] for k in model}
+
+    def start_round(
+        self, run_key: str, round: int, model: Mapping[str, np.ndarray], scale: float = 1.0
+    ) -> None:
+        """Plan round ``round`` over the global ``model`` (tensors by sorted name);
+        ``scale``: the packed body's units per model unit this round (the org's weight,
+        divided by its steps under FedNova), for :meth:`local_start` after it."""
         names = sorted(model)
         self.sizes = [int(np.size(model[k])) for k in names]
         total = sum(self.sizes)
@@ -120,7 +151,7 @@ class Compressor:
             index = support(round_seed(run_key, round, model_hash(model)), self.sizes, fraction)
             tensor_of = np.searchsorted(starts, index, side="right") - 1
         q8 = self.q8 is not None and self.ranges is not None
-        self._round = _Round(index, tensor_of, starts, q8)
+        self._round = _Round(index, tensor_of, starts, q8, float(scale))
 
     def _plan(self) -> _Round:
         if self._round is None:
@@ -210,7 +241,7 @@ class Compressor:
         residual encode left and, under q8, the next round's ranges (the survivors'
         mean of their maxima)."""
         plan = self._plan()
-        self.residual = plan.residual
+        self.residual, self.scale = plan.residual, plan.scale
         if plan.range_sums is not None:
             self.ranges = np.maximum(plan.range_sums / max(1, survivors), _RANGE_FLOOR)
         self._round = None
@@ -222,6 +253,7 @@ class Compressor:
         for name, value in (("residual", self.residual), ("ranges", self.ranges)):
             if value is not None:
                 parts[name] = np.ascontiguousarray(value, dtype="<f8").tobytes()
+        parts["scale"] = np.array([self.scale], dtype="<f8").tobytes()
         return pack_parts(parts)
 
     def load(self, data: bytes) -> None:
@@ -243,6 +275,10 @@ class Compressor:
             return np.frombuffer(raw, dtype="<f8").astype(np.float64)
 
         self.residual, self.ranges = array("residual"), array("ranges")
+        scale = array("scale")
+        if scale is not None and (scale.shape != (1,) or not 0 <= scale[0] < math.inf):
+            raise CompressionError("unreadable compressor state: scale")
+        self.scale = 1.0 if scale is None else float(scale[0])
 
 
 def compressor_for(plan: RunPlan, codec: FixedPointCodec) -> Compressor | None:

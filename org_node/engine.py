@@ -7,8 +7,9 @@ secure sum of its pre-training statistics:
 
 1. **train** — the local job (:class:`LocalTrainer`; on a node the org's local worker,
    :class:`~org_node.trainers.local.WorkerTrainer`) starts from the global model
-   ``M[r]`` and hands back ``delta = local - global``, its weight (examples seen) and
-   its step count ``tau``;
+   ``M[r]`` (with the compression ``carry``, plus this org's residual: what it has
+   not sent yet) and hands back ``delta = local - start``, its weight (examples seen) and its step
+   count ``tau``;
 2. **check** — names, shapes and finiteness of the update against the global model
    (:class:`UpdateRejected` names the offending field; a NaN update is never sent);
 3. **pack** — FedNova normalization (Wang et al., "Tackling the Objective
@@ -382,8 +383,23 @@ class RunEngine:
 
     # -- one round ------------------------------------------------------------------
 
+    def _weight(self, result: LocalResult) -> float:
+        return float(result.num_examples) if self.config.weighting == "examples" else 1.0
+
+    def _scale(self, result: LocalResult) -> float:
+        """The packed body's units per model unit: the weight, over tau under FedNova."""
+        tau = float(max(1, result.steps)) if self.config.fednova else 1.0
+        return self._weight(result) / tau
+
+    def _train(self, model: Model, round: int) -> LocalResult:
+        """The local job (in a worker thread), from the agreed model (with the
+        compression ``carry``, plus what this org has not sent yet:
+        :meth:`Compressor.local_start`)."""
+        start = model if self.compressor is None else self.compressor.local_start(model)
+        return self.trainer.train(start, round, self.strategy.local_config())
+
     def _pack(self, result: LocalResult) -> np.ndarray:
-        weight = float(result.num_examples) if self.config.weighting == "examples" else 1.0
+        weight = self._weight(result)
         names = sorted(self.state.model)
         update = [np.asarray(result.update[k], dtype=np.float64) for k in names]
         if self.config.fednova:
@@ -523,14 +539,16 @@ class RunEngine:
         charge = self._charge_for(model)  # BudgetExceeded: hard stop before the round
         t_round = time.monotonic()
         self._doing("training")
-        result = await asyncio.to_thread(self.trainer.train, model, r, self.strategy.local_config())
+        result = await asyncio.to_thread(self._train, model, r)
         t_trained = time.monotonic()
         check_update(result.update, model)
         packed = self._pack(result)
         self.debug_export.update(r, packed)
         await self.debug_export.held(r)
         if self.compressor is not None:  # the round's support: hashes the model, off the loop
-            await asyncio.to_thread(self.compressor.start_round, self.plan.run_key, r, model)
+            await asyncio.to_thread(
+                self.compressor.start_round, self.plan.run_key, r, model, self._scale(result)
+            )
         try:
             vector = self.secure_sum.encode(packed)
         except SecAggError as exc:

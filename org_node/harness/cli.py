@@ -57,7 +57,8 @@ def harness(
     compression: Annotated[
         str,
         typer.Option(
-            "--compression", help="none, q8, random-k=F or random-k=F,q8 (the run spec's)."
+            "--compression",
+            help="none, q8, random-k=F or random-k=F,q8, each may end in ,carry (the run spec's).",
         ),
     ] = "none",
     kill: Annotated[

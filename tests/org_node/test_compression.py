@@ -39,6 +39,8 @@ BIG = {"w": np.zeros((40, 50), dtype=np.float32), "b": np.zeros(50, dtype=np.flo
         ("random-k=0.1", "random-k=0.1"),
         ("random-k=0.1,q8", "random-k=0.1,q8"),
         ("q8, random-k=0.25", "random-k=0.25,q8"),
+        ("carry,q8,random-k=0.1", "random-k=0.1,q8,carry"),
+        ("q8,carry", "q8,carry"),
     ],
 )
 def test_a_compression_is_stored_in_its_canonical_form(text: str, canonical: str) -> None:
@@ -50,7 +52,9 @@ def test_a_compression_is_stored_in_its_canonical_form(text: str, canonical: str
 @pytest.mark.parametrize(
     ("text", "words"),
     [
-        ("q4", "q8 or random-k"),
+        ("q4", "not random-k=F, q8 or carry"),
+        ("carry", "carry keeps a residual that only random-k or q8"),
+        ("q8,carry,carry", "at most once"),
         ("random-k=0", "strictly between 0 and 1"),
         ("random-k=1", "strictly between 0 and 1"),
         ("random-k=abc", "not a number"),
@@ -184,15 +188,39 @@ def test_q8_ranges_are_the_survivors_mean_of_their_maxima() -> None:
     assert vec.dtype == np.uint16  # round 1 sends 8-bit levels in the 16-bit ring
 
 
+def test_a_carried_local_job_starts_from_the_model_plus_the_residual_in_model_units() -> None:
+    codec = FixedPointCodec(bits=32, clip=100.0, max_summands=1)
+    comp = Compressor(Compression(0.5, carry=True), participants=1, codec=codec)
+    model = {"z": np.ones(3, np.float32), "a": np.zeros((2, 2), np.float32)}
+    assert comp.local_start(model).keys() == model.keys()  # nothing left to send yet
+    comp.residual, comp.scale = np.arange(7.0), 4.0  # sorted names: a (4 values), then z
+    restart = Compressor(Compression(0.5), participants=1, codec=codec)
+    restart.residual = comp.residual
+    np.testing.assert_array_equal(restart.local_start(model)["a"], model["a"])  # no carry
+    start = comp.local_start(model)
+    assert list(start) == ["z", "a"]  # the model's own order
+    np.testing.assert_array_equal(start["a"], np.arange(4.0).reshape(2, 2) / 4)
+    np.testing.assert_array_equal(start["z"], 1 + np.arange(4.0, 7.0) / 4)
+    assert {v.dtype for v in start.values()} == {np.dtype(np.float32)}
+    np.testing.assert_array_equal(model["z"], np.ones(3))  # the agreed model is untouched
+    comp.scale = 0.0  # an org of weight 0 sent nothing of its own
+    np.testing.assert_array_equal(comp.local_start(model)["a"], model["a"])
+    comp.residual, comp.scale = np.arange(6.0), 1.0
+    with pytest.raises(CompressionError, match="does not fit"):
+        comp.local_start(model)
+
+
 def test_the_compressor_state_round_trips_and_refuses_another_compression() -> None:
     codec = FixedPointCodec(bits=32, clip=100.0, max_summands=3)
     comp = Compressor(Compression(0.5, True), participants=3, codec=codec)
     comp.residual = np.arange(5.0)
     comp.ranges = np.array([0.25, 2.0])
+    comp.scale = 12.5
     again = Compressor(Compression(0.5, True), participants=3, codec=codec)
     again.load(comp.to_bytes())
     np.testing.assert_array_equal(again.residual, comp.residual)
     np.testing.assert_array_equal(again.ranges, comp.ranges)
+    assert again.scale == 12.5
     other = Compressor(Compression(q8=True), participants=3, codec=codec)
     with pytest.raises(CompressionError, match=r"random-k=0\.5,q8"):
         other.load(comp.to_bytes())
@@ -251,6 +279,92 @@ def _run(
 
     engines: dict[str, RunEngine] = {}
     return asyncio.run(scenario()), engines, reports
+
+
+OPTIMUM = {"w": np.full((40, 50), 0.5, np.float32), "b": np.full(50, -0.25, np.float32)}
+
+
+class FixedPointTrainer:
+    """A local job that reaches the same point ``OPTIMUM`` from wherever it starts (a
+    long local loop on a shared optimum), recording where it started."""
+
+    def __init__(self, examples: int) -> None:
+        self.examples = examples
+        self.starts: list[dict[str, np.ndarray]] = []
+
+    def train(
+        self, global_state: Mapping[str, np.ndarray], round: int, options: Mapping[str, Any]
+    ) -> LocalResult:
+        self.starts.append({k: np.array(v) for k, v in global_state.items()})
+        update = {k: OPTIMUM[k] - np.asarray(v) for k, v in global_state.items()}
+        return LocalResult(update, self.examples, 4, {})
+
+
+@pytest.mark.parametrize("carry", [True, False])
+def test_carry_starts_each_local_job_from_the_model_plus_its_residual(
+    tmp_path: Path, carry: bool
+) -> None:
+    """With random-k the coordinates an org did not send stay in its residual. With
+    ``carry`` its next local job starts from the agreed model plus that residual
+    (÷ its w / tau), so an update adds only what is new: the model reaches the shared
+    optimum and never passes it. Without, the job starts from the agreed model, and a
+    left-out coordinate carries the same step again for every round it waited: the
+    model overshoots."""
+    compression = "random-k=0.3,carry" if carry else "random-k=0.3"
+    plan = RunPlan.from_spec("r", SPEC | {"rounds": 6, "compression": compression})
+    trainers = {o: FixedPointTrainer(i + 1) for i, o in enumerate(ORGS)}
+    models: list[dict[str, np.ndarray]] = []
+    residuals: dict[str, list[tuple[np.ndarray, float]]] = {o: [] for o in ORGS}
+
+    async def scenario() -> None:
+        fed = Federation()
+        await fed.start()
+
+        def on_round(report: Any, org: str) -> None:
+            comp = engines[org].compressor
+            assert comp is not None and comp.residual is not None
+            residuals[org].append((comp.residual.copy(), comp.scale))
+            if org == ORGS[0]:
+                models.append(dict(engines[org].state.model))
+
+        engines = {
+            o: RunEngine(
+                plan,
+                fast(ring_bits=32, clip=100.0),
+                rounds=fed.rounds[o],
+                trainer=trainers[o],
+                state_dir=tmp_path / o,
+                initial_model=BIG,
+                rng=np.random.default_rng(i),
+                on_round=lambda report, o=o: on_round(report, o),  # type: ignore[misc]
+            )
+            for i, o in enumerate(ORGS)
+        }
+        try:
+            outcomes = await asyncio.gather(*(e.run() for e in engines.values()))
+        finally:
+            await fed.close()
+        assert len({o.model_hash for o in outcomes}) == 1
+
+    asyncio.run(scenario())
+    for org, trainer in trainers.items():
+        for r in range(1, 6):  # round r's job started from M[r] (+ residual / (w / tau))
+            left, scale = residuals[org][r - 1]
+            assert scale == trainer.examples / 4  # FedNova's w / tau (4 steps)
+            flat = np.concatenate([models[r - 1][k].ravel() for k in ("b", "w")])
+            start = np.concatenate([trainer.starts[r][k].ravel() for k in ("b", "w")])
+            np.testing.assert_allclose(start, flat + left / scale if carry else flat, atol=1e-6)
+    passed = 0.0
+    for k, target in OPTIMUM.items():
+        for model in models:  # how far any coordinate went past its target
+            passed = max(passed, float(np.max(model[k] * np.sign(target) - np.abs(target))))
+    if carry:
+        assert passed < 1e-4
+        final = models[-1]
+        sent = np.concatenate([np.abs(final[k] - t).ravel() < 1e-4 for k, t in OPTIMUM.items()])
+        assert sent.mean() > 0.8  # 6 rounds of 30 %: about 88 % sent at least once
+    else:
+        assert passed > 0.1
 
 
 @pytest.mark.parametrize("compression", ["q8", "random-k=0.5,q8", "random-k=0.5"])
