@@ -5,8 +5,9 @@ What each compression does and why is in :mod:`org_node.compression`; this modul
 what the run engine (:class:`~org_node.engine.RunEngine`) calls each round:
 :meth:`Compressor.local_start` (where the org's local job starts: with ``carry``, the
 agreed model plus its residual), :meth:`Compressor.start_round` (over the global
-model), :meth:`Compressor.encode` (the org's ring vector), :meth:`Compressor.decode` (the ring sum back to a packed sum) and
-:meth:`Compressor.commit` (the round completed: keep the residual and the ranges).
+model), :meth:`Compressor.encode` (the org's ring vector), :meth:`Compressor.decode`
+(the ring sum back to a packed sum) and :meth:`Compressor.commit` (the round
+completed: keep the residual, its scale and the ranges).
 """
 
 from __future__ import annotations
