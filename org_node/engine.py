@@ -15,8 +15,8 @@ secure sum of its pre-training statistics:
 3. **pack** — FedNova normalization (Wang et al., "Tackling the Objective
    Inconsistency Problem in Heterogeneous Federated Optimization", NeurIPS 2020,
    eq. 7): the org contributes ``w * delta / tau``, ``w * tau`` and ``w`` inside one
-   secure vector (:func:`org_node.strategies.pack_weighted`), so that orgs on a time
-   budget (fewer steps) do not bias the model and no org reveals its weight or steps;
+   secure vector (:mod:`org_node.update_packing`), so that orgs on a time budget
+   (fewer steps) do not bias the model and no org reveals its weight or steps;
 4. **protect** — without DP the vector is quantized by the shared
    :class:`~secure_agg.codec.FixedPointCodec`; with DP (the run spec's ``epsilon`` and
    agreed ``dp`` mechanism, which must be this org's own) the budget is checked
@@ -100,15 +100,9 @@ from org_node.run_state import (
     model_hash,
     model_to_bytes,
 )
-from org_node.strategies import (
-    Strategy,
-    StrategyError,
-    make_strategy,
-    pack_weighted,
-    params_shapes,
-    unpack_weighted,
-)
+from org_node.strategies import Strategy, StrategyError, make_strategy
 from org_node.training.exchange import LocalResult
+from org_node.update_packing import pack_update, packing_scale, unpack_sum
 from secure_agg.codec import FixedPointCodec
 from secure_agg.dp import clip_l2
 from secure_agg.errors import SecAggError
@@ -383,14 +377,6 @@ class RunEngine:
 
     # -- one round ------------------------------------------------------------------
 
-    def _weight(self, result: LocalResult) -> float:
-        return float(result.num_examples) if self.config.weighting == "examples" else 1.0
-
-    def _scale(self, result: LocalResult) -> float:
-        """The packed body's units per model unit: the weight, over tau under FedNova."""
-        tau = float(max(1, result.steps)) if self.config.fednova else 1.0
-        return self._weight(result) / tau
-
     def _train(self, model: Model, round: int) -> LocalResult:
         """The local job (in a worker thread), from the agreed model (with the
         compression ``carry``, plus what this org has not sent yet:
@@ -399,16 +385,12 @@ class RunEngine:
         return self.trainer.train(start, round, self.strategy.local_config())
 
     def _pack(self, result: LocalResult) -> np.ndarray:
-        weight = self._weight(result)
-        names = sorted(self.state.model)
-        update = [np.asarray(result.update[k], dtype=np.float64) for k in names]
-        if self.config.fednova:
-            tau = float(max(1, result.steps))
-            packed = pack_weighted([*(u / tau for u in update), np.array([tau])], weight)
-        else:
-            packed = pack_weighted(update, weight)
-        if not np.isfinite(packed).all():
-            raise UpdateRejected("update", "the packed update holds NaN or Inf")
+        packed = pack_update(
+            result,
+            sorted(self.state.model),
+            weighting=self.config.weighting,
+            fednova=self.config.fednova,
+        )
         if self.dp is not None:  # DP clips anyway: first, so the range check sees the clip
             packed, _factor = clip_l2(packed, self.dp.l2_clip)
         bound = self.secure_sum.bound_per_participant(len(self.plan.participants))
@@ -428,23 +410,6 @@ class RunEngine:
             ring, _factor = protect_update(packed, codec=self.codec, dp=self.dp, rng=self.rng)
             return ring
         return self.codec.encode(packed, self.rng)
-
-    def _unpack(self, total: np.ndarray, survivors: int) -> tuple[list[np.ndarray], float]:
-        """``(sum of w * delta, sum of w)`` from the decoded sum.
-
-        Under DP the summed weight carries noise (it may even be negative), so the
-        public count of survivors divides instead (uniform weights, ``w = 1``).
-        """
-        names = sorted(self.state.model)
-        shapes = params_shapes([self.state.model[k] for k in names])
-        extra = [(1,)] if self.config.fednova else []
-        parts, weight = unpack_weighted(total, [*shapes, *extra])
-        if self.dp is not None:
-            weight = float(survivors)
-        if self.config.fednova:
-            tau_eff = max(float(parts[-1][0]) / weight, 0.0) if weight > 0 else 0.0
-            return [p * tau_eff for p in parts[:-1]], weight
-        return parts, weight
 
     async def _aggregate(self, round: int, vector: np.ndarray) -> _Aggregate:
         """The secure sum of this round (decoded). An attempt that fails is tried again
@@ -547,7 +512,11 @@ class RunEngine:
         await self.debug_export.held(r)
         if self.compressor is not None:  # the round's support: hashes the model, off the loop
             await asyncio.to_thread(
-                self.compressor.start_round, self.plan.run_key, r, model, self._scale(result)
+                self.compressor.start_round,
+                self.plan.run_key,
+                r,
+                model,
+                packing_scale(result, weighting=self.config.weighting, fednova=self.config.fednova),
             )
         try:
             vector = self.secure_sum.encode(packed)
@@ -567,7 +536,12 @@ class RunEngine:
         secure_sum_s = time.monotonic() - t_sum
         epsilon = None if charge is None else charge(len(agg.survivors))
         attempts = agg.attempts
-        summed, weight = self._unpack(agg.total, len(agg.survivors))
+        summed, weight = unpack_sum(
+            agg.total,
+            model,
+            fednova=self.config.fednova,
+            public_count=len(agg.survivors) if self.dp is not None else None,
+        )
         params = [model[k] for k in names]
         new_params = self.strategy.step(params, summed, weight)
         new_model = dict(zip(names, (np.asarray(p) for p in new_params), strict=True))
