@@ -307,8 +307,7 @@ def runs_propose(
         typer.Option(
             "--compression",
             help="Compress each org's update before masking: none (default), q8, "
-            "random-k=F or random-k=F,q8; add ,carry to start each local job from the "
-            "model plus the org's residual (masked backend, no epsilon).",
+            "random-k=F or random-k=F,q8 (masked backend, no epsilon).",
         ),
     ] = None,
     consent_timeout: Annotated[

@@ -9,17 +9,19 @@ and FedNova's ``w * tau``) before it is masked. The compression is the same at e
 node, and nothing in it depends on one org's private values:
 
 ``random-k=F``
-    every org sends the same coordinates: in each tensor of ``s`` values, the
-    ``ceil(F * s)`` whose keys are smallest, the keys a pure function of the round's
-    agreed seed (:func:`org_node.compressor.round_seed`: SHA-256 of the run key, the round and the hash of
-    the global model every node holds and verified). The support is public and
+    every org sends the same coordinates, a fraction ``F`` of them each round: each
+    coordinate has a pseudo-random phase drawn from the run's agreed seed
+    (:func:`org_node.compressor.run_seed`: SHA-256 of the run key every participant
+    holds), and round ``r`` sends the coordinates whose phases fall in its window, the
+    ``r``-th of ``1 / F`` windows that tile the circle (:func:`org_node.compressor.support`).
+    So every coordinate is sent once a lap of about ``1 / F`` rounds, never twice, and
+    never waits longer: sampling without replacement. The support is public and
     independent of any org's data, so sparsity reveals nothing about which of an org's
     values were large (per-org top-k would, under secure aggregation). The selected
     values are sent **unscaled**: the sum is a biased estimate for one round, and the
     rest of each org's update stays in its **error-feedback residual** (Stich et al.,
-    "Sparsified SGD with memory", NeurIPS 2018), added to its next update, so nothing
-    is lost, only delayed: over rounds, what an org sent plus its residual equals what
-    it meant to send.
+    "Sparsified SGD with memory", NeurIPS 2018), so nothing is lost, only delayed: over
+    rounds, what an org sent plus its residual equals what it meant to send.
 ``q8``
     each sent model coordinate becomes an 8-bit level (:class:`secure_agg.q8.Q8Codec`:
     stochastic rounding, unbiased within range) summed in the **narrowest ring** the
@@ -29,7 +31,8 @@ node, and nothing in it depends on one org's private values:
     (:meth:`org_node.compressor.Compressor.ring_bits`); at most
     :data:`Q8_MAX_PARTICIPANTS` (257) participants fit its headroom (the spec refuses
     more). The range of tensor ``t`` in round ``r`` is the mean over the survivors of
-    round ``r - 1`` of each org's largest ``|value|`` in that tensor: each org adds its
+    round ``r - 1`` of each org's largest ``|value|`` sent in that tensor (a tensor
+    random-k sent nothing of in ``r - 1`` keeps its range): each org adds its
     maxima to the round's secure sum, so the range is an aggregate every survivor
     decodes identically, never one org's value. Round 0 has no such range yet: it is
     sent with the run's dense codec (a calibration round). A value beyond the range is
@@ -37,25 +40,22 @@ node, and nothing in it depends on one org's private values:
     The weight, ``w * tau`` and the maxima need more than 8 bits: they travel exactly,
     as 64-bit fixed-point values cut into byte limbs (:func:`secure_agg.q8.to_limbs`).
 
-``carry``
-    where each org's local job starts: by default from the agreed model, as in Stich
-    et al. (the residual waits beside it); with ``carry``, from the agreed model plus
-    the org's residual in the model's units
-    (:meth:`org_node.compressor.Compressor.local_start`), so a coordinate the org has
-    not sent holds its progress on it and each update adds only what is new. Restarted
-    from the agreed model, a coordinate left out for ``k`` rounds carries ``k`` copies
-    of nearly the same step; carried, it drifts toward the org's own data for those
-    rounds. Which costs less depends on the run (``python -m bench.compression``,
-    measured with 4 orgs): on the gpt task (IID windows of a 64k-character corpus)
-    ``carry`` brings FedAvg with ``random-k=0.1,q8`` from about 0.8 of dense accuracy
-    to 0.95-1.01, and lets DiLoCo's long inner loops reach FedAvg-dense's loss at 0.034
-    of its bytes (0.051, the loss swinging, without it); on digits split by label
-    (Dirichlet 0.5) it costs accuracy (0.957-0.986 of dense against 0.980-0.989). Nothing of it
-    leaves the org: it changes only where its local job starts, never what is sent or
-    how it is summed.
+**Each org's local job starts from the agreed model plus its residual**, in the
+model's units (:meth:`org_node.compressor.Compressor.local_start`): a coordinate the
+org has not sent holds its progress on it, and each update adds only what is new.
+Restarted from the agreed model instead (Stich et al.'s form), a coordinate left out
+for ``k`` rounds carries ``k`` copies of nearly the same step, an overshoot once the
+local job runs long (DiLoCo's). Carried, it drifts toward the org's own data until
+it is sent, at most ``ceil(1 / F)`` rounds, which sampling without replacement bounds
+(drawn afresh each round, a coordinate can wait many times that).
+``python -m bench.compression`` measures the outcome; ARCHITECTURE records the forms
+measured and not kept (restarting, and a support drawn afresh each round). Nothing of
+it leaves the org: it changes only where its local job starts, never what is sent or
+how it is summed. (``carry``, the option that asked for this before it became how every
+compressed run works, is still accepted and changes nothing.)
 
 Both ``random-k`` and ``q8`` combine (``random-k=0.1,q8``: 0.125 bytes per parameter
-for 4 orgs), with or without ``carry``.
+for 4 orgs).
 
 The residual and the ranges are kept in the engine state (persisted every round). The
 ranges are agreed state that a model alone does not carry, so a run with ``q8`` cannot
@@ -84,7 +84,7 @@ Q8_MAX_PARTICIPANTS = 257
 :data:`secure_agg.q8.MAX_LIMB_SUMMANDS`)."""
 
 
-_CHOICES = "choose none, or random-k=F, q8 and carry joined by commas (e.g. random-k=0.1,q8)"
+_CHOICES = "choose none, random-k=F, q8, or both joined by a comma (e.g. random-k=0.1,q8)"
 
 
 class CompressionError(ValueError):
@@ -97,12 +97,12 @@ class Compression:
 
     fraction: float | None = None
     q8: bool = False
-    carry: bool = False
 
     @classmethod
     def parse(cls, text: object) -> Compression:
-        """``none``, or any of ``random-k=F`` (``0 < F < 1``), ``q8`` and ``carry`` joined
-        by commas (in any order, each at most once; ``carry`` with one of the others)."""
+        """``none``, or ``random-k=F`` (``0 < F < 1``) and ``q8``, either or both, joined by
+        commas (in any order, each at most once). ``carry`` may join them: every
+        compressed run carries its residual now, so it changes nothing and is not kept."""
         if not isinstance(text, str) or not text.strip():
             raise CompressionError(f"compression must be a string: {_CHOICES}")
         if text.strip() == COMPRESSION_NONE:
@@ -118,16 +118,18 @@ class Compression:
             elif part.startswith("random-k=") and fraction is None:
                 fraction = _fraction(part.removeprefix("random-k="))
             else:
+                again = part in ("q8", "carry") or part.startswith("random-k=")
                 raise CompressionError(
-                    f"compression {text!r}: {part!r} is not random-k=F, q8 or carry (each "
-                    f"at most once); {_CHOICES}"
+                    f"compression {text!r}: {part!r} "
+                    + ("comes more than once" if again else "is not random-k=F or q8")
+                    + f"; {_CHOICES}"
                 )
         if carry and fraction is None and not q8:
             raise CompressionError(
                 f"compression {text!r}: carry keeps a residual that only random-k or q8 "
                 "leaves; add one of them, or drop carry"
             )
-        return cls(fraction, q8, carry)
+        return cls(fraction, q8)
 
     @property
     def none(self) -> bool:
@@ -137,7 +139,6 @@ class Compression:
         """The canonical text (what the run spec stores and the run key hashes)."""
         parts = [] if self.fraction is None else [f"random-k={self.fraction!r}"]
         parts += ["q8"] if self.q8 else []
-        parts += ["carry"] if self.carry else []
         return ",".join(parts) or COMPRESSION_NONE
 
     def check_run(self, *, participants: int, backend: str, epsilon: float | None) -> None:

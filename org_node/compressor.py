@@ -1,20 +1,20 @@
-"""One org's compressor of its packed updates: the round's agreed seed, the random-k
+"""One org's compressor of its packed updates: the run's agreed seed, the random-k
 support, q8 levels, the error-feedback residual and q8's agreed ranges.
 
 What each compression does and why is in :mod:`org_node.compression`; this module is
 what the run engine (:class:`~org_node.engine.RunEngine`) calls each round:
-:meth:`Compressor.local_start` (where the org's local job starts: with ``carry``, the
-agreed model plus its residual), :meth:`Compressor.start_round` (over the global
-model), :meth:`Compressor.encode` (the org's ring vector), :meth:`Compressor.decode`
-(the ring sum back to a packed sum) and :meth:`Compressor.commit` (the round
-completed: keep the residual, its scale and the ranges).
+:meth:`Compressor.local_start` (where the org's local job starts: the agreed model
+plus its residual), :meth:`Compressor.start_round` (over the global model),
+:meth:`Compressor.encode` (the org's ring vector), :meth:`Compressor.decode` (the ring
+sum back to a packed sum) and :meth:`Compressor.commit` (the round completed: keep the
+residual, its scale and the ranges).
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,43 +22,50 @@ from coordinator_free.sealed import SealedError, pack_parts, unpack_parts
 
 from org_node.compression import Compression, CompressionError
 from org_node.run_config import EngineError, RunPlan
-from org_node.run_state import model_hash
 from secure_agg.codec import FixedPointCodec
-from secure_agg.prg import expand
+from secure_agg.prg import add_masks
 from secure_agg.q8 import MAX_LIMB_SUMMANDS, Q8Codec, from_limbs, to_limbs
 
-__all__ = ["Compressor", "compressor_for", "round_seed", "support"]
+__all__ = ["Compressor", "compressor_for", "run_seed", "support", "window"]
 
-_SEED_DOMAIN = b"fedweave/compression/random-k/v1\x00"
+_SEED_DOMAIN = b"fedweave/compression/random-k/v2\x00"
+_SUPPORT_CHUNK = 1 << 20
+"""Coordinates whose phases :func:`support` draws and compares at a time."""
 _RANGE_FLOOR = 1e-30
 """The smallest q8 range: a tensor whose maxima summed to 0 still divides by a range."""
 
 
-def round_seed(run_key: str, round: int, model_digest: bytes) -> bytes:
-    """The round's agreed seed: SHA-256 of the run key, the round and the global model's
-    hash (every participant holds the same model and verified its hash)."""
-    h = hashlib.sha256(_SEED_DOMAIN)
-    h.update(run_key.encode() + b"\x00" + int(round).to_bytes(8, "big") + model_digest)
-    return h.digest()
+def run_seed(run_key: str) -> bytes:
+    """The run's agreed support seed: SHA-256 of the run key, which every participant
+    holds (the hash of the spec it accepted)."""
+    return hashlib.sha256(_SEED_DOMAIN + run_key.encode()).digest()
 
 
-def support(seed: bytes, sizes: Sequence[int], fraction: float) -> np.ndarray:
-    """The sorted body indices every org sends: in each tensor of ``s`` values, the
-    ``ceil(fraction * s)`` with the smallest keys. The keys are one AES-CTR expansion
-    of ``seed`` (:func:`secure_agg.prg.expand`), made distinct by the index in their low
-    bits, so the choice is a pure function of ``seed`` on every platform."""
-    total = int(sum(sizes))
-    keys = expand(seed, total, 64)
+def window(fraction: float) -> int:
+    """The width of a round's window of phases: ``fraction`` of the 64-bit circle."""
+    return min(2**64 - 1, max(1, int(fraction * 2.0**64)))
+
+
+def support(seed: bytes, round: int, total: int, fraction: float) -> np.ndarray:
+    """The sorted indices every org sends in round ``round``, of ``total`` coordinates.
+
+    Coordinate ``i`` has a phase: the ``i``-th 64-bit word of one AES-CTR expansion of
+    ``seed`` (:func:`secure_agg.prg.expand`). Round ``r`` sends the coordinates whose
+    phase lies in ``[r W, (r + 1) W)`` modulo ``2^64``, ``W`` = :func:`window`: the
+    windows tile the circle, so every coordinate is sent once a lap of ``1 / fraction``
+    rounds (``floor`` or ``ceil`` of it apart), never twice in a lap and never left out
+    of one: sampling without replacement. A pure function of ``seed`` and ``round`` on
+    every platform, computed a chunk at a time."""
+    width = window(fraction)
+    start = np.uint64(int(round) * width % 2**64)
+    phases = np.empty(min(int(total), _SUPPORT_CHUNK), dtype=np.uint64)
     out: list[np.ndarray] = []
-    offset = 0
-    for size in sizes:
-        k = min(size, max(1, math.ceil(fraction * size)))
-        low = max(1, int(size - 1).bit_length())
-        local = (keys[offset : offset + size] >> np.uint64(low)) << np.uint64(low)
-        local |= np.arange(size, dtype=np.uint64)
-        chosen = np.argpartition(local, k - 1)[:k] if k < size else np.arange(size)
-        out.append(np.sort(chosen).astype(np.int64) + offset)
-        offset += size
+    for offset in range(0, int(total), _SUPPORT_CHUNK):
+        part = phases[: min(_SUPPORT_CHUNK, int(total) - offset)]
+        part.fill(0)
+        add_masks(part, [(seed, 1)], offset=offset)
+        part -= start  # modulo 2^64: the phase's distance past the window's start
+        out.append(np.flatnonzero(part < np.uint64(width)) + offset)
     return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
 
@@ -109,13 +116,13 @@ class Compressor:
     # -- one round --------------------------------------------------------------------
 
     def local_start(self, model: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Where this org's local job starts: the agreed ``model``, or with ``carry``
-        the model plus the residual in the model's units (each tensor keeps its dtype
-        and the model's order). Carried, a coordinate not sent for some rounds holds
-        this org's progress on it, and the next update, taken from there, adds only
-        what is new; restarted from the agreed model, the residual adds up the same
-        step once a round, an overshoot when the local job runs long (DiLoCo's)."""
-        if not self.compression.carry or self.residual is None or self.scale == 0:
+        """Where this org's local job starts: the agreed ``model`` plus its residual in
+        the model's units (each tensor keeps its dtype and the model's order). A
+        coordinate not sent for some rounds holds this org's progress on it, and the
+        next update, taken from there, adds only what is new. (Restarted from the
+        agreed model, as in Stich et al., the residual would add up nearly the same
+        step once a round for every round the coordinate waited: an overshoot.)"""
+        if self.residual is None or self.scale == 0:
             return dict(model)
         names = sorted(model)
         sizes = [int(np.size(model[k])) for k in names]
@@ -149,7 +156,7 @@ class Compressor:
             index = None
             tensor_of = np.repeat(np.arange(len(names)), self.sizes)
         else:
-            index = support(round_seed(run_key, round, model_hash(model)), self.sizes, fraction)
+            index = support(run_seed(run_key), round, total, fraction)
             tensor_of = np.searchsorted(starts, index, side="right") - 1
         q8 = self.q8 is not None and self.ranges is not None
         self._round = _Round(index, tensor_of, starts, q8, float(scale))
@@ -244,7 +251,11 @@ class Compressor:
         plan = self._plan()
         self.residual, self.scale = plan.residual, plan.scale
         if plan.range_sums is not None:
-            self.ranges = np.maximum(plan.range_sums / max(1, survivors), _RANGE_FLOOR)
+            fresh = np.maximum(plan.range_sums / max(1, survivors), _RANGE_FLOOR)
+            if self.ranges is not None:  # a tensor random-k sent none of keeps its range
+                sent = np.bincount(plan.tensor_of, minlength=len(self.sizes)) > 0
+                fresh = np.where(sent, fresh, self.ranges)
+            self.ranges = fresh
         self._round = None
 
     # -- persistence ------------------------------------------------------------------

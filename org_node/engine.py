@@ -7,9 +7,9 @@ secure sum of its pre-training statistics:
 
 1. **train** — the local job (:class:`LocalTrainer`; on a node the org's local worker,
    :class:`~org_node.trainers.local.WorkerTrainer`) starts from the global model
-   ``M[r]`` (with the compression ``carry``, plus this org's residual: what it has
-   not sent yet) and hands back ``delta = local - start``, its weight (examples seen) and its step
-   count ``tau``;
+   ``M[r]`` (under a compression, plus this org's residual: what it has not sent
+   yet) and hands back ``delta = local - start``, its weight (examples seen) and its
+   step count ``tau``;
 2. **check** — names, shapes and finiteness of the update against the global model
    (:class:`UpdateRejected` names the offending field; a NaN update is never sent);
 3. **pack** — FedNova normalization (Wang et al., "Tackling the Objective
@@ -378,8 +378,8 @@ class RunEngine:
     # -- one round ------------------------------------------------------------------
 
     def _train(self, model: Model, round: int) -> LocalResult:
-        """The local job (in a worker thread), from the agreed model (with the
-        compression ``carry``, plus what this org has not sent yet:
+        """The local job (in a worker thread), from the agreed model (under a
+        compression, plus what this org has not sent yet:
         :meth:`Compressor.local_start`)."""
         start = model if self.compressor is None else self.compressor.local_start(model)
         return self.trainer.train(start, round, self.strategy.local_config())

@@ -117,8 +117,8 @@ class RunSpec:
         without takes none.
     compression: how each org compresses its update before masking
         (:mod:`org_node.compression`): ``none`` (default), ``q8``, ``random-k=F`` or
-        ``random-k=F,q8``, each optionally with ``carry``; stored in its canonical
-        form. Masked backend only, never with an epsilon.
+        ``random-k=F,q8``; stored in its canonical form. Masked backend only, never
+        with an epsilon.
     """
 
     trainer: str

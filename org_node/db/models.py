@@ -450,9 +450,9 @@ class RunSpecModel(SQLModel):
         max_length=100,
         description="How each org compresses its update before masking: none, q8 (8-bit "
         "levels in a 16-bit ring), random-k=F (the same pseudo-random fraction F of the "
-        "coordinates at every org, error feedback kept locally) or random-k=F,q8; ,carry "
-        "added starts each org's local job from the agreed model plus its residual. "
-        "Masked backend only, never with an epsilon.",
+        "coordinates at every org, each sent once every 1/F rounds; what an org has not "
+        "sent stays in its residual, from which its next local job starts) or "
+        "random-k=F,q8. Masked backend only, never with an epsilon.",
     )
 
     @field_validator("compression")

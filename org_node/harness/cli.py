@@ -58,7 +58,7 @@ def harness(
         str,
         typer.Option(
             "--compression",
-            help="none, q8, random-k=F or random-k=F,q8, each may end in ,carry (the run spec's).",
+            help="none, q8, random-k=F or random-k=F,q8 (the run spec's).",
         ),
     ] = "none",
     kill: Annotated[

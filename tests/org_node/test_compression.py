@@ -4,6 +4,7 @@ runs of three real round engines with q8 and random-k (model hashes agree)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -11,15 +12,19 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+import org_node.compressor as compressor_module
 from org_node.compression import Q8_MAX_PARTICIPANTS, Compression, CompressionError
-from org_node.compressor import Compressor, round_seed, support
+from org_node.compressor import Compressor, run_seed, support, window
 from org_node.dp_spec import DpMechanism
 from org_node.engine import EngineError, RunEngine, RunFailed, RunPlan, run_key
 from org_node.policy import PolicyError, RunSpec
 from org_node.run_state import EngineState
 from org_node.training.exchange import LocalResult
 from secure_agg.codec import FixedPointCodec
+from secure_agg.prg import expand
 from secure_agg.q8 import MAX_LIMB_SUMMANDS, MAX_SUMMANDS, ring_bits_for
 from tests.org_node.test_engine import ORGS, Federation, fast, make_engines
 
@@ -39,8 +44,8 @@ BIG = {"w": np.zeros((40, 50), dtype=np.float32), "b": np.zeros(50, dtype=np.flo
         ("random-k=0.1", "random-k=0.1"),
         ("random-k=0.1,q8", "random-k=0.1,q8"),
         ("q8, random-k=0.25", "random-k=0.25,q8"),
-        ("carry,q8,random-k=0.1", "random-k=0.1,q8,carry"),
-        ("q8,carry", "q8,carry"),
+        ("carry,q8,random-k=0.1", "random-k=0.1,q8"),  # carry: what every run does
+        ("q8,carry", "q8"),
     ],
 )
 def test_a_compression_is_stored_in_its_canonical_form(text: str, canonical: str) -> None:
@@ -52,15 +57,15 @@ def test_a_compression_is_stored_in_its_canonical_form(text: str, canonical: str
 @pytest.mark.parametrize(
     ("text", "words"),
     [
-        ("q4", "not random-k=F, q8 or carry"),
+        ("q4", "'q4' is not random-k=F or q8"),
         ("carry", "carry keeps a residual that only random-k or q8"),
-        ("q8,carry,carry", "at most once"),
+        ("q8,carry,carry", "'carry' comes more than once"),
         ("random-k=0", "strictly between 0 and 1"),
         ("random-k=1", "strictly between 0 and 1"),
         ("random-k=abc", "not a number"),
         ("random-k=nan", "strictly between"),
-        ("q8,q8", "at most once"),
-        ("random-k=0.1,random-k=0.2", "at most once"),
+        ("q8,q8", "'q8' comes more than once"),
+        ("random-k=0.1,random-k=0.2", "'random-k=0.2' comes more than once"),
         ("", "must be a string"),
         (3, "must be a string"),
     ],
@@ -115,26 +120,59 @@ def test_the_engine_refuses_a_plan_whose_compression_it_cannot_run(tmp_path: Pat
 # --------------------------------------------------------------------------- the support
 
 
-def test_the_support_is_a_pure_function_of_the_agreed_seed() -> None:
-    seed = round_seed("run", 3, b"m" * 32)
-    first = support(seed, SIZES, 0.1)
-    np.testing.assert_array_equal(first, support(seed, SIZES, 0.1))
-    assert seed == round_seed("run", 3, b"m" * 32)
-    # every tensor sends ceil(F * size) coordinates, at least one
-    counts = np.bincount(np.searchsorted(np.cumsum(SIZES), first, side="right"), minlength=3)
-    assert counts.tolist() == [math.ceil(0.1 * s) for s in SIZES] == [4, 1, 1]
-    assert (np.diff(first) > 0).all()
+def test_the_support_is_a_pure_function_of_the_run_seed_and_the_round(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seed = run_seed("run")
+    assert seed == run_seed("run") and len(seed) == 32
+    first = support(seed, 3, 10_000, 0.1)
+    np.testing.assert_array_equal(first, support(seed, 3, 10_000, 0.1))
+    # the phases are one AES-CTR expansion of the seed; round 3 takes its window of them
+    phases = expand(seed, 10_000, 64)
+    start = np.uint64(3 * window(0.1) % 2**64)
+    np.testing.assert_array_equal(first, np.flatnonzero(phases - start < np.uint64(window(0.1))))
+    assert (np.diff(first) > 0).all() and 850 < first.size < 1150  # about F of them
+    monkeypatch.setattr(compressor_module, "_SUPPORT_CHUNK", 999)  # drawn a chunk at a time
+    np.testing.assert_array_equal(support(seed, 3, 10_000, 0.1), first)
 
 
-def test_the_support_differs_across_rounds_runs_and_models() -> None:
-    big = [10_000]
-    base = support(round_seed("run", 3, b"m" * 32), big, 0.1)
+def test_the_support_differs_across_rounds_and_runs() -> None:
+    base = support(run_seed("run"), 3, 10_000, 0.1)
     for other in (
-        round_seed("run", 4, b"m" * 32),
-        round_seed("other", 3, b"m" * 32),
-        round_seed("run", 3, b"n" * 32),
+        support(run_seed("run"), 4, 10_000, 0.1),
+        support(run_seed("other"), 3, 10_000, 0.1),
     ):
-        assert not np.array_equal(support(other, big, 0.1), base)
+        assert not np.array_equal(other, base)
+
+
+@given(
+    fraction=st.floats(0.04, 0.9),
+    first=st.integers(0, 2**40),
+    run=st.text(max_size=8),
+)
+@settings(max_examples=40, deadline=None)
+def test_every_coordinate_is_sent_once_a_lap(fraction: float, first: int, run: str) -> None:
+    """Sampling without replacement: from any round on, each coordinate is sent within
+    the first lap (2^64 / W rounds, about 1 / F) and then once a lap, the gaps between
+    its sends the lap's floor or ceiling, never two sends in one round's support."""
+    lap = 2**64 / window(fraction)
+    rounds = range(first, first + 3 * math.ceil(lap))
+    total = 300
+    sends: list[list[int]] = [[] for _ in range(total)]
+    for r in rounds:
+        for i in support(run_seed(run), r, total, fraction):
+            sends[i].append(r)
+    for times in sends:
+        assert times and times[0] - first < math.ceil(lap)
+        assert {b - a for a, b in itertools.pairwise(times)} <= {math.floor(lap), math.ceil(lap)}
+
+
+def test_a_lap_of_a_quarter_partitions_the_coordinates() -> None:
+    seed = run_seed("run")
+    lap = [support(seed, r, 5_000, 0.25) for r in range(8, 12)]  # W = 2^62 exactly
+    together = np.concatenate(lap)
+    np.testing.assert_array_equal(np.sort(together), np.arange(5_000))
+    np.testing.assert_array_equal(support(seed, 12, 5_000, 0.25), lap[0])
 
 
 # --------------------------------------------------------------------------- error feedback
@@ -188,15 +226,38 @@ def test_q8_ranges_are_the_survivors_mean_of_their_maxima() -> None:
     assert vec.dtype == np.uint16  # round 1 sends 8-bit levels in the 16-bit ring
 
 
-def test_a_carried_local_job_starts_from_the_model_plus_the_residual_in_model_units() -> None:
+def test_a_tensor_random_k_sent_nothing_of_keeps_its_q8_range() -> None:
     codec = FixedPointCodec(bits=32, clip=100.0, max_summands=1)
-    comp = Compressor(Compression(0.5, carry=True), participants=1, codec=codec)
+    comp = Compressor(Compression(0.1, q8=True), participants=1, codec=codec)
+    comp.ranges = np.array([7.0, 7.0, 7.0])
+    rng = np.random.default_rng(2)
+    kept = False
+    for r in range(40):
+        comp.start_round("run", r, _model())
+        plan = comp._plan()
+        sent = np.bincount(plan.tensor_of, minlength=3) > 0
+        before = comp.ranges.copy()
+        body = np.full(sum(SIZES), 0.5)
+        target = body if comp.residual is None else body + comp.residual
+        comp.decode(comp.encode(np.concatenate([body, [1.0]]), rng))
+        comp.commit(1)
+        # a tensor sent this round: the largest |value| sent in it (one survivor); a
+        # tensor sent nothing of: the range it had (not the floor of a sum of no maxima)
+        assert plan.index is not None
+        for t in np.flatnonzero(sent):
+            mine = np.abs(target[plan.index[plan.tensor_of == t]]).max()
+            assert comp.ranges[t] == pytest.approx(mine, rel=1e-9)
+        np.testing.assert_array_equal(comp.ranges[~sent], before[~sent])
+        kept = kept or not sent.all()
+    assert kept  # the 7- and 3-value tensors go without coordinates in some rounds
+
+
+def test_a_local_job_starts_from_the_model_plus_the_residual_in_model_units() -> None:
+    codec = FixedPointCodec(bits=32, clip=100.0, max_summands=1)
+    comp = Compressor(Compression(0.5), participants=1, codec=codec)
     model = {"z": np.ones(3, np.float32), "a": np.zeros((2, 2), np.float32)}
     assert comp.local_start(model).keys() == model.keys()  # nothing left to send yet
     comp.residual, comp.scale = np.arange(7.0), 4.0  # sorted names: a (4 values), then z
-    restart = Compressor(Compression(0.5), participants=1, codec=codec)
-    restart.residual = comp.residual
-    np.testing.assert_array_equal(restart.local_start(model)["a"], model["a"])  # no carry
     start = comp.local_start(model)
     assert list(start) == ["z", "a"]  # the model's own order
     np.testing.assert_array_equal(start["a"], np.arange(4.0).reshape(2, 2) / 4)
@@ -300,17 +361,13 @@ class FixedPointTrainer:
         return LocalResult(update, self.examples, 4, {})
 
 
-@pytest.mark.parametrize("carry", [True, False])
-def test_carry_starts_each_local_job_from_the_model_plus_its_residual(
-    tmp_path: Path, carry: bool
-) -> None:
-    """With random-k the coordinates an org did not send stay in its residual. With
-    ``carry`` its next local job starts from the agreed model plus that residual
-    (÷ its w / tau), so an update adds only what is new: the model reaches the shared
-    optimum and never passes it. Without, the job starts from the agreed model, and a
-    left-out coordinate carries the same step again for every round it waited: the
-    model overshoots."""
-    compression = "random-k=0.3,carry" if carry else "random-k=0.3"
+def test_each_local_job_starts_from_the_model_plus_its_residual(tmp_path: Path) -> None:
+    """With random-k the coordinates an org did not send stay in its residual, and its
+    next local job starts from the agreed model plus that residual (÷ its w / tau), so
+    an update adds only what is new: the model reaches the shared optimum and never
+    passes it. (Started from the agreed model alone, a left-out coordinate would carry
+    the same step again for every round it waited, and the model would overshoot.)"""
+    compression = "random-k=0.3"
     plan = RunPlan.from_spec("r", SPEC | {"rounds": 6, "compression": compression})
     trainers = {o: FixedPointTrainer(i + 1) for i, o in enumerate(ORGS)}
     models: list[dict[str, np.ndarray]] = []
@@ -353,18 +410,17 @@ def test_carry_starts_each_local_job_from_the_model_plus_its_residual(
             assert scale == trainer.examples / 4  # FedNova's w / tau (4 steps)
             flat = np.concatenate([models[r - 1][k].ravel() for k in ("b", "w")])
             start = np.concatenate([trainer.starts[r][k].ravel() for k in ("b", "w")])
-            np.testing.assert_allclose(start, flat + left / scale if carry else flat, atol=1e-6)
+            np.testing.assert_allclose(start, flat + left / scale, atol=1e-6)
     passed = 0.0
     for k, target in OPTIMUM.items():
         for model in models:  # how far any coordinate went past its target
             passed = max(passed, float(np.max(model[k] * np.sign(target) - np.abs(target))))
-    if carry:
-        assert passed < 1e-4
-        final = models[-1]
-        sent = np.concatenate([np.abs(final[k] - t).ravel() < 1e-4 for k, t in OPTIMUM.items()])
-        assert sent.mean() > 0.8  # 6 rounds of 30 %: about 88 % sent at least once
-    else:
-        assert passed > 0.1
+    assert passed < 1e-4
+    final = models[-1]
+    sent = np.concatenate([np.abs(final[k] - t).ravel() < 1e-4 for k, t in OPTIMUM.items()])
+    # 6 rounds of 30 %, without replacement: a lap of 3.3 rounds, every coordinate sent
+    # (its optimum reached) by round 4; rounds 5 and 6 send it once more
+    assert sent.all()
 
 
 @pytest.mark.parametrize("compression", ["q8", "random-k=0.5,q8", "random-k=0.5"])
