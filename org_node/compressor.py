@@ -273,9 +273,10 @@ class Compressor:
         try:
             parts = unpack_parts(data)
             kept = parts["meta"].decode()
-        except (SealedError, KeyError, UnicodeDecodeError) as exc:
+            same = str(Compression.parse(kept)) == str(self.compression)  # in canonical form
+        except (SealedError, KeyError, UnicodeDecodeError, CompressionError) as exc:
             raise CompressionError(f"unreadable compressor state: {exc}") from None
-        if kept != str(self.compression):
+        if not same:
             raise CompressionError(f"compressor state of {kept!r}, not {self.compression}")
 
         def array(name: str) -> np.ndarray | None:

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from coordinator_free.sealed import pack_parts, unpack_parts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -279,12 +280,18 @@ def test_the_compressor_state_round_trips_and_refuses_another_compression() -> N
     comp.scale = 12.5
     again = Compressor(Compression(0.5, True), participants=3, codec=codec)
     again.load(comp.to_bytes())
+    parts = unpack_parts(comp.to_bytes())
     np.testing.assert_array_equal(again.residual, comp.residual)
     np.testing.assert_array_equal(again.ranges, comp.ranges)
     assert again.scale == 12.5
     other = Compressor(Compression(q8=True), participants=3, codec=codec)
     with pytest.raises(CompressionError, match=r"random-k=0\.5,q8"):
         other.load(comp.to_bytes())
+    # a state saved under the spelling with carry (before it became the default) loads
+    older = pack_parts({"meta": b"random-k=0.5,q8,carry", "residual": parts["residual"]})
+    again.load(older)
+    np.testing.assert_array_equal(again.residual, comp.residual)
+    assert again.scale == 1.0  # no scale saved: 1
     with pytest.raises(CompressionError, match="unreadable"):
         other.load(b"junk")
 
