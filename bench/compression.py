@@ -49,7 +49,7 @@ import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -166,9 +166,6 @@ class FedRun:
     lr: float = 0.1
     batch_size: int = 32
     seed: int = 0
-
-    def with_compression(self, compression: str) -> FedRun:
-        return FedRun(**{**self.__dict__, "compression": compression})
 
 
 @dataclass
@@ -351,7 +348,7 @@ def accuracy_rows(report: Report, quick: bool) -> None:
         batch = 32 if task == "digits" else 16
         base = [FedRun(task, rounds, steps, lr=lr, batch_size=batch, seed=s) for s in seeds]
         kinds = (DENSE, Q8, SPARSE_Q8)
-        done = _in_parallel([b.with_compression(c) for c in kinds for b in base])
+        done = _in_parallel([replace(b, compression=c) for c in kinds for b in base])
         runs = {c: done[i * len(base) : (i + 1) * len(base)] for i, c in enumerate(kinds)}
         dense_half, dense = np.mean(runs[DENSE], axis=0)
         for compression in (Q8, SPARSE_Q8):

@@ -108,7 +108,8 @@ def plaintext_fedavg(
     """The model after ``rounds`` rounds of plain (unprotected) aggregation of the
     exported updates of each round's ``survivors`` (1-based round -> orgs)."""
     from org_node.engine import EngineConfig
-    from org_node.strategies import make_strategy, params_shapes, unpack_weighted
+    from org_node.strategies import make_strategy
+    from org_node.update_packing import unpack_sum
 
     s = obs.scenario
     config = EngineConfig(
@@ -117,15 +118,12 @@ def plaintext_fedavg(
     model = initial_model(obs)
     strategy = make_strategy(config.strategy, config.strategy_options)
     names = sorted(model)
-    shapes = params_shapes([model[k] for k in names])
     for r in range(rounds):
         orgs = survivors.get(r + 1)
         if not orgs:
             raise VerdictError(f"the survivors of round {r + 1} were not observed")
         total = np.sum([_export(obs, org, r) for org in sorted(orgs)], axis=0)
-        parts, weight = unpack_weighted(total, [*shapes, (1,)])
-        tau_eff = max(float(parts[-1][0]) / weight, 0.0) if weight > 0 else 0.0
-        summed = [p * tau_eff for p in parts[:-1]]
+        summed, weight = unpack_sum(total, model, fednova=True)
         new = strategy.step([model[k] for k in names], summed, weight)
         model = dict(zip(names, (np.asarray(p) for p in new), strict=True))
     return model
