@@ -37,6 +37,11 @@ same run of the benchmark. Rows:
   DiLoCo never gets there (the note then gives its best loss). Target ``<= 0.05``.
   DiLoCo trades local compute for communication: the note gives both runs' local
   steps per org.
+* ``support_vs_mask_expansion[params=100M,compression=random-k=0.1]``: the seconds of
+  random-k's support over 100M coordinates (10M in quick mode), which every org
+  computes once a round, ÷ those of one pairwise mask over the same coordinates in a
+  64-bit ring (what a dense round expands once per neighbour). No target: the cost
+  of drawing the support without replacement, measured.
 """
 
 from __future__ import annotations
@@ -45,8 +50,10 @@ import asyncio
 import math
 import multiprocessing
 import os
+import statistics
 import sys
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -61,11 +68,13 @@ from coordinator_free.memory import InMemoryNetwork
 from coordinator_free.rounds import RoundConfig, RoundEngine, endpoint_signer, secagg_sessions
 
 from bench.common import Report, run_main
+from org_node.compressor import run_seed, support
 from org_node.engine import ATTEMPTS, EngineConfig, RoundReport, RunEngine, RunPlan
 from org_node.tasks import Task, evaluate, load_state, load_task, model_state
 from org_node.tasks.gpt import CORPUS
 from org_node.tasks.partition import dirichlet_partition, iid_partition
 from org_node.training.exchange import LocalResult
+from secure_agg.prg import add_masks
 
 __all__ = ["FedRun", "main", "run_federation"]
 
@@ -423,8 +432,43 @@ def bytes_to_target_row(report: Report, quick: bool) -> None:
     )
 
 
+def support_cost_row(report: Report, params: int, repeats: int = 3) -> None:
+    """random-k's support at ``params`` coordinates (one AES-CTR phase per coordinate,
+    a chunk at a time, and the window's test) against one pairwise mask of the same
+    coordinates in the node's default 64-bit ring (a dense round expands one per
+    neighbour): medians of ``repeats`` interleaved runs."""
+    seed = run_seed("bench-support")
+    support_s: list[float] = []
+    mask_s: list[float] = []
+    sent = 0
+    for r in range(repeats):
+        t0 = time.perf_counter()
+        sent = len(support(seed, r, params, 0.1))
+        support_s.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        vector = np.zeros(params, dtype=np.uint64)
+        add_masks(vector, [(seed, 1)])
+        mask_s.append(time.perf_counter() - t0)
+        del vector
+    label = f"{params / 1e6:g}M"
+    report.add(
+        f"support_vs_mask_expansion[params={label},compression=random-k=0.1]",
+        statistics.median(support_s),
+        "s",
+        statistics.median(mask_s),
+        note=(
+            f"random-k's support of {params} coordinates at F = 0.1 ({sent} sent in the "
+            f"last run) ÷ one pairwise mask of them in a 64-bit ring (a new vector, "
+            f"expanded): medians of {repeats}, interleaved; support "
+            f"{min(support_s):.3f}-{max(support_s):.3f} s, mask "
+            f"{min(mask_s):.3f}-{max(mask_s):.3f} s"
+        ),
+    )
+
+
 def body(report: Report) -> None:
     quick = report.quick
+    support_cost_row(report, 10_000_000 if quick else 100_000_000)
     wire_rows(report, 200_000 if quick else 1_000_000)
     accuracy_rows(report, quick)
     bytes_to_target_row(report, quick)

@@ -120,7 +120,8 @@ def ready_record(
         header, c_pk=os.urandom(32), s_pk=os.urandom(32), b_commitment=os.urandom(32)
     ).signed(author.sign)
     holders = {7 * i: Blob(os.urandom(8), os.urandom(_SEALED_BYTES)) for i in range(blobs)}
-    ahead = Ahead.sealing(os.urandom(32), frozenset(os.urandom(8) for _ in range(8)), holders)
+    held = frozenset(os.urandom(8) for _ in range(8))
+    ahead = Ahead.sealing(os.urandom(32), held, holders, os.urandom(32))
     ready = Ready(os.urandom(HASH_BYTES), advert.to_bytes(), ahead).core()
     signed = record_signing_bytes(fed, run, rnd, author.org_id, ready)
     signature = author.sign(signed)
@@ -155,7 +156,7 @@ def record_tag(
     author = OrgIdentity.generate("org-a")
     fed, run, rnd = "fed", "run-1", 7
     holders = {7 * i: Blob(os.urandom(8), os.urandom(_SEALED_BYTES)) for i in range(blobs)}
-    ahead = Ahead.sealing(os.urandom(32), frozenset(), holders)
+    ahead = Ahead.sealing(os.urandom(32), frozenset(), holders, os.urandom(32))
     ready = Ready(os.urandom(HASH_BYTES), os.urandom(200), ahead).core()
     mine = RecordKeys(fed, author.org_id)
     receivers = [RecordKeys(fed, f"org-{i:03d}") for i in range(1, members)]

@@ -236,9 +236,22 @@ def _add_ratio_row(
         note="whole secure round ÷ plaintext ring all-reduce, same payload and transport"
         + spread
         + stages_note(where, fig)
+        + _prepared_note(fig)
         + note,
     )
     _add_memory_row(report, tag, params, fig, n if where == "sim" else 1)
+
+
+def _prepared_note(fig: dict[str, float]) -> str:
+    """How many timed secure rounds took masks prepared before them, and the wait for
+    them after each round (untimed: an org node's next update trains meanwhile)."""
+    if "ring_prepared" not in fig:
+        return ""
+    return (
+        f"; masks prepared while the update trains: in {fig['ring_prepared']:.0%} of "
+        f"the timed rounds' masked inputs, {fig['ring_prepare_s']:.3f} s to expand "
+        "after each round (not timed)"
+    )
 
 
 def _add_signed_row(report: Report, n: int, signed: dict[str, float]) -> float:

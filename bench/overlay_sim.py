@@ -134,6 +134,8 @@ async def sim_figures(
             round_config=round_config(n, topology, params, SIM_MASK_HELPER),
         )
         async with Simulation(config) as sim:
+            for engine in sim.engines.values():
+                engine.prepare_on_done = False  # the timer starts it once all are done
             if topology == "ring":
                 out |= await _ring_rows(timer, sim, secure=secure, repeats=repeats, warm=warm)
             else:
@@ -152,13 +154,19 @@ class _Timer:
 
     def __init__(self, n: int, params: int, signed: dict[str, float] | None) -> None:
         self.n, self.params, self.signed = n, params, signed
+        # the secure rounds are numbered on consecutively, as an org node's rounds of
+        # one run are (the masks of the next one are prepared after each); the plain
+        # rings, another run, apart
         self.rounds = itertools.count(1)
+        self.plain_rounds = itertools.count(1)
         self.memory = can_measure_memory()
         self.rss: dict[str, list[int]] = {"plain": [], "ring": [], "star": []}
+        self.prepared: list[int] = []  # the peers whose masks each round had prepared
+        self.prepare_s: list[float] = []  # seconds waited for the next round's masks
 
     async def plain(self, sim: Simulation) -> tuple[float, float]:
         """One plain ring all-reduce of every peer's input: seconds, busiest bytes."""
-        n, rnd = self.n, next(self.rounds)
+        n, rnd = self.n, next(self.plain_rounds)
         inputs = sim.inputs(rnd)
         order = ring_order(sim.orgs, rnd)
         for engine in sim.engines.values():
@@ -197,6 +205,15 @@ class _Timer:
             outcome = await sim.round(rnd, inputs=inputs)
         if peak is not None:
             self.rss[kind].append(peak())
+        # the next round's masks, expanded while each org's next update would train:
+        # untimed, once every peer is done (each org has its own cores), and off the
+        # CPU of the next timing
+        t0 = time.perf_counter()
+        for engine in sim.engines.values():
+            engine.prepare_masks(sim.config.run)
+        await asyncio.gather(*(e.masks_prepared(sim.config.run) for e in sim.engines.values()))
+        self.prepare_s.append(time.perf_counter() - t0)
+        self.prepared.append(sum(r.masks_prepared for r in outcome.results.values()))
         if outcome.problems() or len(outcome.results) != self.n:
             raise RuntimeError(f"secure round failed: {outcome.summary()}")
         if self.signed is not None and kind == "ring":
@@ -228,6 +245,12 @@ async def _ring_rows(
         if secure:
             seconds, out["ring_busiest"] = await timer.secure_round(sim, "ring", stages)
             timed["ring"].append(seconds)
+    if secure:
+        # the timed rounds: the fewest peers that took prepared masks in one, and the
+        # median wait for the masks of the round after each (all peers, one process)
+        timed_prepared = timer.prepared[-runs:]
+        out["ring_prepared"] = float(min(timed_prepared)) / timer.n
+        out["ring_prepare_s"] = statistics.median(timer.prepare_s[-runs:])
     for stage in sorted({s for times in stages for s in times}):
         out[f"ring_stage_{stage}"] = statistics.median(times.get(stage, 0.0) for times in stages)
     if not warm:

@@ -86,7 +86,7 @@ def _open_plain_rounds(engine: RoundEngine, params: int, repeats: int) -> None:
     round not open."""
     opened = [("warmup", 0), ("warmup", 1)]
     opened += [("plain", r) for r in range(repeats + 1)]
-    opened += [("sync", r) for r in range(2 * repeats + 3)]
+    opened += [("sync", r) for r in range(3 * repeats + 4)]  # three per pair, the star
     for run, rnd in opened:
         engine.ring.open(run, rnd)
         engine.ring.expect(run, rnd, 4 * params, 1)
@@ -127,6 +127,8 @@ class _Rounds:
         self.order = ring_order(orgs, 0)
         self.figures: dict[str, float] = {}
         self.stage_times: list[Any] = []
+        self.prepared: list[bool] = []  # whether each secure round took prepared masks
+        self.prepare_s: list[float] = []  # seconds waited for each next round's masks
         self.memory = can_measure_memory()
         self._syncs = itertools.count()
 
@@ -160,6 +162,16 @@ class _Rounds:
         result = await self.engine.run_round("bench", round_, x)
         # what a caller keeps of a round: its times (its sum goes before the next)
         self.stage_times.append(result.stage_times)
+        self.prepared.append(result.masks_prepared)
+
+    async def prepare_next(self) -> None:
+        """Wait while the engine expands the next round's masks, as an org node's next
+        update trains meanwhile: untimed, and not on the CPU of the next timing."""
+        await self.barrier()  # every node's round is done (the nodes share the cores)
+        t0 = time.perf_counter()
+        self.engine.prepare_masks("bench")
+        await self.engine.masks_prepared("bench")
+        self.prepare_s.append(time.perf_counter() - t0)
 
     async def plain(self, x: np.ndarray, round_: int, timeout: float) -> None:
         await self.engine.ring.allreduce(self.order, x, run="plain", round=round_, timeout=timeout)
@@ -177,9 +189,13 @@ class _Rounds:
         for r in range(repeats + 1):
             await self.measure(f"plain{r}", functools.partial(self.plain, x, r, timeout))
             await self.measure(f"ring{r}", functools.partial(self.secure_round, x, r + 1))
+            await self.prepare_next()
         # the star round: the same engine's messages, star topology for the masked vectors
         self.engine.config = round_config(len(self.orgs), "star", params)
         await self.measure("star", functools.partial(self.secure_round, x, repeats + 2))
+        # the timed secure rounds (not the warm-up) that took masks prepared before them
+        self.figures["ring_prepared"] = sum(self.prepared[1 : repeats + 1]) / repeats
+        self.figures["ring_prepare_s"] = statistics.median(self.prepare_s[1 : repeats + 1])
         for name, times in (("ring", self.stage_times[-2]), ("star", self.stage_times[-1])):
             for stage, seconds in times.items():
                 self.figures[f"{name}_stage_{stage}"] = seconds
@@ -199,6 +215,7 @@ async def _node(workdir: Path, me: str, orgs: list[str], params: int, repeats: i
     endpoint = Endpoint(identity, FEDERATION, transport, lambda: keys)
     sessions = secagg_sessions(*endpoint_signer(endpoint))
     engine = RoundEngine(endpoint, lambda: orgs, sessions, round_config(len(orgs), params=params))
+    engine.prepare_on_done = False  # started once every node's round is done
     _open_plain_rounds(engine, params, repeats)
     await endpoint.start()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -297,6 +314,10 @@ def _summary(per: dict[str, Any], repeats: int) -> dict[str, float]:
         if peaks and all(p is not None for p in peaks):
             # the node whose resident set rose the most, in its worst timed run
             out[f"{name}_rss"] = float(max(peaks))
+    if all("ring_prepared" in f for f in per.values()):
+        # the least share of timed rounds a node took prepared masks in; the longest wait
+        out["ring_prepared"] = min(f["ring_prepared"] for f in per.values())
+        out["ring_prepare_s"] = max(f["ring_prepare_s"] for f in per.values())
     out["star_s"] = span("star")
     out["star_busiest"] = max(f["star_bytes"] for f in per.values())
     for key in next(iter(per.values())):

@@ -80,6 +80,10 @@ class EngineConfig:
         ``process`` (a helper process, streamed into the ring), ``thread`` (a worker
         thread before the ring) or ``auto`` (the helper from four cores on). The sum is
         the same either way: each participant chooses its own.
+    prepared_masks_mb: when a round completes, expand the masks of this node's next
+        round of the run while its next update trains, into one ring array of at most
+        this many MiB held until that round (``RoundConfig.prepared_masks_bytes``); 0
+        turns it off. The sum is the same either way: each participant chooses its own.
     ring_first: where the participants are agreed by the token, start the ring
         at once when this node saw every participant ready and holding its shares,
         the ring's completion settling the participants with no message
@@ -112,6 +116,7 @@ class EngineConfig:
     ready_timeout_s: float = 30.0
     owner_unmask_from: int = 8
     mask_helper: str = "auto"
+    prepared_masks_mb: int = 64
     ring_first: bool = True
     model_hash_timeout_s: float = 30.0
     max_attempts: int = 3
@@ -147,6 +152,7 @@ class EngineConfig:
             raise EngineError(f"{s}.owner_unmask_from", "expected 0 (off) or at least 3")
         if self.mask_helper not in ("auto", "process", "thread"):
             raise EngineError(f"{s}.mask_helper", "expected 'auto', 'process' or 'thread'")
+        check_integer(f"{s}.prepared_masks_mb", self.prepared_masks_mb, EngineError)
         if not isinstance(self.ring_first, bool):
             raise EngineError(f"{s}.ring_first", "expected true or false")
         check_number(f"{s}.model_hash_timeout_s", self.model_hash_timeout_s, EngineError)

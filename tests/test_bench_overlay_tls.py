@@ -36,3 +36,14 @@ def test_a_run_lasts_from_the_first_start_to_the_last_end_and_the_warm_up_is_lef
     assert out["ring_rss"] == 3.75 * 100
     # a stage: the slowest node's
     assert out["ring_stage_reduce"] == 2.5
+    assert "ring_prepared" not in out  # figures of a node that prepared no masks
+
+
+def test_the_prepared_masks_are_the_least_share_and_the_longest_wait() -> None:
+    runs = {"plain0": 5.0, "ring0": 9.0, "plain1": 1.0, "ring1": 1.5, "star": 4.0}
+    per = {}
+    for org, share, wait in (("org-0", 1.0, 0.01), ("org-1", 0.5, 0.02)):
+        per[org] = _process(0.0, runs | {"ring2": 2.0}, 1.0)
+        per[org] |= {"ring_prepared": share, "ring_prepare_s": wait}
+    out = _summary(per, repeats=1)
+    assert out["ring_prepared"] == 0.5 and out["ring_prepare_s"] == 0.02

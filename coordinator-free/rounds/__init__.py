@@ -37,6 +37,7 @@ from coordinator_free.rounds.engine import RoundEngine
 from coordinator_free.rounds.exchange import initiator
 from coordinator_free.rounds.model_hash import ModelHashes
 from coordinator_free.rounds.results import (
+    MASKS_PREPARED,
     OBSERVATION_KINDS,
     ModelHashMismatch,
     RoundFailed,
@@ -89,6 +90,7 @@ __all__ = [
     "KIND_TOTAL",
     "KIND_UNMASK",
     "KIND_VIEW",
+    "MASKS_PREPARED",
     "OBSERVATION_KINDS",
     "MaskedSecureSum",
     "MaskedSum",

@@ -16,6 +16,12 @@ shares by the share exchange as before
 (:mod:`~coordinator_free.rounds.share`): each ready lists the keys its org still
 holds, so both ends of a pair know from the two readies whether the pair needs it.
 
+The same ready also advertises the ``s`` key of its org's next round of the run
+(``next_spk``): that round's advertisement carries it, and its self-mask seed ``b``
+was drawn with it. Every peer that saw it can agree on its pairwise mask with that org
+before the round, so a node expands its next round's masks while its update trains
+(:mod:`~coordinator_free.rounds.prepared`).
+
 :class:`AheadKeys` holds this node's keys (the private halves, never written
 anywhere, each dropped once :data:`RETAINED` newer ones were advertised) and the last
 key each peer advertised. :class:`Ready` is a ready's bytes: the hash of ``U0``, the
@@ -34,6 +40,7 @@ from dataclasses import dataclass, field
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from secure_agg.keys import generate_keypair
+from secure_agg.protocol import MaskingSecrets
 from secure_agg.protocol.config import usable_public_key
 
 __all__ = [
@@ -56,6 +63,9 @@ RETAINED = 8
 """How many of its own keys a node keeps: each key it advertised until eight newer
 ones were (concurrent runs each advertise one per ready)."""
 PUBLIC_BYTES = 32
+_KEYS = 2 * PUBLIC_BYTES  # the two keys a ready's ahead part starts with
+NO_KEY = bytes(PUBLIC_BYTES)
+"""The masking key of an ahead part that advertises none (not a usable X25519 key)."""
 _MAX_BLOB = 1024
 _HEAD = struct.Struct(">I")  # the AdvertiseKeys' length
 _BLOB = struct.Struct(">H8sH")  # holder's index in U0, key id, ciphertext length
@@ -87,7 +97,8 @@ class Blob:
 @dataclass(frozen=True)
 class Ahead:
     """The ahead part of a ready: this org's key for a later round, the ids of the keys
-    it still holds, the digest of each blob it sealed (``sealed``: 2-byte holder
+    it still holds, its masking key for its next round of the run (``next_spk``, the
+    ``s`` key that round advertises; :data:`NO_KEY` for none), the digest of each blob it sealed (``sealed``: 2-byte holder
     index in ``U0`` and :data:`DIGEST_BYTES`-byte digest per entry, in rising holder
     order), and the blobs that travel with these bytes (``blobs``, by holder index).
 
@@ -102,18 +113,25 @@ class Ahead:
     held: frozenset[bytes] = frozenset()
     sealed: bytes = b""
     blobs: Mapping[int, Blob] = field(default_factory=dict)
+    next_spk: bytes = NO_KEY
 
     @classmethod
-    def sealing(cls, next_pk: bytes, held: frozenset[bytes], blobs: Mapping[int, Blob]) -> Ahead:
+    def sealing(
+        cls,
+        next_pk: bytes,
+        held: frozenset[bytes],
+        blobs: Mapping[int, Blob],
+        next_spk: bytes = NO_KEY,
+    ) -> Ahead:
         """The ahead part of an author's own ready: the digests of all its ``blobs``."""
         sealed = b"".join(_SEALED.pack(i, blobs[i].digest()) for i in sorted(blobs))
-        return cls(next_pk, held, sealed, dict(blobs))
+        return cls(next_pk, held, sealed, dict(blobs), next_spk)
 
     def core(self) -> bytes:
         held = sorted(self.held)
         count = len(self.sealed) // _SEALED.size
         return (
-            b"".join([self.next_pk, struct.pack(">B", len(held)), *held])
+            b"".join([self.next_pk, self.next_spk, struct.pack(">B", len(held)), *held])
             + struct.pack(">H", count)
             + self.sealed
         )
@@ -140,21 +158,22 @@ class Ahead:
         holder alone (what one holder reads of a peer's ready): every blob's header is
         still checked, but no other ciphertext is copied."""
         end = _core_end(data, 0)
-        count, pos = data[PUBLIC_BYTES], PUBLIC_BYTES + 1
+        count, pos = data[_KEYS], _KEYS + 1
         stop = pos + count * KEY_ID_BYTES
         held = frozenset(data[i : i + KEY_ID_BYTES] for i in range(pos, stop, KEY_ID_BYTES))
         sealed = bytes(data[stop + 2 : end])
         blobs = read_blobs(data[end:], only) if end < len(data) else {}
-        return cls(bytes(data[:PUBLIC_BYTES]), held, sealed, blobs)
+        next_spk = bytes(data[PUBLIC_BYTES:_KEYS])
+        return cls(bytes(data[:PUBLIC_BYTES]), held, sealed, blobs, next_spk)
 
 
 def _core_end(data: bytes, pos: int) -> int:
     """Where the ahead part's core that starts at ``pos`` ends; ``ValueError`` when it
     is malformed (too short, a bad list of held keys, sealed digests out of order)."""
-    if len(data) < pos + PUBLIC_BYTES + 3:
+    if len(data) < pos + _KEYS + 3:
         raise ValueError("ahead part too short")
-    count = data[pos + PUBLIC_BYTES]
-    at = pos + PUBLIC_BYTES + 1
+    count = data[pos + _KEYS]
+    at = pos + _KEYS + 1
     end = at + count * KEY_ID_BYTES
     held = {data[i : i + KEY_ID_BYTES] for i in range(at, end, KEY_ID_BYTES)}
     if count > RETAINED or end + 2 > len(data) or len(held) != count:
@@ -274,7 +293,9 @@ def _advert_end(data: bytes, hash_bytes: int) -> int:
 
 
 class AheadKeys:
-    """This node's keys advertised for later rounds, and the last one of each peer.
+    """This node's keys advertised for later rounds, and the last one of each peer; and
+    the masking secrets of this node's next round of each run, and each peer's masking
+    key for its next round of each run.
 
     In memory only: a restarted node holds none, lists none in its readies, and its
     peers send it their shares by the share exchange until it advertised again.
@@ -286,6 +307,10 @@ class AheadKeys:
         self.retained = retained
         self._own: OrderedDict[bytes, X25519PrivateKey] = OrderedDict()
         self._peers: dict[str, bytes] = {}
+        # masking: this node's s pair and b for its next round of each run, and the
+        # masking key each peer advertised last in each run
+        self._masking: dict[str, MaskingSecrets] = {}
+        self._peer_masking: dict[tuple[str, str], bytes] = {}
 
     def rotate(self, seed: bytes) -> tuple[bytes, dict[bytes, X25519PrivateKey]]:
         """A new key (from 32 random bytes ``seed``) to advertise, and the keys held
@@ -312,6 +337,43 @@ class AheadKeys:
         a usable X25519 key (not of low order): no share is sealed to any other."""
         found = ((o, self._peers.get(o)) for o in orgs)
         return {o: k for o, k in found if k is not None and usable_public_key(k)}
+
+    def rotate_masking(self, run: str, s_seed: bytes, b: bytes) -> bytes:
+        """The ``s`` pair and ``b`` of this node's next round of ``run`` (from 32 random
+        bytes each), in place of any drawn before and not taken: its public key, which
+        this round's ready advertises."""
+        secrets = MaskingSecrets.draw(s_seed, b)
+        self._masking[run] = secrets
+        return secrets.s.public
+
+    def masking(self, run: str) -> MaskingSecrets | None:
+        """The secrets this node advertised for its next round of ``run``, still held."""
+        return self._masking.get(run)
+
+    def take_masking(self, run: str) -> MaskingSecrets | None:
+        """The secrets for this round of ``run``, handed out once: a round that takes
+        them advertises them, and no later round gets them again."""
+        return self._masking.pop(run, None)
+
+    def learn_masking(self, run: str, org: str, public: bytes) -> None:
+        """Keep the masking key ``org`` advertised for its next round of ``run``; one
+        that is not a usable X25519 key (a ready that advertised none) drops what was
+        kept: that peer's next round draws its own."""
+        if len(public) == PUBLIC_BYTES and usable_public_key(public):
+            self._peer_masking[(run, org)] = public
+        else:
+            self._peer_masking.pop((run, org), None)
+
+    def masking_keys(self, run: str, orgs: Iterable[str]) -> dict[str, bytes]:
+        """The masking key each of ``orgs`` advertised last for ``run``, where one did."""
+        found = ((o, self._peer_masking.get((run, o))) for o in orgs)
+        return {o: k for o, k in found if k is not None}
+
+    def forget_run(self, run: str) -> None:
+        """``run`` ended here: its masking secrets and keys are dropped."""
+        self._masking.pop(run, None)
+        for key in [k for k in self._peer_masking if k[0] == run]:
+            del self._peer_masking[key]
 
     def held_ids(self) -> frozenset[bytes]:
         """The ids of the keys this node holds (tests and the docs' claims)."""

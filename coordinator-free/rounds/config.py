@@ -89,6 +89,12 @@ class RoundConfig:
         the helper process on a machine with at least
         :data:`~coordinator_free.rounds.mask_stream.AUTO_MIN_CORES` cores. The sum is
         the same either way: each member may choose its own.
+    prepared_masks_bytes: when a round of a run completes, this node expands the masks
+        of its next round of the run (every member ready, each with the masking key
+        its ready advertised: :mod:`~coordinator_free.rounds.prepared`) off its loop
+        while the caller computes the next update, into one ring array of at most this
+        many bytes (held until that round); the round adds its input to it instead of
+        expanding the masks. ``None``: never. Each member may choose its own.
     """
 
     ready_timeout: float = 5.0
@@ -110,6 +116,7 @@ class RoundConfig:
     shares_ahead_from: int | None = 3
     ring_first: bool = True
     mask_helper: str = "auto"
+    prepared_masks_bytes: int | None = 1 << 26
 
     def __post_init__(self) -> None:
         for name in (
@@ -136,6 +143,15 @@ class RoundConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"RoundConfig.{name} must be at least 1")
 
+        if self.prepared_masks_bytes is not None and (
+            isinstance(self.prepared_masks_bytes, bool)
+            or not isinstance(self.prepared_masks_bytes, int)
+            or self.prepared_masks_bytes < 0
+        ):
+            raise ValueError(
+                "RoundConfig.prepared_masks_bytes must be None or an int >= 0, got "
+                f"{self.prepared_masks_bytes!r}"
+            )
         if self.max_open_rounds is not None and (
             isinstance(self.max_open_rounds, bool)
             or not isinstance(self.max_open_rounds, int)

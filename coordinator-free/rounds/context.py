@@ -84,6 +84,7 @@ class StageContext:
     masked: np.ndarray | None = None
     premasking: asyncio.Future[None] | None = None  # the session's premask work, off the loop
     mask_stream: MaskStream | None = None  # or its masks, streamed into the first attempt
+    masks_prepared: bool = False  # whether the premask took masks prepared before the round
     total: np.ndarray | None = None
     scattered: Scattered | None = None
     agreed_by: str | None = None

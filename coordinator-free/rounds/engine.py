@@ -36,6 +36,7 @@ pairwise masks cancel or are removed from its neighbours' reconstructed keys.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Callable, Iterable
 
@@ -53,10 +54,12 @@ from coordinator_free.rounds.mask_stream import helper as mask_helper
 from coordinator_free.rounds.mask_stream import uses_helper
 from coordinator_free.rounds.messenger import Messenger, refusal_kind
 from coordinator_free.rounds.model_hash import ModelHashes
+from coordinator_free.rounds.prepared import MaskList, MaskPreparer
 from coordinator_free.rounds.ready import ReadyStage
 from coordinator_free.rounds.ready_relay import ReadyRelay
 from coordinator_free.rounds.reduce import ReduceStage
 from coordinator_free.rounds.results import (
+    MASKS_PREPARED,
     RoundFailed,
     RoundObserver,
     RoundProgress,
@@ -123,7 +126,15 @@ class RoundEngine:
         self._ready = ReadyStage(
             self._table, endpoint.federation, peers, session_factory, relay, self.ahead_keys
         )
-        self._share = ShareStage(self._table, self.config, self._agreement)
+        # the masks of each run's next round, expanded while its update trains
+        self._prepared = MaskPreparer()
+        self._next_masks: dict[str, tuple[int, Callable[[], MaskList], int]] = {}
+        self.prepare_on_done = True
+        """Whether the masks of a run's next round start expanding as soon as a round
+        completes; a caller that times rounds of many nodes sharing cores turns it off
+        and calls :meth:`prepare_masks` once all are done (in a deployment each org has
+        its cores to itself)."""
+        self._share = ShareStage(self._table, self.config, self._agreement, self._prepared)
         self._reduce = ReduceStage(self.ring, self._agreement, self._sums)
         self._unmask = UnmaskStage(self._table, self.config, self.ring, self._sums)
         self.model_hashes = ModelHashes(self._net, self.config, self._table.last_done)
@@ -199,6 +210,17 @@ class RoundEngine:
         self._sums.forget_run(run)
         self._unmask.forget_run(run)
         self.model_hashes.forget_run(run)
+        self._prepared.forget_run(run)
+        self._next_masks.pop(run, None)
+        self.ahead_keys.forget_run(run)
+
+    async def masks_prepared(self, run: str) -> int | None:
+        """Once the masks this node expands for its next round of ``run`` are ready:
+        that round's protocol number (``None``: none are prepared). A caller that times
+        rounds waits for it before its next timing, as an org node's next update
+        trains meanwhile."""
+        await self._prepared.settled(run)
+        return self._prepared.pending(run)
 
     # -- the round ----------------------------------------------------------------------
 
@@ -296,8 +318,32 @@ class RoundEngine:
                 ctx.u1_pending.cancel()
         return await self._done(ctx, total)
 
+    def _prepare_next(self, ctx: StageContext) -> None:
+        """Note how to expand the masks of this node's next round of the run, when that
+        round's keys are known (:mod:`~coordinator_free.rounds.prepared`), and start
+        it unless the caller starts it (:attr:`prepare_on_done`)."""
+        cap = self.config.prepared_masks_bytes
+        masking = self.ahead_keys.masking(ctx.run)
+        if cap is None or masking is None or ctx.maybe_session is None:
+            return
+        later = self.config.attempts_end(ctx.round)
+        s_pks = self.ahead_keys.masking_keys(ctx.run, ctx.u0)
+        make = functools.partial(ctx.session.masks_for, later, masking, s_pks)
+        self._next_masks[ctx.run] = (later, make, cap)
+        if self.prepare_on_done:
+            self.prepare_masks(ctx.run)
+
+    def prepare_masks(self, run: str) -> None:
+        """Start expanding the masks of this node's next round of ``run``, off the loop:
+        their key agreements and their sum (nothing when the last round of ``run`` left
+        none to prepare, or it was started already)."""
+        job = self._next_masks.pop(run, None)
+        if job is not None:
+            self._prepared.start(run, *job)
+
     async def _done(self, ctx: StageContext, total: np.ndarray) -> RoundResult:
         """The round completed: what it gives the org node."""
+        self._prepare_next(ctx)
         await ctx.enter("done")
         u1, u3 = ctx.u1, ctx.members
         order1 = tuple(ctx.state.ring_order(u1))
@@ -314,6 +360,7 @@ class RoundEngine:
             "done",
             seconds=time.perf_counter() - ctx.t_round,
             bytes=sent,
+            detail=MASKS_PREPARED if ctx.masks_prepared else "",
         )
         return RoundResult(
             run=ctx.run,
@@ -329,6 +376,7 @@ class RoundEngine:
             ring_attempts=ctx.attempt + ctx.dropped,
             stage_times=ctx.times,
             neighbours=ctx.k,
+            masks_prepared=ctx.masks_prepared,
         )
 
     # -- handlers -----------------------------------------------------------------------

@@ -19,7 +19,9 @@ node had its own. The ready set is the same either way: the readies seen by the
 deadline.
 
 From ``RoundConfig.shares_ahead_from`` members on, each ready also carries the ahead part
-(:mod:`~coordinator_free.rounds.ahead`): a key for a later round, the keys this org
+(:mod:`~coordinator_free.rounds.ahead`): a key for a later round, the masking key of
+this org's next round of the run (the session of that round takes the secrets, once:
+:meth:`~coordinator_free.rounds.ahead.AheadKeys.take_masking`), the keys this org
 still holds, and the digests of its shares sealed to the keys its holders advertised
 before; the sealed shares themselves go beside it, each towards its holder only (a
 direct ready carries its receiver's). The exchange files a ready's core, the blobs
@@ -236,6 +238,9 @@ class ReadyStage:
         if not 2 <= ctx.t <= len(u0):
             raise RoundFailed("ready", f"threshold {ctx.t} does not fit {len(u0)} members")
         ctx.k = cfg.neighbours_for(len(u0))
+        # the s pair and b this node's last ready of the run advertised for this round
+        ahead = self.ahead is not None and cfg.seals_ahead(len(u0))
+        masking = self.ahead.take_masking(ctx.run) if self.ahead and ahead else None
         ctx.maybe_session = self.session_factory(
             SessionContext(
                 self.federation,
@@ -246,24 +251,27 @@ class ReadyStage:
                 cfg.share_threshold_for(len(u0)),
                 ctx.vector,
                 ctx.k,
+                masking,
             )
         )
 
     def _own_ready(self, ctx: StageContext, h0: bytes) -> Ready:
         """This node's ready: its advertisement and, with shares sealed ahead, a new key
-        for a later round, the keys it holds, and its shares for each holder whose key
-        it knows, sealed to that key."""
+        for a later round, the masking key of its next round of the run, the keys it
+        holds, and its shares for each holder whose key it knows, sealed to that key."""
         advert = ctx.session.advertise()
         if self.ahead is None or not ctx.config.seals_ahead(len(ctx.u0)):
             return Ready(h0, advert)
         next_pk, ctx.ahead_keys = self.ahead.rotate(os.urandom(32))
+        next_spk = self.ahead.rotate_masking(ctx.run, os.urandom(32), os.urandom(32))
         known = self.ahead.known(ctx.session.holders(frozenset(ctx.u0)))
         index = {org: i for i, org in enumerate(ctx.u0)}
         blobs: dict[int, Blob] = {}
         for org, sealed in ctx.session.seal_ahead(known).items():
             ctx.ahead_sent[org] = key_id(known[org])
             blobs[index[org]] = Blob(ctx.ahead_sent[org], bytes(sealed))
-        return Ready(h0, advert, Ahead.sealing(next_pk, frozenset(ctx.ahead_keys), blobs))
+        ahead = Ahead.sealing(next_pk, frozenset(ctx.ahead_keys), blobs, next_spk)
+        return Ready(h0, advert, ahead)
 
     @staticmethod
     def _wait_s(ctx: StageContext) -> float:
@@ -387,6 +395,7 @@ class ReadyStage:
         sealed its own to."""
         if self.ahead is not None:
             self.ahead.learn(org, ahead.next_pk)
+            self.ahead.learn_masking(ctx.run, org, ahead.next_spk)
         key = None if blob is None else ctx.ahead_keys.get(blob.key)
         if blob is None or key is None:
             return

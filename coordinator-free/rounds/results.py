@@ -68,6 +68,10 @@ class RoundObservation:
     detail: str = ""
 
 
+MASKS_PREPARED = "masks prepared"
+"""The ``detail`` of a ``completed`` observation whose round took masks prepared
+before it (:mod:`~coordinator_free.rounds.prepared`)."""
+
 RoundObserver = Callable[[RoundObservation], None]
 """Called synchronously on the engine's loop with each :class:`RoundObservation`; an
 observer that raises is logged and never affects the round."""
@@ -132,6 +136,8 @@ class RoundResult:
         and dropped for a smaller decision counted).
     stage_times: seconds spent in each stage.
     neighbours: SecAgg+'s ``k`` the round ran with; ``None``: the complete graph.
+    masks_prepared: whether this node's masks were expanded before the round
+        (:mod:`~coordinator_free.rounds.prepared`) and the round took them.
     """
 
     run: str
@@ -147,6 +153,7 @@ class RoundResult:
     ring_attempts: int
     stage_times: dict[str, float]
     neighbours: int | None = None
+    masks_prepared: bool = False
 
 
 @dataclass

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import hashlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 from coordinator_free.endpoint import Endpoint
 from coordinator_free.identity import verify_signature
+from coordinator_free.rounds.prepared import PreparedMasks, correction
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from secure_agg import prg
@@ -32,7 +34,8 @@ from secure_agg.messages import (
     Stage,
     UnmaskShares,
 )
-from secure_agg.protocol import ProtocolConfig, SecAggPeer
+from secure_agg.protocol import MaskingSecrets, ProtocolConfig, SecAggPeer, usual_masks
+from secure_agg.protocol.unmasking import Mask
 
 __all__ = [
     "ON_LOOP_WORK_BYTES",
@@ -77,22 +80,29 @@ async def run_sized(work_bytes: int, job: Callable[..., _R], *args: Any) -> _R:
 @dataclass(frozen=True)
 class Premask:
     """The premask's work (:meth:`MaskedSum.premask`): ``masks`` added to ``target``,
-    from ``base`` when it is set (else in place). Calling it does the work; the round
-    engine runs it in a worker thread, or streams the masks from the helper process
-    into the ring (:mod:`~coordinator_free.rounds.mask_stream`), where ``base`` is
-    ``None``."""
+    from ``base`` when it is set (else in place). With ``addend`` (masks prepared before
+    the round: ``target`` holds their sum), ``addend`` is added to ``target`` first.
+    Calling it does the work; the round engine runs it in a worker thread, or streams
+    the masks from the helper process into the ring
+    (:mod:`~coordinator_free.rounds.mask_stream`), where ``base`` is ``None``.
+    ``prepared``: whether ``target`` holds prepared masks."""
 
     target: np.ndarray
     masks: list[tuple[bytes, int]]
     base: np.ndarray | None = None
+    addend: np.ndarray | None = None
+    prepared: bool = False
 
     @property
     def work_bytes(self) -> int:
         """The bytes the work touches: the target's once per mask, once more for the copy
-        from ``base``."""
-        return self.target.nbytes * (len(self.masks) + (self.base is not None))
+        from ``base`` or the sum with ``addend``."""
+        once = self.base is not None or self.addend is not None
+        return self.target.nbytes * (len(self.masks) + once)
 
     def __call__(self) -> None:
+        if self.addend is not None:
+            np.add(self.target, self.addend, out=self.target)
         prg.add_masks(self.target, self.masks, base=self.base)
 
 
@@ -113,6 +123,7 @@ class SessionContext:
     threshold: int
     vector: np.ndarray
     neighbours: int | None = None
+    masking: MaskingSecrets | None = None
 
 
 class MaskedSum(Protocol):
@@ -174,14 +185,27 @@ class MaskedSum(Protocol):
         holders among them."""
         ...
 
-    def premask(self) -> Premask:
+    def premask(self, prepared: PreparedMasks | None = None) -> Premask:
         """After :meth:`share_keys`: fix the masks of the usual case (every neighbour
         among the ready orgs shares its keys) and return the work that adds them to the
         input, which the engine runs off its event loop while the shares travel (or
         streams into the ring's first attempt); :meth:`masked_input`, once that work is
         done (or streaming), makes the result exact (it takes
         off the mask of a neighbour whose shares did not come). Nothing masked leaves
-        the node before :meth:`masked_input`."""
+        the node before :meth:`masked_input`. With ``prepared`` (this round's masks
+        expanded before it, :mod:`~coordinator_free.rounds.prepared`), the work adds
+        the input to that array and corrects it by the masks the guess got wrong;
+        the result is the same bit for bit."""
+        ...
+
+    def masks_for(
+        self, round: int, masking: MaskingSecrets, s_pks: Mapping[str, bytes]
+    ) -> tuple[list[Mask], np.dtype, int]:
+        """The masks this org adds in protocol round ``round`` of the same run and
+        members when it advertises ``masking`` and every member is ready with the
+        masking key ``s_pks`` gives; and the dtype and length of the ring array they
+        are added to (this round's). It reads only what the session was built with:
+        the engine calls it in a worker thread, after the round."""
         ...
 
     def premasked_input(self) -> np.ndarray | None:
@@ -320,7 +344,7 @@ class SecAggSession:
             neighbours=ctx.neighbours,
         )
         self._x = x
-        self.peer = SecAggPeer(config, ctx.org_id, sign, verify, rng=rng)
+        self.peer = SecAggPeer(config, ctx.org_id, sign, verify, rng=rng, masking=ctx.masking)
 
     @staticmethod
     def _decode(kind: type[Message], sender: str, data: bytes) -> Message:
@@ -375,14 +399,27 @@ class SecAggSession:
     def narrow_participants(self, participants: frozenset[str]) -> None:
         self.peer.narrow(participants)
 
-    def premask(self) -> Premask:
+    def premask(self, prepared: PreparedMasks | None = None) -> Premask:
         masks = self.peer.premask()
         x = self._x
+        fits = prepared is not None and prepared.array.dtype == x.dtype
+        fix = correction(prepared.masks, masks) if prepared and fits else None
+        if prepared is not None and fix is not None and prepared.array.shape == x.shape:
+            self._premasked = prepared.array
+            return Premask(prepared.array, fix, addend=x, prepared=True)
         # an encoded input is this session's own: masked in place; a ring input, the
         # caller's, into a new array
         y, base = (x, None) if self.codec is not None else (np.empty_like(x), x)
         self._premasked = y
         return Premask(y, masks, base)
+
+    def masks_for(
+        self, round: int, masking: MaskingSecrets, s_pks: Mapping[str, bytes]
+    ) -> tuple[list[Mask], np.dtype, int]:
+        config = self.peer.config
+        later = dataclasses.replace(config, ctx=dataclasses.replace(config.ctx, round=round))
+        masks = usual_masks(later, self.peer.me, masking, s_pks)
+        return masks, self._x.dtype, int(self._x.shape[0])
 
     def premasked_input(self) -> np.ndarray | None:
         if self._premasked is None or self._y is not None:

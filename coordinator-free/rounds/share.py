@@ -47,6 +47,7 @@ from coordinator_free.rounds.early import PendingU1
 from coordinator_free.rounds.exchange import PairwiseExchange
 from coordinator_free.rounds.mask_stream import stream_masks
 from coordinator_free.rounds.messenger import retrieved
+from coordinator_free.rounds.prepared import MaskPreparer
 from coordinator_free.rounds.results import RoundFailed
 from coordinator_free.rounds.session import small_work
 from coordinator_free.rounds.state import RoundTable
@@ -76,10 +77,17 @@ def _hashed(peer: str, data: bytes) -> bytes | None:
 class ShareStage:
     """The share stage and the agreement on ``U1``, and the handler of ``round.share``."""
 
-    def __init__(self, table: RoundTable, config: RoundConfig, agreement: Agreement) -> None:
+    def __init__(
+        self,
+        table: RoundTable,
+        config: RoundConfig,
+        agreement: Agreement,
+        prepared: MaskPreparer | None = None,
+    ) -> None:
         self.table = table
         self.config = config
         self.agreement = agreement
+        self.prepared = prepared
 
     async def on_share(self, env: Envelope) -> bytes:
         """A peer's shares for this org: filed, and answered with this org's for it
@@ -109,18 +117,22 @@ class ShareStage:
         ctx.holders = ctx.session.holders(view1)
         ctx.sparse = ctx.holders != view1 - {me}
         ctx.by_token = ctx.sparse or ctx.config.seals_ahead(len(ctx.u0))
+        # the masks expanded for this round while the update trained, if any
+        prepared = None if self.prepared is None else await self.prepared.take(ctx.run, ctx.round)
         try:
             outgoing = ctx.session.share_keys(view1, only=ctx.holders - ctx.ahead_done)
-            work = ctx.session.premask()
+            work = ctx.session.premask(prepared)
+            ctx.masks_prepared = work.prepared
         except (SecAggError, ValueError) as exc:
             raise RoundFailed("share", f"cannot share keys: {exc}") from exc
         # the masks of the usual case go into the input off the loop while the shares
         # travel (the mask stage waits for them and makes the input exact), or into
         # the ring's chunks from the helper process as they first leave; small work
         # (a small vector's copy, say) is done here, cheaper than the hop to a thread
-        ctx.mask_stream = stream_masks(
-            ctx.config.mask_helper, work.target, work.masks, ctx.state.ring_order(view1), me
-        )
+        if work.masks:  # prepared masks the round got right leave none to stream
+            ctx.mask_stream = stream_masks(
+                ctx.config.mask_helper, work.target, work.masks, ctx.state.ring_order(view1), me
+            )
         if ctx.mask_stream is not None:  # only the input's copy is left, if any
             work = dataclasses.replace(work, masks=[])
         if small_work(work.work_bytes):

@@ -153,6 +153,7 @@ class OrgNode(NodeContext):
             attempts_per_round=ATTEMPTS,
             owner_unmask_from=config.engine.owner_unmask_from or None,
             mask_helper=config.engine.mask_helper,
+            prepared_masks_bytes=(config.engine.prepared_masks_mb << 20) or None,
             ring_first=config.engine.ring_first,
         )
         self.observability = Observability(

@@ -21,6 +21,8 @@ still treated as untrusted text):
 * ``fedweave_hash_mismatches_total{stage,peer}``;
 * ``fedweave_peer_bytes_received_total{peer}`` — round-message payload bytes received;
 * ``fedweave_rounds_total{outcome}`` — rounds completed or failed here;
+* ``fedweave_rounds_masks_prepared_total`` — completed rounds whose masks were
+  expanded before they started (while the update trained);
 * ``fedweave_round_duration_seconds`` — histogram of completed rounds.
 """
 
@@ -31,7 +33,7 @@ import threading
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
-from coordinator_free.rounds import RoundObservation
+from coordinator_free.rounds import MASKS_PREPARED, RoundObservation
 
 __all__ = ["DEFAULT_BUCKETS", "Histogram", "StageMetrics", "escape_label"]
 
@@ -125,6 +127,7 @@ class StageMetrics:
         self.bytes_received: Counter[tuple[str, ...]] = Counter()
         self.rounds: Counter[tuple[str, ...]] = Counter()
         self.stale: Counter[tuple[str, ...]] = Counter()
+        self.prepared: Counter[tuple[str, ...]] = Counter()
 
     def observe(self, obs: RoundObservation) -> None:
         """Count one observation."""
@@ -150,6 +153,8 @@ class StageMetrics:
             elif kind == "completed":
                 self.rounds[("completed",)] += 1
                 self.round_seconds.observe((), obs.seconds)
+                if obs.detail == MASKS_PREPARED:
+                    self.prepared[()] += 1
             elif kind == "failed":
                 self.rounds[("failed",)] += 1
 
@@ -230,6 +235,12 @@ class StageMetrics:
                     "Rounds this node took part in, by outcome.",
                     self.rounds,
                     ("outcome",),
+                ),
+                (
+                    "fedweave_rounds_masks_prepared_total",
+                    "Completed rounds whose masks were expanded before they started.",
+                    self.prepared,
+                    (),
                 ),
             )
             for name, help_, counter, label_names in counters:

@@ -55,6 +55,8 @@ Modules, each importing only those listed before it (and the rest of
 * :mod:`.config`: :class:`ProtocolConfig`, the round everyone agrees on; ``share_aad``.
 * :mod:`.unmasking`: the secrets finalize reconstructs and the masks it removes.
 * :mod:`.shares`: ShareKeys sealed and opened, UnmaskShares checked.
+* :mod:`.prepared`: the ``s`` pair and ``b`` drawn ahead (:class:`MaskingSecrets`),
+  and the masks of the usual case they give (:func:`usual_masks`).
 * :mod:`.state`: what a peer holds and the checks every call and message meets first.
 * :mod:`.peer`: :class:`SecAggPeer`, the stages.
 * :mod:`.simulate`: a whole round in memory (:func:`simulate_round`, :func:`run_round`),
@@ -83,6 +85,7 @@ from secure_agg.protocol.errors import (
     WrongRound,
 )
 from secure_agg.protocol.peer import SecAggPeer
+from secure_agg.protocol.prepared import MaskingSecrets, usual_masks
 from secure_agg.protocol.simulate import RoundResult, run_round, simulate_round
 
 __all__ = [
@@ -93,6 +96,7 @@ __all__ = [
     "InconsistentView",
     "InvalidShare",
     "MalformedMessage",
+    "MaskingSecrets",
     "OutOfStage",
     "ProtocolConfig",
     "RandomBytes",
@@ -108,4 +112,5 @@ __all__ = [
     "run_round",
     "share_aad",
     "simulate_round",
+    "usual_masks",
 ]

@@ -16,7 +16,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from secure_agg import prg, shamir
 from secure_agg.errors import ConfigError, RingError
-from secure_agg.keys import agree, generate_keypair, pairwise_mask_seed
+from secure_agg.keys import generate_keypair
 from secure_agg.messages import (
     AdvertiseKeys,
     MalformedMessage,
@@ -42,6 +42,7 @@ from secure_agg.protocol.errors import (
     UnknownSender,
     WrongRecipient,
 )
+from secure_agg.protocol.prepared import pairwise_masks
 from secure_agg.protocol.shares import check_release, open_shares, seal_shares
 from secure_agg.protocol.state import OwnSecrets, PeerState
 from secure_agg.protocol.unmasking import (
@@ -69,6 +70,9 @@ class SecAggPeer(PeerState):
     verify: ``verify(sender, data, signature)`` checks a participant's signature.
     rng: ``rng(k) -> k random bytes`` for keys, seeds, Shamir coefficients and nonces;
         default ``os.urandom``. Pass a deterministic one only for test vectors.
+    masking: the ``s`` pair and ``b`` of this round drawn ahead
+        (:class:`~.prepared.MaskingSecrets`), which :meth:`advertise_keys` takes
+        instead of drawing its own; give one to one peer of one round only.
     """
 
     # ---------------------------------------------------------------- dispatch
@@ -89,13 +93,18 @@ class SecAggPeer(PeerState):
     # ---------------------------------------------------------------- stage 0
 
     def advertise_keys(self) -> AdvertiseKeys:
-        """Round 0: draw the round's c and s key pairs and the self-mask seed b; advertise."""
+        """Round 0: draw the round's c and s key pairs and the self-mask seed b (s and b
+        are the :class:`~.prepared.MaskingSecrets` drawn ahead, when the peer has them);
+        advertise."""
         self._require_stage(Stage.ADVERTISE_KEYS, action="advertise_keys()")
         if self._secrets is not None:
             raise OutOfStage(f"{self.me} already advertised its keys this round")
         c = generate_keypair(self._rand(SEED_BYTES))
-        s = generate_keypair(self._rand(SEED_BYTES))
-        b = self._rand(SEED_BYTES)
+        if self._masking is not None:  # drawn ahead: the masks may be expanded already
+            s, b = self._masking.s, self._masking.b
+        else:
+            s = generate_keypair(self._rand(SEED_BYTES))
+            b = self._rand(SEED_BYTES)
         if c.public == s.public:
             raise ConfigError("rng returned the same bytes for both key pairs")
         msg = AdvertiseKeys(
@@ -372,14 +381,8 @@ class SecAggPeer(PeerState):
 
     def _pairwise(self, others: frozenset[str], sign: int) -> list[Mask]:
         """``(seed, sign * s_ij)`` of this peer's pairwise mask with each of ``others``."""
-        cfg, own = self.config, self._own()
-        masks: list[Mask] = []
-        for j in sorted(others):
-            seed = pairwise_mask_seed(
-                agree(own.s.private, self._adverts[j].s_pk), cfg.ctx, self.me, j
-            )
-            masks.append((seed, sign * cfg.mask_sign(self.me, j)))
-        return masks
+        s_pks = {j: self._adverts[j].s_pk for j in others}
+        return pairwise_masks(self.config, self.me, self._own().s, s_pks, others, sign)
 
     # ---------------------------------------------------------------- stage 3
 

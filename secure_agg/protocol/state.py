@@ -32,6 +32,7 @@ from secure_agg.protocol.errors import (
     UnknownSender,
     WrongRound,
 )
+from secure_agg.protocol.prepared import MaskingSecrets
 from secure_agg.protocol.unmasking import Mask
 from secure_agg.shamir import Share
 
@@ -63,6 +64,7 @@ class PeerState:
         verify: VerifyFn,
         *,
         rng: RandomBytes | None = None,
+        masking: MaskingSecrets | None = None,
     ) -> None:
         if not isinstance(config, ProtocolConfig):
             raise ConfigError("config must be a ProtocolConfig")
@@ -76,6 +78,8 @@ class PeerState:
         self._stage = Stage.ADVERTISE_KEYS
         self._abort_reason: str | None = None
         self._secrets: OwnSecrets | None = None
+        # the s pair and b drawn ahead for this round, if any (advertise_keys takes them)
+        self._masking = masking
         self._adverts: dict[str, AdvertiseKeys] = {}
         self._u1: frozenset[str] | None = None
         self._shared = False

@@ -31,7 +31,8 @@ from secure_agg import prg
 from secure_agg.mask_process import LOST, MaskProcess
 from tests.coordinator_free.test_rounds import FAST, KILL_STAGES, OWNER_KILL_STAGES
 
-STREAMED = dataclasses.replace(FAST, mask_helper="process")
+# every round streams its masks (none are prepared before it: test_masks_prepared)
+STREAMED = dataclasses.replace(FAST, mask_helper="process", prepared_masks_bytes=None)
 
 
 @dataclasses.dataclass

@@ -9,23 +9,34 @@ import threading
 
 import numpy as np
 import pytest
-from coordinator_free.rounds import mask_stream, session
+from coordinator_free.rounds import mask_stream, prepared, session
 from coordinator_free.sim import SimConfig, Simulation
 
 from secure_agg import prg
 
 
 def _mask_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bool]]:
-    """From now on, ``(target length, on the test's thread)`` of each mask expansion."""
+    """From now on, ``(target length, on the test's thread)`` of each mask expansion of
+    a round (not those of the next round's masks, prepared after it, in a worker
+    thread: ``test_masks_prepared``)."""
     calls: list[tuple[int, bool]] = []
     real, main = prg.add_masks, threading.current_thread()
+    real_expand, preparing = prepared._expand, threading.local()
 
     def recorded(target: np.ndarray, masks: list[tuple[bytes, int]], **kw: object) -> None:
-        if masks:
+        if masks and not getattr(preparing, "on", False):
             calls.append((target.shape[0], threading.current_thread() is main))
         real(target, masks, **kw)  # type: ignore[arg-type]
 
+    def expand(*args: object) -> prepared.Expanded:
+        preparing.on = True
+        try:
+            return real_expand(*args)  # type: ignore[arg-type]
+        finally:
+            preparing.on = False
+
     monkeypatch.setattr(prg, "add_masks", recorded)
+    monkeypatch.setattr(prepared, "_expand", expand)
     return calls
 
 

@@ -49,7 +49,8 @@ FAST = RoundConfig(
 
 def test_a_ready_has_fixed_bytes() -> None:
     blob = Blob(b"\x02" * 8, b"ct")
-    ahead = Ahead.sealing(bytes(range(32)), frozenset({b"\x01" * 8}), {3: blob})
+    spk = bytes(range(32, 64))
+    ahead = Ahead.sealing(bytes(range(32)), frozenset({b"\x01" * 8}), {3: blob}, spk)
     digest = hashlib.sha256(b"fedweave/ahead-blob/v1\x00" + b"\x02" * 8 + b"ct").digest()[:8]
     assert blob.digest() == digest
     core = (
@@ -57,6 +58,7 @@ def test_a_ready_has_fixed_bytes() -> None:
         + "00000006"
         + b"advert".hex()
         + bytes(range(32)).hex()
+        + spk.hex()  # the masking key of the next round
         + "01"
         + "01" * 8
         + "0001"  # one blob sealed: its holder and digest
@@ -171,12 +173,12 @@ def test_a_holder_reads_its_own_blob_of_a_ready_and_refuses_what_the_full_parse_
 def test_blobs_out_of_holder_order_are_refused() -> None:
     one = b"\x00\x05" + b"\x02" * 8 + b"\x00\x01x"
     two = b"\x00\x03" + b"\x02" * 8 + b"\x00\x01y"
-    head = b"\x07" * 32 + b"\x00" + b"\x00\x00" + b"\x00\x02"
+    head = b"\x07" * 64 + b"\x00" + b"\x00\x00" + b"\x00\x02"
     assert Ahead.from_bytes(head + two + one).blobs.keys() == {3, 5}
     for only in (None, 3, 5):
         with pytest.raises(ValueError, match="out of order"):
             Ahead.from_bytes(head + one + two, only)
-    digests = b"\x07" * 32 + b"\x00" + b"\x00\x02"
+    digests = b"\x07" * 64 + b"\x00" + b"\x00\x02"
     with pytest.raises(ValueError, match="out of holder order"):
         Ahead.from_bytes(digests + b"\x00\x05" + b"\x01" * 8 + b"\x00\x03" + b"\x01" * 8)
 

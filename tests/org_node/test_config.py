@@ -90,6 +90,26 @@ def test_the_engine_s_mask_helper_reaches_the_node_s_rounds(tmp_path: Path) -> N
         node.egress.close()
 
 
+def test_the_engine_s_prepared_masks_reach_the_node_s_rounds(tmp_path: Path) -> None:
+    from org_node.initialize import initialize
+    from org_node.node import OrgNode
+
+    initialize(tmp_path / "n", "org-n", peer_port=9324, admin_port=9325)
+    path = tmp_path / "n" / "fedweave.toml"
+    assert "prepared_masks_mb = 64" in path.read_text()
+    node = OrgNode.open(tmp_path / "n")
+    try:
+        assert node.round_config.prepared_masks_bytes == 64 << 20
+    finally:
+        node.egress.close()
+    path.write_text(path.read_text().replace("prepared_masks_mb = 64", "prepared_masks_mb = 0"))
+    node = OrgNode.open(tmp_path / "n")
+    try:
+        assert node.round_config.prepared_masks_bytes is None
+    finally:
+        node.egress.close()
+
+
 def test_the_engine_s_ring_first_reaches_the_node_s_rounds(tmp_path: Path) -> None:
     from org_node.initialize import initialize
     from org_node.node import OrgNode

@@ -444,6 +444,8 @@ def test_run_key_is_the_same_for_the_same_name_and_spec() -> None:
         ({"owner_unmask_from": 2}, "engine.owner_unmask_from"),
         ({"owner_unmask_from": -1}, "engine.owner_unmask_from"),
         ({"mask_helper": "gpu"}, "engine.mask_helper"),
+        ({"prepared_masks_mb": -1}, "engine.prepared_masks_mb"),
+        ({"prepared_masks_mb": 1.5}, "engine.prepared_masks_mb"),
         ({"ring_first": "yes"}, "engine.ring_first"),
         ({"clip": -1.0}, "engine.clip"),
         ({"delta": 1.5}, "engine.delta"),

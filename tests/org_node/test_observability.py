@@ -10,7 +10,7 @@ import logging
 import re
 
 import pytest
-from coordinator_free.rounds import OBSERVATION_KINDS, RoundObservation
+from coordinator_free.rounds import MASKS_PREPARED, OBSERVATION_KINDS, RoundObservation
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -142,6 +142,8 @@ def test_stage_metrics_text_format() -> None:
         RoundObservation("stale", "r", 2, "unmask", "org-b"),
         RoundObservation("failed", "r", 2, "unmask", detail="too few"),
         RoundObservation("arrival", "r", 2, "ready", "org-b", bytes=64),
+        RoundObservation("completed", "r", 3, "done", seconds=0.5, detail=MASKS_PREPARED),
+        RoundObservation("completed", "r", 4, "done", seconds=0.5),
     ):
         m.observe(o)
     text = m.render()
@@ -157,6 +159,8 @@ def test_stage_metrics_text_format() -> None:
     assert 'fedweave_refusals_total{stage="share",peer="org-\\"x\\"\\n"} 1' in text
     assert 'fedweave_stale_messages_total{stage="unmask"} 1' in text
     assert 'fedweave_rounds_total{outcome="failed"} 1' in text
+    assert 'fedweave_rounds_total{outcome="completed"} 2' in text
+    assert "fedweave_rounds_masks_prepared_total 1" in text
     assert 'fedweave_peer_bytes_received_total{peer="org-b"} 64' in text
     assert m.peer_bytes_received() == {"org-b": 64}
     for line in text.splitlines():
