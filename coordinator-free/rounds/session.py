@@ -289,7 +289,8 @@ class SecAggSession:
 
     Memory: the session holds one ring vector, the masked input (a float input is
     encoded and masked in one array; a ring input, the caller's, is masked into a new
-    one). The engine sums the ring in that array; a later attempt has the session
+    one; with masks prepared before the round, their array becomes the masked input,
+    and an encoded input keeps its own array beside it). The engine sums the ring in that array; a later attempt has the session
     make it again (:meth:`masked_input`: the masks once more, and a float input
     encoded again from a copy of the encoding's generator, so the same vector bit for
     bit). The unmasked sum of a float input is decoded chunk by chunk
@@ -402,11 +403,11 @@ class SecAggSession:
     def premask(self, prepared: PreparedMasks | None = None) -> Premask:
         masks = self.peer.premask()
         x = self._x
-        fits = prepared is not None and prepared.array.dtype == x.dtype
-        fix = correction(prepared.masks, masks) if prepared and fits else None
-        if prepared is not None and fix is not None and prepared.array.shape == x.shape:
-            self._premasked = prepared.array
-            return Premask(prepared.array, fix, addend=x, prepared=True)
+        if prepared is not None and _fits(prepared.array, x):
+            fix = correction(prepared.masks, masks)
+            if fix is not None:  # the array is the masked input: the input added to it
+                self._premasked = prepared.array
+                return Premask(prepared.array, fix, addend=x, prepared=True)
         # an encoded input is this session's own: masked in place; a ring input, the
         # caller's, into a new array
         y, base = (x, None) if self.codec is not None else (np.empty_like(x), x)
@@ -497,6 +498,11 @@ def endpoint_signer(endpoint: Endpoint) -> tuple[SignFn, VerifyFn]:
         return key is not None and verify_signature(key, data, signature)
 
     return endpoint.identity.sign, verify
+
+
+def _fits(array: np.ndarray, x: np.ndarray) -> bool:
+    """Whether ``array`` is a ring array of ``x``'s dtype and length."""
+    return array.dtype == x.dtype and array.shape == x.shape
 
 
 def secagg_sessions(

@@ -24,6 +24,7 @@ from coordinator_free.sim import Fault, FaultSpec, RoundOutcome, SimConfig, Simu
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from secure_agg import prg
+from secure_agg.codec import FixedPointCodec
 from secure_agg.protocol import MaskingSecrets
 from tests.coordinator_free.test_rounds import FAST, KILL_STAGES
 
@@ -127,19 +128,26 @@ def test_prepared_masks_corrected_by_the_helper_process_give_exact_sums() -> Non
 
 
 def _sessions(
-    round: int, ready: tuple[str, ...], masking: dict[str, MaskingSecrets], x: np.ndarray
+    round: int,
+    ready: tuple[str, ...],
+    masking: dict[str, MaskingSecrets],
+    x: np.ndarray,
+    codec: FixedPointCodec | None = None,
 ) -> dict[str, SecAggSession]:
     """Sessions of ``ORGS`` for ``round`` (every org in ``ready`` advertises, takes the
-    others' advertisements and shares), each org's own ring input ``x + i``."""
+    others' advertisements and shares), each org's own input ``x + i`` (a float input
+    encoded by ``codec``, its rounding drawn from a generator seeded by the org)."""
     signers = {
         o: Ed25519PrivateKey.from_private_bytes(bytes([i + 1]) * 32) for i, o in enumerate(ORGS)
     }
     out = {}
     for i, org in enumerate(ready):
-        ctx = SessionContext(
-            "fed", "run", round, org, ORGS, 2, x + np.uint32(i), masking=masking[org]
+        mine = x + x.dtype.type(i) if codec is None else x + np.float32(i / 8)
+        ctx = SessionContext("fed", "run", round, org, ORGS, 2, mine, masking=masking[org])
+        rng = np.random.default_rng(i)
+        out[org] = SecAggSession(
+            ctx, signers[org].sign, lambda *a: True, codec=codec, encode_rng=rng
         )
-        out[org] = SecAggSession(ctx, signers[org].sign, lambda *a: True)
     adverts = {o: s.advertise() for o, s in out.items()}
     for org, session in out.items():
         for other, advert in adverts.items():
@@ -160,29 +168,44 @@ def _masked(session: SecAggSession, prepared: PreparedMasks | None) -> tuple[np.
 
 
 @pytest.mark.parametrize(
-    "ready, predicted_round",
-    [(ORGS, 5), (ORGS[:3], 5), (ORGS, 6)],
-    ids=["as-predicted", "a-member-not-ready", "another-round"],
+    "ready, predicted_round, encoded",
+    [
+        (ORGS, 5, False),
+        (ORGS[:3], 5, False),
+        (ORGS, 6, False),
+        (ORGS, 5, True),
+        (ORGS[:3], 5, True),
+    ],
+    ids=[
+        "as-predicted",
+        "a-member-not-ready",
+        "another-round",
+        "encoded-as-predicted",
+        "encoded-a-member-not-ready",
+    ],
 )
 def test_the_masked_input_from_prepared_masks_is_the_one_without_them(
-    ready: tuple[str, ...], predicted_round: int
+    ready: tuple[str, ...], predicted_round: int, encoded: bool
 ) -> None:
-    x = np.arange(1000, dtype=np.uint32) * np.uint32(2654435761)
+    codec = FixedPointCodec(bits=64, clip=1.0, max_summands=4) if encoded else None
+    if codec is None:
+        x = np.arange(1000, dtype=np.uint32) * np.uint32(2654435761)
+    else:
+        x = np.linspace(-0.5, 0.5, 1000, dtype=np.float32)
     masking = {o: MaskingSecrets.draw(os.urandom(32), os.urandom(32)) for o in ORGS}
     s_pks = {o: m.s.public for o, m in masking.items()}
     # what each org expands after round 4: the masks of round ``predicted_round`` with
     # every member ready
-    before = _sessions(
-        4, ORGS, {o: MaskingSecrets.draw(os.urandom(32), os.urandom(32)) for o in ORGS}, x
-    )
+    earlier = {o: MaskingSecrets.draw(os.urandom(32), os.urandom(32)) for o in ORGS}
+    before = _sessions(4, ORGS, earlier, x, codec)
     prepared = {}
     for org, session in before.items():
         masks, dtype, length = session.masks_for(predicted_round, masking[org], s_pks)
         array = np.zeros(length, dtype)
         prg.add_masks(array, masks)
         prepared[org] = PreparedMasks(predicted_round, tuple(masks), array)
-    with_ = _sessions(5, ready, masking, x)
-    without = _sessions(5, ready, masking, x)
+    with_ = _sessions(5, ready, masking, x, codec)
+    without = _sessions(5, ready, masking, x, codec)
     for org in ready:
         mine, took = _masked(with_[org], prepared[org])
         theirs, _ = _masked(without[org], None)
