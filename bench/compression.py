@@ -234,7 +234,13 @@ async def _run(setup: FedRun, state_dir: Path) -> FedResult:
     }
     keys = {o: i.public_key for o, i in ids.items()}
     endpoints = {o: Endpoint(ids[o], "bench", network.transport(o), lambda: keys) for o in orgs}
-    config = RoundConfig(ready_timeout=60, stage_timeout=60, lookahead_rounds=2 * ATTEMPTS)
+    # numbered as an org node numbers its rounds (each round's masks prepared after the last)
+    config = RoundConfig(
+        ready_timeout=60,
+        stage_timeout=60,
+        lookahead_rounds=2 * ATTEMPTS,
+        attempts_per_round=ATTEMPTS,
+    )
     rounds = {
         o: RoundEngine(e, lambda: orgs, secagg_sessions(*endpoint_signer(e), seed=7), config)
         for o, e in endpoints.items()

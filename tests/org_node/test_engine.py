@@ -12,7 +12,14 @@ import pytest
 from coordinator_free.endpoint import Endpoint
 from coordinator_free.identity import OrgIdentity
 from coordinator_free.memory import InMemoryNetwork
-from coordinator_free.rounds import RoundConfig, RoundEngine, endpoint_signer, secagg_sessions
+from coordinator_free.rounds import (
+    MASKS_PREPARED,
+    RoundConfig,
+    RoundEngine,
+    RoundObservation,
+    endpoint_signer,
+    secagg_sessions,
+)
 from coordinator_free.rounds.ckks import CkksAggregator
 
 from org_node.dp_spec import DpMechanism
@@ -55,7 +62,7 @@ class FixedTrainer:
 
 
 class Federation:
-    def __init__(self, orgs: tuple[str, ...] = ORGS) -> None:
+    def __init__(self, orgs: tuple[str, ...] = ORGS, attempts_per_round: int | None = None) -> None:
         self.network = InMemoryNetwork()
         self.ids = {
             o: OrgIdentity.generate(o, private_bytes=bytes([i + 1]) * 32)
@@ -65,7 +72,12 @@ class Federation:
         self.endpoints = {
             o: Endpoint(self.ids[o], "fed", self.network.transport(o), lambda: keys) for o in orgs
         }
-        config = RoundConfig(ready_timeout=5, stage_timeout=5, lookahead_rounds=2 * ATTEMPTS)
+        config = RoundConfig(
+            ready_timeout=5,
+            stage_timeout=5,
+            lookahead_rounds=2 * ATTEMPTS,
+            attempts_per_round=attempts_per_round,
+        )
         self.rounds = {
             o: RoundEngine(e, lambda: orgs, secagg_sessions(*endpoint_signer(e), seed=7), config)
             for o, e in self.endpoints.items()
@@ -157,6 +169,41 @@ def test_three_orgs_end_with_the_same_model_equal_to_the_weighted_mean(tmp_path:
     model = engines["org-a"].state.model
     np.testing.assert_allclose(model["w"], np.full((2, 3), 0.75), atol=1e-6)
     assert model_hash(model).hex() == outcomes[0].model_hash
+
+
+def test_a_run_s_rounds_after_its_first_take_the_masks_prepared_while_the_update_trained(
+    tmp_path: Path,
+) -> None:
+    """With the protocol rounds an org node numbers (``ATTEMPTS`` per training round, as
+    its engine is configured), each training round after the first adds its update to
+    the masks expanded after the round before; the model is the weighted mean still."""
+    seen: dict[str, list[tuple[int, bool]]] = {o: [] for o in ORGS}
+
+    async def scenario() -> dict[str, RunEngine]:
+        fed = Federation(attempts_per_round=ATTEMPTS)
+        for org, engine in fed.rounds.items():
+
+            def completed(obs: RoundObservation, org: str = org) -> None:
+                if obs.kind == "completed":
+                    seen[org].append((obs.round, obs.detail == MASKS_PREPARED))
+
+            engine.add_observer(completed)
+        await fed.start()
+        trainers = {o: FixedTrainer(v) for o, v in zip(ORGS, (0.1, 0.2, 0.6), strict=True)}
+        engines = make_engines(fed, tmp_path, trainers, plan(rounds=3), fast(fednova=False))
+        try:
+            outcomes = await asyncio.gather(*(e.run() for e in engines.values()))
+        finally:
+            await fed.close()
+        assert {o.status for o in outcomes} == {"completed"}
+        return engines
+
+    engines = asyncio.run(scenario())
+    for org in ORGS:
+        assert [r // ATTEMPTS for r, _ in seen[org]] == [0, 1, 2]
+        # the first round knows no masking key of its peers
+        assert [took for _, took in seen[org]] == [False, True, True]
+    np.testing.assert_allclose(engines["org-b"].state.model["w"], np.full((2, 3), 0.9), atol=1e-6)
 
 
 def test_fednova_normalizes_by_steps_so_a_slow_org_does_not_bias(tmp_path: Path) -> None:
