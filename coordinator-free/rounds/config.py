@@ -143,44 +143,22 @@ class RoundConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"RoundConfig.{name} must be at least 1")
 
-        if self.prepared_masks_bytes is not None and (
-            isinstance(self.prepared_masks_bytes, bool)
-            or not isinstance(self.prepared_masks_bytes, int)
-            or self.prepared_masks_bytes < 0
-        ):
-            raise ValueError(
-                "RoundConfig.prepared_masks_bytes must be None or an int >= 0, got "
-                f"{self.prepared_masks_bytes!r}"
-            )
-        if self.max_open_rounds is not None and (
-            isinstance(self.max_open_rounds, bool)
-            or not isinstance(self.max_open_rounds, int)
-            or self.max_open_rounds < 2
-        ):
-            raise ValueError(
-                f"RoundConfig.max_open_rounds must be None or an int >= 2, got "
-                f"{self.max_open_rounds!r}"
-            )
-        if self.attempts_per_round is not None and (
-            isinstance(self.attempts_per_round, bool)
-            or not isinstance(self.attempts_per_round, int)
-            or self.attempts_per_round < 1
-        ):
-            raise ValueError(
-                "RoundConfig.attempts_per_round must be None or a positive int, "
-                f"got {self.attempts_per_round!r}"
-            )
-        for name in (
-            "secagg_plus_above",
-            "owner_unmask_from",
-            "ready_relay_from",
-            "shares_ahead_from",
+        for name, low in (
+            ("prepared_masks_bytes", 0),
+            ("attempts_per_round", 1),
+            ("max_open_rounds", 2),
+            ("secagg_plus_above", 3),
+            ("owner_unmask_from", 3),
+            ("ready_relay_from", 3),
+            ("shares_ahead_from", 3),
         ):
             value = getattr(self, name)
             if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or value < 3
+                isinstance(value, bool) or not isinstance(value, int) or value < low
             ):
-                raise ValueError(f"RoundConfig.{name} must be None or an int >= 3, got {value!r}")
+                raise ValueError(
+                    f"RoundConfig.{name} must be None or an int >= {low}, got {value!r}"
+                )
         if not isinstance(self.ring_first, bool):
             raise ValueError(
                 f"RoundConfig.ring_first must be true or false, got {self.ring_first!r}"

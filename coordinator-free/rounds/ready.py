@@ -239,8 +239,9 @@ class ReadyStage:
             raise RoundFailed("ready", f"threshold {ctx.t} does not fit {len(u0)} members")
         ctx.k = cfg.neighbours_for(len(u0))
         # the s pair and b this node's last ready of the run advertised for this round
-        ahead = self.ahead is not None and cfg.seals_ahead(len(u0))
-        masking = self.ahead.take_masking(ctx.run) if self.ahead and ahead else None
+        masking = None
+        if self.ahead is not None and cfg.seals_ahead(len(u0)):
+            masking = self.ahead.take_masking(ctx.run)
         ctx.maybe_session = self.session_factory(
             SessionContext(
                 self.federation,

@@ -75,56 +75,47 @@ def test_remote_admin_needs_the_explicit_flag() -> None:
     assert NetworkSection(peer_host="0.0.0.0", peer_port=5).peer_url == "https://127.0.0.1:5"
 
 
-def test_the_engine_s_mask_helper_reaches_the_node_s_rounds(tmp_path: Path) -> None:
+def _round_config_setting(
+    tmp_path: Path, port: int, written: str, edited: str, name: str
+) -> tuple[object, object]:
+    """A node made by ``fedweave init`` (its config must show the line ``written``): the
+    node's ``round_config.<name>`` as written, then with the line changed to ``edited``."""
     from org_node.initialize import initialize
     from org_node.node import OrgNode
 
-    initialize(tmp_path / "n", "org-n", peer_port=9320, admin_port=9321)
+    initialize(tmp_path / "n", "org-n", peer_port=port, admin_port=port + 1)
     path = tmp_path / "n" / "fedweave.toml"
-    assert 'mask_helper = "auto"' in path.read_text()
-    path.write_text(path.read_text().replace('mask_helper = "auto"', 'mask_helper = "thread"'))
-    node = OrgNode.open(tmp_path / "n")
-    try:
-        assert node.round_config.mask_helper == "thread"
-    finally:
-        node.egress.close()
+    assert written in path.read_text()
+    seen = []
+    for text in (written, edited):
+        path.write_text(path.read_text().replace(written, text))
+        node = OrgNode.open(tmp_path / "n")
+        try:
+            seen.append(getattr(node.round_config, name))
+        finally:
+            node.egress.close()
+        path.write_text(path.read_text().replace(text, written))
+    return seen[0], seen[1]
+
+
+def test_the_engine_s_mask_helper_reaches_the_node_s_rounds(tmp_path: Path) -> None:
+    _, edited = _round_config_setting(
+        tmp_path, 9320, 'mask_helper = "auto"', 'mask_helper = "thread"', "mask_helper"
+    )
+    assert edited == "thread"
 
 
 def test_the_engine_s_prepared_masks_reach_the_node_s_rounds(tmp_path: Path) -> None:
-    from org_node.initialize import initialize
-    from org_node.node import OrgNode
-
-    initialize(tmp_path / "n", "org-n", peer_port=9324, admin_port=9325)
-    path = tmp_path / "n" / "fedweave.toml"
-    assert "prepared_masks_mb = 64" in path.read_text()
-    node = OrgNode.open(tmp_path / "n")
-    try:
-        assert node.round_config.prepared_masks_bytes == 64 << 20
-    finally:
-        node.egress.close()
-    path.write_text(path.read_text().replace("prepared_masks_mb = 64", "prepared_masks_mb = 0"))
-    node = OrgNode.open(tmp_path / "n")
-    try:
-        assert node.round_config.prepared_masks_bytes is None
-    finally:
-        node.egress.close()
+    as_written, edited = _round_config_setting(
+        tmp_path, 9324, "prepared_masks_mb = 64", "prepared_masks_mb = 0", "prepared_masks_bytes"
+    )
+    assert as_written == 64 << 20
+    assert edited is None
 
 
 def test_the_engine_s_ring_first_reaches_the_node_s_rounds(tmp_path: Path) -> None:
-    from org_node.initialize import initialize
-    from org_node.node import OrgNode
-
-    initialize(tmp_path / "n", "org-n", peer_port=9322, admin_port=9323)
-    path = tmp_path / "n" / "fedweave.toml"
-    assert "ring_first = true" in path.read_text()
-    node = OrgNode.open(tmp_path / "n")
-    try:
-        assert node.round_config.ring_first is True
-    finally:
-        node.egress.close()
-    path.write_text(path.read_text().replace("ring_first = true", "ring_first = false"))
-    node = OrgNode.open(tmp_path / "n")
-    try:
-        assert node.round_config.ring_first is False
-    finally:
-        node.egress.close()
+    as_written, edited = _round_config_setting(
+        tmp_path, 9322, "ring_first = true", "ring_first = false", "ring_first"
+    )
+    assert as_written is True
+    assert edited is False
