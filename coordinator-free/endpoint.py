@@ -104,6 +104,11 @@ class Endpoint:
         """This org's id."""
         return self.identity.org_id
 
+    def is_member(self, org: str) -> bool:
+        """Whether ``org`` is a member now: the endpoint refuses every message of one
+        that is not, so nothing should wait for one."""
+        return org in self.guard.members()
+
     def on(self, kind: str, handler: Handler) -> None:
         """Register ``handler`` for messages of ``kind`` (one handler per kind)."""
         if kind.endswith(REPLY_SUFFIX):

@@ -137,6 +137,12 @@ class CkksAggregator:
             self._events.pop(oldest, None)
         return b""
 
+    def members_removed(self) -> None:
+        """The federation removed members (a manifest installed here): every wait looks
+        again, and one for a removed member fails its round at once."""
+        for event in self._events.values():
+            event.set()
+
     async def _wait(self, run: str, round: int, kind: str, sender: str) -> bytes:
         key = (run, round, kind)
         loop = asyncio.get_running_loop()
@@ -145,6 +151,9 @@ class CkksAggregator:
             got = self._inbox.get(key, {}).get(sender)
             if got is not None:
                 return got
+            if not self.endpoint.is_member(sender):
+                # removed from the federation: its messages are refused here
+                raise RoundFailed(kind, f"{sender} is no longer a member")
             remaining = end - loop.time()
             if remaining <= 0:
                 raise RoundFailed(kind, f"nothing from {sender} within {self.timeout:g} s")
