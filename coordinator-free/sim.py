@@ -262,7 +262,9 @@ class RoundOutcome:
 
 
 class _RecordingTransport:
-    """An in-memory transport that keeps the requests it sends (for replay faults)."""
+    """An in-memory transport that keeps the last ``keep`` requests it sends, for an
+    org whose faults replay them (0 for the others: a ring's chunks are large, and
+    every org keeping 256 of them held hundreds of MB across rounds)."""
 
     def __init__(self, inner: InMemoryTransport, keep: int = 256) -> None:
         self.inner = inner
@@ -274,8 +276,9 @@ class _RecordingTransport:
         await self.inner.start(handler)
 
     async def request(self, peer: str, data: bytes, *, timeout: float) -> bytes:
-        self.sent.append((peer, data))
-        del self.sent[: -self.keep]
+        if self.keep:
+            self.sent.append((peer, data))
+            del self.sent[: -self.keep]
         return await self.inner.request(peer, data, timeout=timeout)
 
     async def close(self) -> None:
@@ -318,7 +321,11 @@ class Simulation:
             o: OrgIdentity.generate(o, private_bytes=_seed_bytes(config.seed, o)) for o in self.orgs
         }
         self._keys = {o: i.public_key for o, i in self.identities.items()}
-        self.transports = {o: _RecordingTransport(self.network.transport(o)) for o in self.orgs}
+        replaying = {f.org for f in self.faults if f.fault is Fault.REPLAY}
+        self.transports = {
+            o: _RecordingTransport(self.network.transport(o), keep=256 if o in replaying else 0)
+            for o in self.orgs
+        }
         # every signed envelope each org sent (requests and replies), by kind
         self.signed: dict[str, Counter[str]] = {}
         # one sequence counter per org, as each org's own process would have: with the
