@@ -51,8 +51,12 @@ class ModelHistory:
         and rejoin."""
         if self.ctx.history is None or self.ctx.gossip is None:
             return
-        sha = await self._keep(round, model, survivors)
-        self._shared = (round, tuple(survivors))
+        manifest = self.ctx.current_manifest
+        # a survivor the federation removed while the round ran holds no shard: this
+        # node refuses it now, so a member behind could not rebuild from its shards
+        holders = tuple(s for s in survivors if manifest is None or s in manifest.member_ids)
+        sha = await self._keep(round, model, holders)
+        self._shared = (round, holders)
         self.ctx.gossip.publish(MODEL_TOPIC, f"{run_key}/{round}", sha.encode())
 
     async def place_again(self, removed: set[str], round: int, model: Mapping[str, Any]) -> None:

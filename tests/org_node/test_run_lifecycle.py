@@ -10,6 +10,7 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -44,6 +45,7 @@ from org_node.node.lifecycle import (
     run_row,
     write_failure,
 )
+from org_node.node.model_history import ModelHistory
 from org_node.training.exchange import LocalResult
 from tests.org_node.test_node_inprocess import ORGS, TinyTrainer, _Revived, make_federation
 
@@ -168,6 +170,33 @@ def _state(node: OrgNode, run_id: str) -> Run:
 
 
 # -- finding 8 ---------------------------------------------------------------------------
+
+
+def test_a_round_s_model_is_not_coded_onto_a_survivor_removed_while_it_ran() -> None:
+    # org-a finished the round in progress with org-c among its survivors after
+    # installing org-c's removal, while org-b failed that round: org-b can rebuild the
+    # model only from shards on members, so org-c must hold none of this version
+    kept: list[tuple[int, tuple[str, ...]]] = []
+
+    class History:
+        def add_version(self, version: int, data: bytes, sha: str, *, members: Any) -> None:
+            kept.append((version, tuple(members)))
+
+    published: list[str] = []
+    ctx = SimpleNamespace(
+        me="org-a",
+        history=History(),
+        gossip=SimpleNamespace(publish=lambda topic, key, value: published.append(key)),
+        current_manifest=SimpleNamespace(member_ids=("org-a", "org-b")),
+    )
+    history = ModelHistory(ctx)  # type: ignore[arg-type]
+    model = {"w": np.arange(4, dtype=np.float32)}
+    asyncio.run(history.share("run", 4, model, ("org-a", "org-b", "org-c")))
+    assert kept == [(4, ("org-a", "org-b"))]
+    assert published == ["run/4"]
+    # the removal, installed again (or late), finds nothing on org-c to place again
+    asyncio.run(history.place_again({"org-c"}, 4, model))
+    assert kept == [(4, ("org-a", "org-b"))]
 
 
 def test_finding_8_a_removed_member_is_out_of_the_next_round_and_fetches_nothing(
