@@ -231,9 +231,7 @@ class Link:
         soon as it is not, so a sender that died silently (having sent everything its
         own predecessor waited for, so no send failed and nobody aborted) is blamed
         after the failure detector's delay rather than a whole ``timeout``. A member's
-        abort that blames ``src`` makes the wait ping it at once; a ``src`` that is no
-        longer a member of the federation breaks the ring at the next look (its chunks
-        are refused here, though it may still answer pings). An abort ends the
+        abort that blames ``src`` makes the wait ping it at once. An abort ends the
         wait; one that cuts this node's all-gather from a step on ends only the waits
         of that step and later ones.
         """
@@ -310,10 +308,6 @@ class Link:
                 return
             if stopped():
                 self._stop(src)
-            if not self.endpoint.is_member(src):
-                # removed from the federation: its chunks are refused here, so the wait
-                # could only run out
-                raise RingBroken(f"{src} is no longer a member", src)
             now = loop.time()
             if now >= end:
                 raise RingBroken(f"no chunk from {src} within {wait:g}s", src)

@@ -202,12 +202,6 @@ class RoundEngine:
         finds the attempt its peers are at (attempt alignment)."""
         return self._table.later_ready(run, after, until)
 
-    def members_removed(self, orgs: Iterable[str]) -> None:
-        """The federation removed ``orgs`` (a manifest installed here): every round this
-        node holds stops waiting for them, as if each had left it. The endpoint refuses
-        their messages from now on, so a wait for one could only run out."""
-        self._table.mark_gone(list(orgs))
-
     def close_run(self, run: str) -> None:
         """``run`` ended at this node: drop everything held for it (round states, ring
         buffers, kept sums and releases, model hashes) and refuse its late messages

@@ -28,20 +28,7 @@ from coordinator_free.rounds.exchange import PairwiseExchange
 from coordinator_free.rounds.inbox import Inbox, InboxLimits
 from coordinator_free.rounds.results import Counters, RoundProgress
 
-__all__ = [
-    "REMOVED",
-    "Admission",
-    "AgreementRecord",
-    "Counters",
-    "RoundState",
-    "RoundTable",
-    "keep_latest",
-]
-
-REMOVED = ("removed",)
-"""The inbox key of the orgs the federation removed while a round ran
-(:meth:`RoundTable.mark_gone`): each is ``gone`` too, and a token waited for falls
-back to the views, which do not wait for a member that is gone."""
+__all__ = ["Admission", "AgreementRecord", "Counters", "RoundState", "RoundTable", "keep_latest"]
 
 Admission = Callable[[str], Collection[str] | None]
 """``admit(run)``: the participants of ``run`` when this org takes part in it, else
@@ -183,15 +170,6 @@ class RoundTable:
         self._states[key] = state
         self.ring.open(run, round)
         return state
-
-    def mark_gone(self, orgs: Iterable[str]) -> None:
-        """``orgs`` were removed from the federation: they are out of every round this
-        node holds, as if each had sent ``round.leave``, so no stage waits for them any
-        longer (and a token they might hold is not waited for either: ``REMOVED``)."""
-        for state in self._states.values():
-            for org in orgs:
-                state.inbox.put(("gone",), org, b"")
-                state.inbox.put(REMOVED, org, b"")
 
     def _check_admitted(self, run: str, sender: str) -> None:
         """Refuse a message of a run this node does not admit, or from a non-participant."""

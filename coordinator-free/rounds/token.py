@@ -20,7 +20,7 @@ from coordinator_free.errors import PeerUnreachable, RefusalReason, Refused, Tra
 from coordinator_free.rounds.config import RoundConfig
 from coordinator_free.rounds.messenger import Messenger
 from coordinator_free.rounds.results import RoundFailed
-from coordinator_free.rounds.state import REMOVED, Counters, RoundState
+from coordinator_free.rounds.state import Counters, RoundState
 from coordinator_free.rounds.wire import (
     COMPLETED,
     KIND_TOKEN,
@@ -257,13 +257,9 @@ class TokenAgreement:
             self.holder.append(peer)
         return False
 
-    def _removed(self) -> bool:
-        """Whether the federation removed a member of the order while the round ran."""
-        return not self.state.inbox.senders(REMOVED).isdisjoint(self.order)
-
     def _arrived(self, key: tuple[str, ...]) -> bool:
         inbox = self.state.inbox
-        return bool(inbox.senders(key) or inbox.senders(self.view_key) or self._removed())
+        return bool(inbox.senders(key) or inbox.senders(self.view_key))
 
     async def _wait(self, key: tuple[str, ...], take_over: bool) -> Token | str:
         """The token filed under ``key``; ``"start"`` when every member before this one
@@ -279,7 +275,7 @@ class TokenAgreement:
                 return "completed"
         while True:
             await inbox.wait_any(
-                [key, self.view_key, REMOVED],
+                [key, self.view_key],
                 functools.partial(self._arrived, key),
                 min(self.end, loop.time() + self.agreement.config.step_timeout),
             )
@@ -290,10 +286,6 @@ class TokenAgreement:
                 except ValueError:
                     return "stall"
             if inbox.senders(self.view_key) or loop.time() >= self.end:
-                return "stall"
-            if self._removed():
-                # the federation removed a member that may hold the token: the views
-                # settle without it (they do not wait for a member that is gone)
                 return "stall"
             if take_over and self.state.agreement.joined.get(self.tag) is None:
                 taken = await self._take_over(key)
