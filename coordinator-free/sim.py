@@ -261,12 +261,16 @@ class RoundOutcome:
         }
 
 
+REPLAY_KEPT = 256
+"""How many of its last requests an org with a replay fault keeps to replay."""
+
+
 class _RecordingTransport:
     """An in-memory transport that keeps the last ``keep`` requests it sends, for an
     org whose faults replay them (0 for the others: a ring's chunks are large, and
-    every org keeping 256 of them held hundreds of MB across rounds)."""
+    every org keeping :data:`REPLAY_KEPT` of them held hundreds of MB across rounds)."""
 
-    def __init__(self, inner: InMemoryTransport, keep: int = 256) -> None:
+    def __init__(self, inner: InMemoryTransport, keep: int) -> None:
         self.inner = inner
         self.org_id = inner.org_id
         self.sent: list[tuple[str, bytes]] = []
@@ -323,7 +327,9 @@ class Simulation:
         self._keys = {o: i.public_key for o, i in self.identities.items()}
         replaying = {f.org for f in self.faults if f.fault is Fault.REPLAY}
         self.transports = {
-            o: _RecordingTransport(self.network.transport(o), keep=256 if o in replaying else 0)
+            o: _RecordingTransport(
+                self.network.transport(o), keep=REPLAY_KEPT if o in replaying else 0
+            )
             for o in self.orgs
         }
         # every signed envelope each org sent (requests and replies), by kind

@@ -228,7 +228,6 @@ class Runs:
             "%s: manifest v%d removed %s from run %s", self.ctx.me, version, removed, active.run_id
         )
         # a CKKS round under way stops waiting for them: their messages are refused now
-        # (a ring step waiting on one breaks by itself: Link asks the endpoint)
         if self.ctx.ckks is not None:
             self.ctx.ckks.members_removed()
         self.ctx.events.publish(active.run_id, "members", {"removed": removed, "version": version})
